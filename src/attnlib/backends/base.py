@@ -1,0 +1,218 @@
+"""The contract between attnlib's front door and its backends.
+
+The front door (``attnlib._api`` and ``attnlib._spec``) validates every user input once and hands a
+backend only normalised, checked calls described by the frozen dataclasses below. A backend never
+re-checks user input; it only says :class:`~attnlib.errors.UnsupportedError` when it cannot run a
+call (for example float64 on an OpenCL device without ``cl_khr_fp64``).
+
+One attention primitive covers dense attention, varlen, streaming chunks and the KV cache
+------------------------------------------------------------------------------------------------
+:class:`AttnCall` describes ``n_seq`` independent *sequences*. Sequence ``s`` owns query rows
+``q[q_batch[s], q_row0[s] : q_row0[s] + q_len[s], h, :]`` and keys ``j = 0 .. k_len[s]-1`` stored at
+``k[k_batch[s], row(j), hk, :]`` with ``row(j) = k_row0[s] + j``, minus ``ring`` when that reaches
+``ring`` (ring > 0 only for a ring-buffer KV cache; then ``k.shape[1] == ring``).
+
+Every query row and key has an absolute *position*: query row ``i`` of sequence ``s`` sits at
+``q_pos0[s] + i``, key ``j`` at ``k_pos0[s] + j``. With ``d = kpos - qpos``, key ``j`` is visible
+to row ``i`` iff all of
+
+* ``d <= causal_hi[s]``            (``causal_hi`` is None when the call is not causal),
+* ``-window_left <= d``            (``window_left`` None = unbounded),
+* ``d <= window_right``            (``window_right`` None = unbounded),
+* the mask allows it (bool: True; additive: a finite or +inf value, -inf excludes).
+
+The score is ``s = scale * dot(q_i, k_j)``, then ``softcap * tanh(s / softcap)`` when softcap is
+set, then ``- alibi[s, h] * |qpos - kpos|`` when alibi is set, then ``+ mask`` for an additive
+mask. Softmax over visible keys, ``out = sum p v``, ``lse = log sum exp(s)`` (natural log).
+A row with no visible key gives out = 0 and lse = -inf, never NaN. Invisible keys contribute
+nothing even if their k or v hold NaN or garbage (never multiply them by 0: skip them).
+
+Arrays: ``q (Bq, Sq_arr, Hq, D)``, ``k (Bk, Sk_arr, Hkv, D)``, ``v (Bk, Sk_arr, Hkv, Dv)``, any
+strides (numpy: byte strides as numpy reports them; negative and zero strides occur). q, k, v
+share one dtype out of float16, float32, float64, ml_dtypes.bfloat16. Query head ``h`` reads kv head
+``h // (Hq // Hkv)``. The backend returns ``out (Bq, Sq_arr, Hq, Dv)`` in q's dtype and
+``lse (Bq, Hq, Sq_arr)`` in float32 (float64 for float64 inputs), both fresh C-contiguous arrays of
+its own array type (numpy in -> numpy out). Query rows that belong to no sequence are never
+produced by the front door (every row of q belongs to exactly one sequence).
+
+The mask, when present, is only used by dense calls, where sequence ``s`` is batch ``s``
+(``q_batch[s] == s``) and local indices ``i, j`` index it: ``mask_view[s, h, i, j]``.
+``mask_view`` is a numpy array already broadcast to ``(n_seq, Hq, Sq_arr, k_len)`` (zero strides
+where broadcast). ``mask_kind`` is "bool" or "additive" (any float dtype; read it as float32 or
+wider).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+__all__ = [
+    "AttnCall",
+    "RopeSpec",
+    "Backend",
+]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters. ``rotary_dim`` is even and <= D (already resolved)."""
+
+    theta: float
+    interleaved: bool
+    rotary_dim: int
+
+
+@dataclass(frozen=True, eq=False)
+class AttnCall:
+    """One normalised attention call (see the module docstring for the exact semantics)."""
+
+    q: Any
+    k: Any
+    v: Any
+    # per-sequence int64 numpy arrays, all of length n_seq
+    q_batch: np.ndarray
+    q_row0: np.ndarray
+    q_len: np.ndarray
+    k_batch: np.ndarray
+    k_row0: np.ndarray
+    k_len: np.ndarray
+    q_pos0: np.ndarray
+    k_pos0: np.ndarray
+    causal_hi: np.ndarray | None
+    scale: float
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float | None = None
+    alibi: np.ndarray | None = None  # float32 (n_seq, Hq)
+    mask_view: np.ndarray | None = None  # broadcast (n_seq, Hq, Sq_arr, Sk) view
+    mask_kind: str | None = None  # "bool" | "additive"
+    ring: int = 0
+    dense: bool = False  # q_batch == k_batch == arange(n_seq), rows start at 0, no ring
+    need_lse: bool = True
+
+    @property
+    def n_seq(self) -> int:
+        return int(self.q_len.shape[0])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.q.shape[3])
+
+    @property
+    def head_dim_v(self) -> int:
+        return int(self.v.shape[3])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.q.shape[2])
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.k.shape[2])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.q.dtype)
+
+
+class Backend:
+    """Base class of every backend. Subclasses implement the primitives below.
+
+    A backend instance holds its device state (for OpenCL: context, queue, compiled programs)
+    and is reused across calls; it must be safe to call from several threads at once.
+    """
+
+    name: ClassVar[str] = "base"
+    #: a short human description shown by ``attnlib info``
+    description: ClassVar[str] = ""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Cheap, never raises: can this backend run here at all?"""
+        return False
+
+    @classmethod
+    def auto_priority(cls) -> int:
+        """Order for ``"auto"``: higher first. Never raises. 0 = never picked by auto."""
+        return 0
+
+    def info(self) -> dict:
+        """Facts for ``attnlib info`` (device names, versions)."""
+        return {}
+
+    # ---- arrays -------------------------------------------------------------------------------
+    def owns(self, x: Any) -> bool:
+        """True if ``x`` is this backend's device array type (numpy backends: never)."""
+        return False
+
+    def to_device(self, x: np.ndarray) -> Any:
+        """Copy a host array to this backend's device (numpy backends return x itself)."""
+        return x
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def supports_dtype(self, dtype: np.dtype) -> str | None:
+        """None if the dtype can run here, else the reason (becomes an UnsupportedError)."""
+        return None
+
+    # ---- primitives ---------------------------------------------------------------------------
+    def attention(self, call: AttnCall) -> tuple[Any, Any]:
+        """Return ``(out (Bq, Sq_arr, Hq, Dv), lse (Bq, Hq, Sq_arr))``; see the module docstring."""
+        raise NotImplementedError
+
+    def softmax(self, x: Any, axis: int, log: bool) -> Any:
+        """Softmax of ``x`` along ``axis`` (non-negative), x's dtype out; with ``log=True``
+        return logsumexp along ``axis`` instead (float32, float64 for float64 x; axis removed).
+        One streaming pass of online max/sum. An all -inf row: zeros (softmax) / -inf (lse).
+        NaN propagates. ``x`` has any float dtype of the SPEC and any strides; size >= 1 along
+        ``axis`` is not guaranteed (an empty axis gives an empty softmax / -inf lse)."""
+        raise NotImplementedError
+
+    def merge_states(self, outs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
+        """Merge partial attention states over disjoint key sets.
+
+        ``outs[i]`` is ``(B, Sq, H, Dv)`` (bshd) and ``lses[i]`` ``(B, H, Sq)``, n >= 1 of each,
+        same shapes; out dtype = outs' dtype, lse float32 (float64 when outs are float64).
+        ``lse = log sum_i exp(lse_i)``, ``out = sum_i exp(lse_i - lse) out_i``; states with
+        lse = -inf contribute nothing; all -inf gives (0, -inf), never NaN.
+        """
+        raise NotImplementedError
+
+    def rope(self, x: Any, positions: np.ndarray, spec: RopeSpec) -> Any:
+        """Rotate ``x (B, S, H, D)`` (bshd, any strides) at ``positions`` (int64 numpy (B, S)).
+
+        Non-interleaved (GPT-NeoX): pairs (t, t + r/2) for t < r/2, r = rotary_dim;
+        interleaved (GPT-J): pairs (2t, 2t+1). Pair t uses angle ``pos * theta**(-2t/r)``;
+        ``(a, b) -> (a cos - b sin, a sin + b cos)``. Dims >= r are copied. Compute the angle in
+        float64 on the host or float32 on a device (float64 for float64 x); out has x's dtype.
+        Returns a fresh C-contiguous array.
+        """
+        raise NotImplementedError
+
+    # ---- KV cache storage ----------------------------------------------------------------------
+    def cache_alloc(self, shape: tuple[int, int, int, int], dtype: np.dtype) -> Any:
+        """Allocate one cache buffer ``(max_batch, max_seq_len, Hkv, D)`` on the device, zeroed."""
+        raise NotImplementedError
+
+    def cache_write(
+        self,
+        buf: Any,
+        src: Any,
+        rows: np.ndarray,
+        start_pos: np.ndarray,
+        rope: RopeSpec | None,
+    ) -> None:
+        """Write ``src (B, S_new, Hkv, D)`` (any strides, buf's dtype) into ``buf``:
+        ``buf[rows[b], (start_pos[b] + s) % max_seq_len] = src[b, s]`` (rotated at absolute
+        position ``start_pos[b] + s`` when ``rope`` is given; fuse it where the backend can).
+        ``rows``, ``start_pos``: int64 numpy (B,). Already validated: nothing can fail half-way
+        for a user reason."""
+        raise NotImplementedError
+
+    def cache_read(self, buf: Any) -> np.ndarray:
+        """The whole buffer as a numpy array (tests and debugging)."""
+        return self.to_numpy(buf)
