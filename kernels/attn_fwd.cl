@@ -1,0 +1,317 @@
+/* attnlib: tiled attention forward pass with online softmax (FlashAttention-2, Dao 2023, alg. 1).
+ *
+ * One work-group = one query block of BLOCK_M *packed* rows x one kv head x one key split.
+ * Packed row m = i * GROUP + g is query row i of query head hk * GROUP + g (GQA packing: the query
+ * heads that share a kv head share every K/V tile). K and V tiles of BLOCK_N keys are staged in
+ * __local memory; work-item (tm, tn) owns a TM x TN micro-tile of scores and a TM x DV_PER tile of
+ * the output accumulator (rows tm + THREADS_M*r, columns tn + THREADS_N*c).
+ *
+ * Sequences are described by desc[9 * s + 0..8] = q_batch, q_row0, q_len, k_batch, k_row0, k_len,
+ * q_pos0, k_pos0, causal_hi (INT_MAX = not causal); desc[9 * n_seq + 2 * t + 0..1] = (sequence,
+ * first packed row) of work-group column t. With SPLIT=1 the keys of a block are cut into
+ * get_num_groups(2) splits (flash-decoding) and each writes a partial state (out, lse) in ACC_T,
+ * merged by merge.cl.
+ *
+ * Storage kinds: 0 float, 1 half (vload_half, no cl_khr_fp16 needed), 2 bfloat16 (ushort,
+ * widened by shifting), 3 double. Math in float (ACC_KIND 0) or double (ACC_KIND 1).
+ */
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined"
+#endif
+#ifndef HEAD_DIM_V
+#error "HEAD_DIM_V must be defined"
+#endif
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(THREADS_M) || !defined(THREADS_N)
+#error "BLOCK_M, BLOCK_N, THREADS_M and THREADS_N must be defined"
+#endif
+#if !defined(GROUP) || !defined(STORE_KIND) || !defined(ACC_KIND) || !defined(MASK_KIND)
+#error "GROUP, STORE_KIND, ACC_KIND and MASK_KIND must be defined"
+#endif
+#if !defined(HAS_ALIBI) || !defined(HAS_SOFTCAP) || !defined(SPLIT)
+#error "HAS_ALIBI, HAS_SOFTCAP and SPLIT must be defined"
+#endif
+#if (BLOCK_M % THREADS_M) || (BLOCK_N % THREADS_N)
+#error "BLOCK_M and BLOCK_N must be multiples of THREADS_M and THREADS_N"
+#endif
+
+#if ACC_KIND == 1 || STORE_KIND == 3
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+#endif
+#if ACC_KIND == 1
+typedef double acc_t;
+#else
+typedef float acc_t;
+#endif
+
+#if STORE_KIND == 0
+typedef float store_t;
+#define LD(p, i) ((acc_t)(p)[i])
+#define ST(p, i, x) ((p)[i] = (float)(x))
+#elif STORE_KIND == 1
+typedef half store_t;
+#define LD(p, i) ((acc_t)vload_half((size_t)(i), (p)))
+#define ST(p, i, x) vstore_half_rte((float)(x), (size_t)(i), (p))
+#elif STORE_KIND == 2
+typedef ushort store_t;
+#define LD(p, i) ((acc_t)as_float((uint)(p)[i] << 16))
+#define ST(p, i, x) ((p)[i] = bf16_rne((float)(x)))
+/* float -> bfloat16, round to nearest even; NaN stays a (quiet) NaN */
+inline ushort bf16_rne(float f) {
+    uint u = as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (ushort)(u >> 16);
+}
+#elif STORE_KIND == 3
+typedef double store_t;
+#define LD(p, i) ((acc_t)(p)[i])
+#define ST(p, i, x) ((p)[i] = (double)(x))
+#else
+#error "unknown STORE_KIND"
+#endif
+
+#if MASK_KIND == 2
+typedef acc_t mask_t;
+#else
+typedef uchar mask_t;
+#endif
+
+#if SPLIT
+typedef acc_t out_t;
+#define OUT_ST(p, i, x) ((p)[i] = (x))
+#else
+typedef store_t out_t;
+#define OUT_ST(p, i, x) ST(p, i, x)
+#endif
+
+#define TM (BLOCK_M / THREADS_M)
+#define TN (BLOCK_N / THREADS_N)
+#define NT (THREADS_M * THREADS_N)
+#define DV_PER ((HEAD_DIM_V + THREADS_N - 1) / THREADS_N)
+#define DV_PAD (DV_PER * THREADS_N)
+/* odd leading dimensions: work-items reading different rows at one column hit different banks */
+#define QS_LD (HEAD_DIM + 1)
+#define KS_LD (HEAD_DIM + 1)
+#define VS_LD DV_PAD
+#define PS_LD (BLOCK_N + 1)
+#define KV_SIZE ((BLOCK_N * KS_LD) > (BLOCK_N * VS_LD) ? (BLOCK_N * KS_LD) : (BLOCK_N * VS_LD))
+#define NEG_INF (-(acc_t)INFINITY)
+
+/* max that propagates NaN, as numpy's max does */
+inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
+
+__kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
+    __global const store_t *q, long q_off, long q_sb, long q_ss, long q_sh, long q_sd,
+    __global const store_t *k, long k_off, long k_sb, long k_ss, long k_sh, long k_sd,
+    __global const store_t *v, long v_off, long v_sb, long v_ss, long v_sh, long v_sd,
+    __global const int *desc, int n_seq, int ring, long win_left, long win_right,
+    acc_t scale, acc_t softcap, __global const float *alibi,
+    __global const mask_t *mask, long m_off, long m_s0, long m_s1, long m_s2, long m_s3,
+    __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows) {
+    __local acc_t q_s[BLOCK_M * QS_LD];
+    __local acc_t kv_s[KV_SIZE];
+    __local acc_t p_s[BLOCK_M * PS_LD];
+    __local acc_t red_s[THREADS_N * BLOCK_M];
+
+    const int lid = get_local_id(0);
+    const int tn = lid % THREADS_N;
+    const int tm = lid / THREADS_N;
+    const int hk = get_group_id(1);
+    const int split = get_group_id(2);
+    const int n_splits = get_num_groups(2);
+
+    const int seq = desc[9 * n_seq + 2 * get_group_id(0)];
+    const int m0 = desc[9 * n_seq + 2 * get_group_id(0) + 1];
+    __global const int *d = desc + 9 * seq;
+    const int qb = d[0], q_row0 = d[1], q_len = d[2], kb = d[3], k_row0 = d[4], k_len = d[5];
+    const long q_pos0 = d[6], k_pos0 = d[7];
+    const long causal_hi = d[8] == INT_MAX ? ((long)1 << 40) : (long)d[8];
+    const long hi_off = min(causal_hi, win_right); /* visible iff -win_left <= kpos-qpos <= hi_off */
+
+    const int rows = q_len * GROUP;
+    const int m_last = min(m0 + BLOCK_M, rows) - 1;
+    const long qpos_lo = q_pos0 + m0 / GROUP;
+    const long qpos_hi = q_pos0 + m_last / GROUP;
+    /* keys some row of the block sees: [j_lo, j_hi); keys every row sees: [f_lo, f_hi) */
+    const long j_lo = max(0L, qpos_lo - win_left - k_pos0);
+    const long j_hi = min((long)k_len, qpos_hi + hi_off + 1 - k_pos0);
+    const long f_lo = max(0L, qpos_hi - win_left - k_pos0);
+    const long f_hi = min((long)k_len, qpos_lo + hi_off + 1 - k_pos0);
+    const long n_first = (j_lo / BLOCK_N) * BLOCK_N;
+    const long n_tiles = j_hi > n_first ? (j_hi - n_first + BLOCK_N - 1) / BLOCK_N : 0;
+    const long per_split = (n_tiles + n_splits - 1) / n_splits;
+    const long t_begin = split * per_split;
+    const long t_end = min(n_tiles, t_begin + per_split);
+
+    /* -- load the query block once (zeros for padding rows) */
+    for (int idx = lid; idx < BLOCK_M * HEAD_DIM; idx += NT) {
+        const int mr = idx / HEAD_DIM, dd = idx % HEAD_DIM, m = m0 + mr;
+        acc_t x = 0;
+        if (m < rows) {
+            const long h = hk * GROUP + m % GROUP;
+            x = LD(q, q_off + qb * q_sb + (long)(q_row0 + m / GROUP) * q_ss + h * q_sh + dd * q_sd);
+        }
+        q_s[mr * QS_LD + dd] = x;
+    }
+
+    int row_ok[TM], row_i[TM], row_h[TM];
+    long qpos[TM];
+    acc_t slope[TM], m_i[TM], l_i[TM], acc[TM][DV_PER];
+    for (int r = 0; r < TM; ++r) {
+        const int m = m0 + tm + THREADS_M * r;
+        row_ok[r] = m < rows;
+        row_i[r] = m / GROUP;
+        row_h[r] = hk * GROUP + m % GROUP;
+        qpos[r] = q_pos0 + row_i[r];
+#if HAS_ALIBI
+        slope[r] = row_ok[r] ? (acc_t)alibi[(long)seq * n_heads + row_h[r]] : 0;
+#else
+        slope[r] = 0;
+#endif
+        m_i[r] = NEG_INF;
+        l_i[r] = 0;
+        for (int c = 0; c < DV_PER; ++c) acc[r][c] = 0;
+    }
+
+    for (long t = t_begin; t < t_end; ++t) {
+        const long n0 = n_first + t * BLOCK_N;
+        const int full = MASK_KIND == 0 && n0 >= f_lo && n0 + BLOCK_N <= f_hi;
+
+        /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int idx = lid; idx < BLOCK_N * HEAD_DIM; idx += NT) {
+            const int n = idx / HEAD_DIM, dd = idx % HEAD_DIM;
+            const long j = n0 + n;
+            acc_t x = 0;
+            if (j < k_len) {
+                long row = k_row0 + j;
+                if (ring && row >= ring) row -= ring;
+                x = LD(k, k_off + kb * k_sb + row * k_ss + hk * k_sh + dd * k_sd);
+            }
+            kv_s[n * KS_LD + dd] = x;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* -- S = Q K^T on the micro-tile */
+        acc_t s[TM][TN];
+        for (int r = 0; r < TM; ++r)
+            for (int c = 0; c < TN; ++c) s[r][c] = 0;
+        for (int dd = 0; dd < HEAD_DIM; ++dd) {
+            acc_t a[TM], b[TN];
+            for (int r = 0; r < TM; ++r) a[r] = q_s[(tm + THREADS_M * r) * QS_LD + dd];
+            for (int c = 0; c < TN; ++c) b[c] = kv_s[(tn + THREADS_N * c) * KS_LD + dd];
+            for (int r = 0; r < TM; ++r)
+                for (int c = 0; c < TN; ++c) s[r][c] += a[r] * b[c];
+        }
+
+        /* -- scale, softcap, ALiBi, mask; invisible keys become -inf */
+        acc_t mx[TM];
+        for (int r = 0; r < TM; ++r) {
+            mx[r] = NEG_INF;
+            for (int c = 0; c < TN; ++c) {
+                const long j = n0 + tn + THREADS_N * c;
+                acc_t x = s[r][c] * scale;
+#if HAS_SOFTCAP
+                x = softcap * tanh(x / softcap);
+#endif
+#if HAS_ALIBI
+                const long dist = k_pos0 + j - qpos[r];
+                x -= slope[r] * (acc_t)(dist < 0 ? -dist : dist);
+#endif
+                if (!full) {
+                    const long dlt = k_pos0 + j - qpos[r];
+                    int vis = row_ok[r] && j < k_len && dlt <= hi_off && dlt >= -win_left;
+#if MASK_KIND != 0
+                    if (vis) {
+                        const mask_t mv = mask[m_off + seq * m_s0 + row_h[r] * m_s1 +
+                                               row_i[r] * m_s2 + j * m_s3];
+#if MASK_KIND == 1
+                        vis = mv != 0;
+#else
+                        x += mv;
+#endif
+                    }
+#endif
+                    if (!vis) x = NEG_INF;
+                }
+                s[r][c] = x;
+                mx[r] = nan_max(mx[r], x);
+            }
+            red_s[tn * BLOCK_M + tm + THREADS_M * r] = mx[r];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* -- online softmax: new row max, rescale l and acc by alpha = exp(m_old - m_new) */
+        for (int r = 0; r < TM; ++r) {
+            const int mr = tm + THREADS_M * r;
+            acc_t mt = m_i[r];
+            for (int u = 0; u < THREADS_N; ++u) mt = nan_max(mt, red_s[u * BLOCK_M + mr]);
+            const int empty = mt == NEG_INF; /* guard: exp(-inf - -inf) would be NaN */
+            const acc_t alpha = empty ? (acc_t)1 : exp(m_i[r] - mt);
+            m_i[r] = mt;
+            l_i[r] *= alpha;
+            for (int c = 0; c < DV_PER; ++c) acc[r][c] *= alpha;
+            for (int c = 0; c < TN; ++c) {
+                const acc_t p = empty ? (acc_t)0 : exp(s[r][c] - mt);
+                l_i[r] += p;
+                p_s[mr * PS_LD + tn + THREADS_N * c] = p;
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* -- stage the V tile over the K tile */
+        for (int idx = lid; idx < BLOCK_N * DV_PAD; idx += NT) {
+            const int n = idx / DV_PAD, dd = idx % DV_PAD;
+            const long j = n0 + n;
+            acc_t x = 0;
+            if (j < k_len && dd < HEAD_DIM_V) {
+                long row = k_row0 + j;
+                if (ring && row >= ring) row -= ring;
+                x = LD(v, v_off + kb * v_sb + row * v_ss + hk * v_sh + dd * v_sd);
+            }
+            kv_s[n * VS_LD + dd] = x;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* -- O += P V; on partly visible tiles an invisible key (p == 0) is skipped, never
+         *    multiplied, so NaN or garbage in its v cannot leak */
+        for (int n = 0; n < BLOCK_N; ++n) {
+            acc_t p[TM], b[DV_PER];
+            for (int r = 0; r < TM; ++r) p[r] = p_s[(tm + THREADS_M * r) * PS_LD + n];
+            for (int c = 0; c < DV_PER; ++c) b[c] = kv_s[n * VS_LD + tn + THREADS_N * c];
+            if (full) {
+                for (int r = 0; r < TM; ++r)
+                    for (int c = 0; c < DV_PER; ++c) acc[r][c] += p[r] * b[c];
+            } else {
+                for (int r = 0; r < TM; ++r)
+                    for (int c = 0; c < DV_PER; ++c)
+                        acc[r][c] += p[r] != 0 ? p[r] * b[c] : (acc_t)0;
+            }
+        }
+    }
+
+    /* -- epilogue: l = sum of the THREADS_N partial row sums (fixed order: deterministic) */
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int r = 0; r < TM; ++r) red_s[tn * BLOCK_M + tm + THREADS_M * r] = l_i[r];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int r = 0; r < TM; ++r) {
+        if (!row_ok[r]) continue;
+        const int mr = tm + THREADS_M * r;
+        acc_t l = 0;
+        for (int u = 0; u < THREADS_N; ++u) l += red_s[u * BLOCK_M + mr];
+        const long row = q_row0 + row_i[r];
+        const long orow = ((long)qb * sq_arr + row) * n_heads + row_h[r];
+#if SPLIT
+        const long obase = (split * n_out_rows + orow) * HEAD_DIM_V;
+        const long lidx = split * n_out_rows + orow;
+#else
+        const long obase = orow * HEAD_DIM_V;
+        const long lidx = ((long)qb * n_heads + row_h[r]) * sq_arr + row;
+#endif
+        for (int c = 0; c < DV_PER; ++c) {
+            const int col = tn + THREADS_N * c;
+            if (col < HEAD_DIM_V) OUT_ST(out, obase + col, l == 0 ? (acc_t)0 : acc[r][c] / l);
+        }
+        if (tn == 0) lse[lidx] = l == 0 ? NEG_INF : m_i[r] + log(l);
+    }
+}

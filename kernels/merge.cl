@@ -1,0 +1,102 @@
+/* attnlib: merge partial attention states over disjoint key sets (FlashInfer's merge_state,
+ * flash-decoding's reduction step).
+ *
+ * Row r = (b * S + s) * H + h of the output; state i holds out_i[i * o_stride + r * DV + c] and
+ * lse_i[i * l_stride + b * l_sb + s * l_ss + h * l_sh]. Then
+ *   lse = log sum_i exp(lse_i),  out = sum_i exp(lse_i - lse) out_i,
+ * computed around m = max_i lse_i; states with lse = -inf are skipped (their out is never read), so
+ * merging only empty states gives (0, -inf). One work-item per (c, r); the loop order over states is
+ * fixed, so results are deterministic.
+ *
+ * IN_KIND: storage kind of the partial outs (0 float, 1 half, 2 bfloat16, 3 double); STORE_KIND:
+ * that of the merged out; ACC_KIND: 0 float, 1 double (also the type of every lse).
+ */
+#if !defined(IN_KIND) || !defined(STORE_KIND) || !defined(ACC_KIND)
+#error "IN_KIND, STORE_KIND and ACC_KIND must be defined"
+#endif
+
+#if ACC_KIND == 1 || STORE_KIND == 3 || IN_KIND == 3
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+#endif
+#if ACC_KIND == 1
+typedef double acc_t;
+#else
+typedef float acc_t;
+#endif
+
+/* float -> bfloat16, round to nearest even; NaN stays a (quiet) NaN */
+inline ushort bf16_rne(float f) {
+    uint u = as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (ushort)(u >> 16);
+}
+
+#if IN_KIND == 0
+typedef float in_t;
+#define LD_IN(p, i) ((acc_t)(p)[i])
+#elif IN_KIND == 1
+typedef half in_t;
+#define LD_IN(p, i) ((acc_t)vload_half((size_t)(i), (p)))
+#elif IN_KIND == 2
+typedef ushort in_t;
+#define LD_IN(p, i) ((acc_t)as_float((uint)(p)[i] << 16))
+#elif IN_KIND == 3
+typedef double in_t;
+#define LD_IN(p, i) ((acc_t)(p)[i])
+#else
+#error "unknown IN_KIND"
+#endif
+
+#if STORE_KIND == 0
+typedef float store_t;
+#define ST(p, i, x) ((p)[i] = (float)(x))
+#elif STORE_KIND == 1
+typedef half store_t;
+#define ST(p, i, x) vstore_half_rte((float)(x), (size_t)(i), (p))
+#elif STORE_KIND == 2
+typedef ushort store_t;
+#define ST(p, i, x) ((p)[i] = bf16_rne((float)(x)))
+#elif STORE_KIND == 3
+typedef double store_t;
+#define ST(p, i, x) ((p)[i] = (double)(x))
+#else
+#error "unknown STORE_KIND"
+#endif
+
+#define NEG_INF (-(acc_t)INFINITY)
+
+__kernel void merge_states(__global const in_t *outs, long o_stride, __global const acc_t *lses,
+                           long l_stride, long l_sb, long l_ss, long l_sh, int n_states, int S,
+                           int H, int DV, long n_rows, __global store_t *out,
+                           __global acc_t *lse_out) {
+    const int c = get_global_id(0);
+    const long r = get_global_id(1);
+    if (c >= DV || r >= n_rows) return;
+    const long b = r / ((long)S * H), s = (r / H) % S, h = r % H;
+    const long loff = b * l_sb + s * l_ss + h * l_sh;
+
+    /* -- m = max_i lse_i (NaN propagates) */
+    acc_t m = NEG_INF;
+    for (int i = 0; i < n_states; ++i) {
+        const acc_t li = lses[i * l_stride + loff];
+        m = (li > m || isnan(li)) ? li : m;
+    }
+    const long oidx = r * DV + c;
+    if (m == NEG_INF) {
+        ST(out, oidx, (acc_t)0);
+        if (c == 0) lse_out[(b * H + h) * S + s] = NEG_INF;
+        return;
+    }
+    /* -- weights exp(lse_i - m); empty states are skipped, not multiplied by 0 */
+    acc_t sum = 0, o = 0;
+    for (int i = 0; i < n_states; ++i) {
+        const acc_t li = lses[i * l_stride + loff];
+        if (li == NEG_INF) continue;
+        const acc_t w = exp(li - m);
+        sum += w;
+        o += w * LD_IN(outs, i * o_stride + oidx);
+    }
+    ST(out, oidx, o / sum);
+    if (c == 0) lse_out[(b * H + h) * S + s] = m + log(sum);
+}

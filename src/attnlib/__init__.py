@@ -1,0 +1,67 @@
+"""attnlib: exact attention that is fast on any hardware.
+
+FlashAttention-style tiled attention with an online softmax (no Sq x Sk matrix in memory), the
+online-softmax primitives, and a KV cache for decoding, behind one backend-agnostic API.
+"""
+
+from ._api import (
+    RoPE,
+    attention,
+    attention_varlen,
+    logsumexp,
+    merge_states,
+    rope,
+    softmax,
+    to_device,
+    to_numpy,
+)
+from ._online import OnlineAttention
+from .errors import (
+    ArgumentError,
+    AttnlibError,
+    BackendUnavailableError,
+    CacheOverflowError,
+    DTypeError,
+    KernelBuildError,
+    ShapeError,
+    UnsupportedError,
+)
+from .kv_cache import KVCache, attention_with_kvcache
+from .registry import (
+    available_backends,
+    get_backend,
+    register_backend,
+    set_backend,
+    use_backend,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
+    "softmax",
+    "logsumexp",
+    "merge_states",
+    "OnlineAttention",
+    "KVCache",
+    "rope",
+    "RoPE",
+    "to_device",
+    "to_numpy",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+    "set_backend",
+    "use_backend",
+    "AttnlibError",
+    "ShapeError",
+    "DTypeError",
+    "ArgumentError",
+    "UnsupportedError",
+    "BackendUnavailableError",
+    "CacheOverflowError",
+    "KernelBuildError",
+    "__version__",
+]

@@ -1,0 +1,271 @@
+"""The front door: validate (``_spec``) -> pick the backend (``registry``) -> call it."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _spec, registry
+from .backends.base import AttnCall, Backend, RopeSpec
+from .errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
+
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "softmax",
+    "logsumexp",
+    "merge_states",
+    "OnlineAttention",
+    "rope",
+    "RoPE",
+    "to_device",
+    "to_numpy",
+]
+
+
+def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None) -> Backend:
+    """The backend for a call. Device arrays under ``"auto"`` choose the backend that owns them;
+    an explicit choice is never changed, and a mismatch is an error, not a silent copy."""
+    choice = registry.current_choice(backend)
+    device = [a for a in arrays if _spec.is_device_array(a)]
+    if choice is None and device:
+        choice = "opencl"
+    be = registry.get_backend("auto" if choice is None else choice)
+    if device and not be.owns(device[0]):
+        raise ArgumentError(
+            f"inputs are {type(device[0]).__module__}.{type(device[0]).__name__} arrays, which "
+            f"backend {be.name!r} cannot read; choose the backend that owns them or pass "
+            "attnlib.to_numpy(x)"
+        )
+    if dtype is not None:
+        reason = be.supports_dtype(np.dtype(dtype))
+        if reason:
+            raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
+    return be
+
+
+def _from_bshd(x: Any, layout: str) -> Any:
+    if layout == "bshd":
+        return x
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    return x.transpose(0, 2, 1, 3)
+
+
+def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, softcap=None,
+              alibi_slopes=None, layout="bshd", return_lse=False, backend=None):
+    """Exact softmax attention, computed tile by tile with an online softmax (no Sq x Sk matrix).
+
+    Shapes (``layout="bshd"``, the default): ``q (B, Sq, Hq, D)``, ``k (B, Sk, Hkv, D)``,
+    ``v (B, Sk, Hkv, Dv)`` -> ``out (B, Sq, Hq, Dv)``; ``layout="bhsd"`` takes and returns
+    ``(B, H, S, D)`` (PyTorch's order). ``Hq % Hkv == 0``: query head ``h`` reads kv head
+    ``h // (Hq // Hkv)`` (GQA, MQA). ``lse`` is ``(B, Hq, Sq)``, natural log, float32 (float64
+    for float64 inputs).
+
+    For row ``i``, key ``j`` and ``off = Sk - Sq``: ``s = scale * q_i . k_j`` (scale defaults to
+    ``1/sqrt(D)``); ``softcap * tanh(s / softcap)``; ``- alibi_slopes[h] * |i + off - j|``;
+    ``+ mask`` (additive) or bool mask (True = attend); then softmax over visible keys.
+    ``causal=True`` (= ``"bottom_right"``, FlashAttention's) shows key ``j`` iff
+    ``j <= i + off``; ``"top_left"`` (PyTorch's ``is_causal``) iff ``j <= i``. For Sq=2, Sk=5::
+
+        bottom_right      top_left
+        1 1 1 1 0         1 0 0 0 0
+        1 1 1 1 1         1 1 0 0 0
+
+    ``window=(left, right)`` shows ``i + off - left <= j <= i + off + right`` (None or negative:
+    unbounded). Causal, window and mask intersect. A row that sees no key gives 0 and lse -inf.
+    ``softcap`` must be > 0 (None disables it; FlashAttention's ``softcap=0.0`` is spelled None).
+
+    Raises ShapeError, DTypeError, ArgumentError for bad input; UnsupportedError when the chosen
+    backend cannot run the call (it never falls back silently).
+
+    >>> import numpy as np, attnlib
+    >>> q = np.ones((1, 2, 1, 4), np.float32); k = v = np.ones((1, 3, 1, 4), np.float32)
+    >>> attnlib.attention(q, k, v, causal=True, backend="numpy").shape
+    (1, 2, 1, 4)
+    """
+    return_lse = _spec.check_bool(return_lse, "return_lse")
+    call = _spec.dense_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                            softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
+                            need_lse=return_lse)
+    be = pick_backend(backend, (q, k, v), call.dtype)
+    out, lse = _run(be, call)
+    out = _from_bshd(out, layout)
+    return (out, lse) if return_lse else out
+
+
+def _run(be: Backend, call: AttnCall):
+    if any(n == 0 for n in call.q.shape[:2]) and isinstance(call.q, np.ndarray):
+        # Nothing to compute: keep backends free of zero-size launches.
+        b, sq, hq = call.q.shape[:3]
+        acc = np.float64 if call.dtype == np.float64 else np.float32
+        return (np.zeros((b, sq, hq, call.head_dim_v), call.dtype),
+                np.full((b, hq, sq), -np.inf, acc))
+    return be.attention(call)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
+                     window=None, softcap=None, alibi_slopes=None, return_lse=False,
+                     backend=None):
+    """Attention over a ragged batch packed without padding.
+
+    ``q (total_q, Hq, D)``, ``k (total_k, Hkv, D)``, ``v (total_k, Hkv, Dv)``; sequence ``b``
+    is rows ``cu[b]:cu[b+1]`` of each (``cu_seqlens_*``: int32 ``(B + 1,)``, starting at 0,
+    non-decreasing, ending at the packed length). Each sequence attends only to itself, with
+    causal alignment and window per sequence. ``alibi_slopes``: ``(Hq,)`` or ``(B, Hq)``.
+    Returns ``out (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``.
+    """
+    return_lse = _spec.check_bool(return_lse, "return_lse")
+    call = _spec.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
+                             window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                             need_lse=return_lse)
+    be = pick_backend(backend, (q, k, v), call.dtype)
+    out, lse = _run(be, call)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _check_axis(x, axis) -> int:
+    axis = _spec.check_int(axis, "axis")
+    nd = len(x.shape)
+    if nd == 0:
+        raise ShapeError("x must have at least 1 dim, got a 0-d array")
+    if not -nd <= axis < nd:
+        raise ArgumentError(f"axis={axis} is out of range for x with {nd} dims")
+    return axis % nd
+
+
+def softmax(x, axis=-1, *, backend=None):
+    """Softmax along ``axis`` in one streaming pass (online max and sum); x's dtype out.
+
+    An all -inf row gives zeros (not NaN); NaN propagates.
+
+    >>> import numpy as np, attnlib
+    >>> attnlib.softmax(np.array([0.0, np.log(3.0)]), backend="numpy").round(6).tolist()
+    [0.25, 0.75]
+    """
+    _spec.check_array(x, "x")
+    dt = _spec.check_float_dtype(x, "x")
+    axis = _check_axis(x, axis)
+    return pick_backend(backend, (x,), dt).softmax(x, axis, False)
+
+
+def logsumexp(x, axis=-1, *, backend=None):
+    """``log(sum(exp(x)))`` along ``axis``: float32 (float64 for float64 x); -inf for an all
+    -inf row."""
+    _spec.check_array(x, "x")
+    dt = _spec.check_float_dtype(x, "x")
+    axis = _check_axis(x, axis)
+    return pick_backend(backend, (x,), dt).softmax(x, axis, True)
+
+
+def merge_states(outs, lses, *, layout="bshd", backend=None):
+    """Merge partial attention states over disjoint key sets (FlashInfer's ``merge_state``).
+
+    Given ``(o_i, lse_i)`` from ``attention(q, k_i, v_i, return_lse=True)``, returns exactly
+    ``attention(q, concat k_i, concat v_i, return_lse=True)``: ``lse = log sum exp(lse_i)``,
+    ``out = sum exp(lse_i - lse) o_i``. Empty states (lse -inf) contribute nothing; merging
+    only empty states gives (0, -inf).
+    """
+    layout = _spec.check_layout(layout)
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise ArgumentError("outs and lses must be lists (or tuples) of arrays")
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ArgumentError(
+            f"outs and lses must be non-empty and of equal length, got {len(outs)} and {len(lses)}"
+        )
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        _spec.check_array(o, f"outs[{i}]", ndim=4)
+        _spec.check_array(lse, f"lses[{i}]", ndim=3)
+        _spec.check_float_dtype(lse, f"lses[{i}]")
+    dt = _spec.same_dtype({f"outs[{i}]": o for i, o in enumerate(outs)})
+    outs = [_spec.to_bshd(o, layout) for o in outs]
+    b, sq, h, _ = outs[0].shape
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        if tuple(o.shape) != tuple(outs[0].shape):
+            raise ShapeError(f"outs[{i}] has shape {tuple(o.shape)}; expected {tuple(outs[0].shape)}")
+        if tuple(lse.shape) != (b, h, sq):
+            raise ShapeError(f"lses[{i}] has shape {tuple(lse.shape)}; expected {(b, h, sq)}")
+    be = pick_backend(backend, list(outs) + list(lses), dt)
+    out, lse = be.merge_states(outs, lses)
+    return _from_bshd(out, layout), lse
+
+
+class RoPE:
+    """Rotary position embedding settings for ``attention_with_kvcache`` and ``rope``.
+
+    ``interleaved=False`` rotates halves (GPT-NeoX, Llama); ``True`` rotates adjacent pairs
+    (GPT-J). Only the first ``rotary_dim`` dims rotate (default: all; must be even).
+    """
+
+    def __init__(self, theta: float = 10000.0, interleaved: bool = False,
+                 rotary_dim: int | None = None):
+        self.theta = _spec.check_real(theta, "theta", positive=True)
+        self.interleaved = _spec.check_bool(interleaved, "interleaved")
+        if rotary_dim is not None:
+            rotary_dim = _spec.check_int(rotary_dim, "rotary_dim", minimum=2)
+            if rotary_dim % 2:
+                raise ArgumentError(f"rotary_dim={rotary_dim} must be even")
+        self.rotary_dim = rotary_dim
+
+    def __repr__(self) -> str:
+        return (f"RoPE(theta={self.theta}, interleaved={self.interleaved}, "
+                f"rotary_dim={self.rotary_dim})")
+
+    def spec(self, head_dim: int) -> RopeSpec:
+        r = head_dim if self.rotary_dim is None else self.rotary_dim
+        if r > head_dim or r % 2:
+            raise ArgumentError(
+                f"rotary_dim={r} must be even and <= the head dim {head_dim}"
+                + (" (the default rotary_dim is D)" if self.rotary_dim is None else "")
+            )
+        return RopeSpec(self.theta, self.interleaved, r)
+
+
+def check_rope(rope_arg: Any, head_dim: int) -> RopeSpec | None:
+    if rope_arg is None:
+        return None
+    if not isinstance(rope_arg, RoPE):
+        raise ArgumentError(f"rope must be None or an attnlib.RoPE, got {type(rope_arg).__name__}")
+    return rope_arg.spec(head_dim)
+
+
+def check_positions(positions: Any, b: int, s: int) -> np.ndarray:
+    _spec.check_array(positions, "positions", ndim=(1, 2))
+    p = _spec.host(positions)
+    if p.dtype.kind not in "iu":
+        raise DTypeError(f"positions has dtype {p.dtype}; expected an integer dtype")
+    if p.shape not in ((s,), (b, s)):
+        raise ShapeError(f"positions has shape {p.shape}; expected ({s},) or ({b}, {s})")
+    return np.ascontiguousarray(np.broadcast_to(p.astype(np.int64), (b, s)))
+
+
+def rope(x, positions, *, theta=10000.0, interleaved=False, rotary_dim=None, layout="bshd",
+         backend=None):
+    """Rotate ``x (B, S, H, D)`` (or ``(B, H, S, D)`` with ``layout="bhsd"``) at ``positions``
+    (int ``(S,)`` or ``(B, S)``); returns a new array of x's dtype."""
+    layout = _spec.check_layout(layout)
+    _spec.check_array(x, "x", ndim=4)
+    dt = _spec.check_float_dtype(x, "x")
+    xb = _spec.to_bshd(x, layout)
+    spec = RoPE(theta, interleaved, rotary_dim).spec(xb.shape[3])
+    pos = check_positions(positions, xb.shape[0], xb.shape[1])
+    be = pick_backend(backend, (x,), dt)
+    return _from_bshd(be.rope(xb, pos, spec), layout)
+
+
+def to_device(x, *, backend=None):
+    """Copy a numpy array to the backend's device (numpy backends return it unchanged)."""
+    if not isinstance(x, np.ndarray):
+        raise DTypeError(f"x must be a numpy array, got {type(x).__name__}")
+    return registry.resolve_backend(backend).to_device(x)
+
+
+def to_numpy(x):
+    """A numpy array from a numpy or device array (a device array is copied to the host)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _spec.is_array(x):
+        return np.asarray(x.get())
+    raise DTypeError(f"x must be an array, got {type(x).__name__}")
+

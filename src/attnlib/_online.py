@@ -1,0 +1,113 @@
+"""OnlineAttention: attention over keys that arrive in chunks (out-of-core KV, streaming)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _spec
+from ._api import _from_bshd, pick_backend
+from .backends.base import AttnCall
+from .errors import ArgumentError, ShapeError
+
+
+class OnlineAttention:
+    """Stream keys and values in chunks of any size; the result equals one-shot attention.
+
+    The running state per query row is the online-softmax triple ``(m, l, O)``, kept here as the
+    equivalent normalised pair ``(O / l, lse = m + log l)`` in float32 (float64 for float64 q),
+    and each chunk is folded in with ``merge_states``: the rescale by ``alpha = exp(m_old -
+    m_new)`` is the merge's weight. With ``causal`` the keys arrive in order and
+    ``total_keys`` (the final Sk) must be given, so that the bottom-right alignment is known.
+
+    >>> import numpy as np, attnlib
+    >>> q = np.ones((1, 1, 1, 2)); acc = attnlib.OnlineAttention(q, backend="numpy")
+    >>> acc.result(return_lse=True)[1].tolist()
+    [[[-inf]]]
+    """
+
+    def __init__(self, q, *, scale=None, causal=False, softcap=None, layout="bshd",
+                 backend=None, total_keys=None):
+        self._layout = _spec.check_layout(layout)
+        _spec.check_array(q, "q", ndim=4)
+        self._dtype = _spec.check_float_dtype(q, "q")
+        self._q = _spec.to_bshd(q, self._layout)
+        self._scale = _spec.check_scale(scale, self._q.shape[3])
+        self._softcap = _spec.check_softcap(softcap)
+        self._causal = _spec.check_causal(causal)
+        if total_keys is not None:
+            total_keys = _spec.check_int(total_keys, "total_keys", minimum=0)
+        if self._causal is not None and total_keys is None:
+            raise ArgumentError(
+                "causal=True needs total_keys (the final number of keys) so that the "
+                "bottom-right alignment is known; got total_keys=None"
+            )
+        self._total = total_keys
+        self._backend = pick_backend(backend, (q,), self._dtype)
+        self._seen = 0
+        self._state = None  # (out float32/64 bshd, lse)
+
+    @property
+    def keys_seen(self) -> int:
+        return self._seen
+
+    def update(self, k_chunk, v_chunk) -> None:
+        """Fold one chunk ``k (B, n, Hkv, D)``, ``v (B, n, Hkv, Dv)`` (layout as for q) in."""
+        _spec.check_array(k_chunk, "k_chunk", ndim=4)
+        _spec.check_array(v_chunk, "v_chunk", ndim=4)
+        k = _spec.to_bshd(k_chunk, self._layout)
+        v = _spec.to_bshd(v_chunk, self._layout)
+        _spec.same_dtype({"q": self._q, "k_chunk": k, "v_chunk": v})
+        _spec.check_heads(self._q.shape, k.shape, v.shape, names=("q", "k_chunk", "v_chunk"))
+        b, sq = self._q.shape[:2]
+        if k.shape[0] != b:
+            raise ShapeError(f"k_chunk has batch {k.shape[0]} but q has {b}")
+        if self._state is not None and v.shape[3] != self._state[0].shape[3]:
+            raise ShapeError(
+                f"v_chunk has head dim {v.shape[3]} but earlier chunks had {self._state[0].shape[3]}"
+            )
+        n = k.shape[1]
+        if self._total is not None and self._seen + n > self._total:
+            raise ArgumentError(
+                f"this chunk brings the keys to {self._seen + n}, past total_keys={self._total}"
+            )
+        if n == 0:
+            return
+        be = self._backend
+        if not be.owns(k) and _spec.is_device_array(k):
+            raise ArgumentError("k_chunk is a device array of another backend")
+        off = (self._total if self._total is not None else self._seen + n) - sq
+        ones = np.ones(b, dtype=np.int64)
+        idx = np.arange(b, dtype=np.int64)
+        call = AttnCall(
+            q=self._q, k=k, v=v,
+            q_batch=idx, q_row0=0 * ones, q_len=sq * ones,
+            k_batch=idx, k_row0=0 * ones, k_len=n * ones,
+            q_pos0=off * ones, k_pos0=self._seen * ones,
+            causal_hi=None if self._causal is None else 0 * ones,
+            scale=self._scale, softcap=self._softcap, need_lse=True,
+        )
+        out, lse = be.attention(call)
+        acc = np.float64 if self._dtype == np.float64 else np.float32
+        out = out.astype(acc)
+        if self._state is None:
+            self._state = (out, lse)
+        else:
+            self._state = be.merge_states([self._state[0], out], [self._state[1], lse])
+        self._seen += n
+
+    def result(self, return_lse: bool = False):
+        """``out`` (layout as for q, q's dtype), or ``(out, lse)``; before any update: zeros and
+        -inf (the empty state)."""
+        return_lse = _spec.check_bool(return_lse, "return_lse")
+        b, sq, hq, _ = self._q.shape
+        if self._state is None:
+            acc = np.float64 if self._dtype == np.float64 else np.float32
+            out = np.zeros((b, sq, hq, self._q.shape[3]), dtype=self._dtype)
+            lse = np.full((b, hq, sq), -np.inf, dtype=acc)
+            if _spec.is_device_array(self._q):
+                out, lse = self._backend.to_device(out), self._backend.to_device(lse)
+        else:
+            out, lse = self._state
+            out = out.astype(self._dtype)
+        out = _from_bshd(out, self._layout)
+        return (out, lse) if return_lse else out

@@ -1,0 +1,305 @@
+"""Every check of user input lives here: the front door turns arguments into normalised calls.
+
+Each check raises a member of the AttnlibError family whose message names the argument, the value
+received and what was expected. Nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .backends.base import AttnCall
+from .errors import ArgumentError, DTypeError, ShapeError
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BFLOAT16)
+_DTYPE_NAMES = "float16, float32, float64 or bfloat16"
+LAYOUTS = ("bshd", "bhsd")
+
+
+# ---- arrays -------------------------------------------------------------------------------------
+def is_array(x: Any) -> bool:
+    """numpy arrays, and device arrays that look like them (pyopencl.array.Array)."""
+    if isinstance(x, np.ndarray):
+        return True
+    return all(hasattr(x, a) for a in ("shape", "dtype", "strides", "get"))
+
+
+def is_device_array(x: Any) -> bool:
+    return is_array(x) and not isinstance(x, np.ndarray)
+
+
+def host(x: Any) -> np.ndarray:
+    """A numpy view/copy of a small auxiliary array (mask, slopes, cu_seqlens)."""
+    return x if isinstance(x, np.ndarray) else np.asarray(x.get())
+
+
+def check_array(x: Any, name: str, ndim: int | tuple[int, ...] | None = None) -> Any:
+    if not is_array(x):
+        raise DTypeError(f"{name} must be an array (numpy or the backend's), got {type(x).__name__}")
+    if ndim is not None:
+        ndims = (ndim,) if isinstance(ndim, int) else ndim
+        if len(x.shape) not in ndims:
+            want = " or ".join(f"{n}-D" for n in ndims)
+            raise ShapeError(f"{name} must be {want}, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_float_dtype(x: Any, name: str) -> np.dtype:
+    dt = np.dtype(x.dtype)
+    if dt not in FLOAT_DTYPES:
+        raise DTypeError(f"{name} has dtype {dt}; expected {_DTYPE_NAMES}")
+    return dt
+
+
+def parse_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+    try:
+        dt = BFLOAT16 if dtype in ("bfloat16", "bf16") else np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise DTypeError(f"{name}={dtype!r} is not a dtype; expected {_DTYPE_NAMES}") from None
+    if dt not in FLOAT_DTYPES:
+        raise DTypeError(f"{name}={dtype!r} is not supported; expected {_DTYPE_NAMES}")
+    return dt
+
+
+def same_dtype(arrays: dict[str, Any]) -> np.dtype:
+    dts = {name: check_float_dtype(a, name) for name, a in arrays.items()}
+    first_name, first = next(iter(dts.items()))
+    for name, dt in dts.items():
+        if dt != first:
+            raise DTypeError(
+                f"{name} has dtype {dt} but {first_name} has {first}; q, k and v must share a dtype"
+            )
+    return first
+
+
+def to_bshd(x: Any, layout: str) -> Any:
+    return x if layout == "bshd" else x.transpose(0, 2, 1, 3)
+
+
+# ---- scalars and options ------------------------------------------------------------------------
+def check_layout(layout: Any) -> str:
+    if layout not in LAYOUTS:
+        raise ArgumentError(f"layout={layout!r} is not supported; expected 'bshd' or 'bhsd'")
+    return layout
+
+
+def check_int(value: Any, name: str, minimum: int | None = None) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ArgumentError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ArgumentError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_real(value: Any, name: str, positive: bool = False) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ArgumentError(f"{name} must be a finite number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        want = "a finite number > 0" if positive else "a finite number"
+        raise ArgumentError(f"{name}={value!r} must be {want}")
+    return value
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return check_real(scale, "scale")
+
+
+def check_softcap(softcap: Any) -> float | None:
+    return None if softcap is None else check_real(softcap, "softcap", positive=True)
+
+
+def check_causal(causal: Any, allow_top_left: bool = True) -> str | None:
+    """None (not causal), 'bottom_right' or 'top_left'."""
+    if causal is None or causal is False or (isinstance(causal, np.bool_) and not causal):
+        return None
+    if causal is True or isinstance(causal, np.bool_):
+        return "bottom_right"
+    if causal == "bottom_right" or (allow_top_left and causal == "top_left"):
+        return causal
+    want = "True, False, 'bottom_right' or 'top_left'" if allow_top_left else "True or False"
+    raise ArgumentError(f"causal={causal!r} is not supported; expected {want}")
+
+
+def check_window(window: Any) -> tuple[int | None, int | None]:
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ArgumentError(f"window must be None or a pair (left, right), got {window!r}")
+    sides = []
+    for side, name in zip(window, ("window[0] (left)", "window[1] (right)")):
+        if side is None:
+            sides.append(None)
+            continue
+        side = check_int(side, name)
+        sides.append(None if side < 0 else side)
+    return sides[0], sides[1]
+
+
+def check_alibi(slopes: Any, n_seq: int, n_heads: int) -> np.ndarray | None:
+    if slopes is None:
+        return None
+    check_array(slopes, "alibi_slopes", ndim=(1, 2))
+    a = host(slopes)
+    if a.dtype.kind != "f" and np.dtype(a.dtype) != BFLOAT16:
+        raise DTypeError(f"alibi_slopes has dtype {a.dtype}; expected a float dtype (float32)")
+    if a.shape not in ((n_heads,), (n_seq, n_heads)):
+        raise ShapeError(
+            f"alibi_slopes has shape {a.shape}; expected ({n_heads},) or ({n_seq}, {n_heads})"
+        )
+    return np.ascontiguousarray(np.broadcast_to(a.astype(np.float32), (n_seq, n_heads)))
+
+
+def check_mask(mask: Any, shape: tuple[int, int, int, int]) -> tuple[np.ndarray | None, str | None]:
+    """Broadcast a bool or additive mask to ``shape = (B, Hq, Sq, Sk)`` without copying."""
+    if mask is None:
+        return None, None
+    check_array(mask, "mask")
+    m = host(mask)
+    if m.dtype == np.bool_:
+        kind = "bool"
+    elif m.dtype.kind == "f" or m.dtype == BFLOAT16:
+        kind = "additive"
+    else:
+        raise DTypeError(f"mask has dtype {m.dtype}; expected bool or a float dtype (additive)")
+    if m.ndim > 4:
+        raise ShapeError(f"mask has shape {m.shape}; expected at most 4 dims broadcastable to {shape}")
+    full = (1,) * (4 - m.ndim) + tuple(m.shape)
+    if any(a not in (1, b) for a, b in zip(full, shape)):
+        raise ShapeError(
+            f"mask has shape {m.shape}, which does not broadcast to (B, Hq, Sq, Sk) = {shape}"
+        )
+    return np.broadcast_to(m.reshape(full), shape), kind
+
+
+def check_seqlens(cu: Any, name: str, total: int) -> np.ndarray:
+    if not is_array(cu):
+        raise ArgumentError(f"{name} must be an int32 array of shape (B + 1,), got {type(cu).__name__}")
+    c = host(cu)
+    if c.dtype.kind not in "iu":
+        raise ArgumentError(f"{name} has dtype {c.dtype}; expected int32")
+    if c.ndim != 1 or c.shape[0] < 1:
+        raise ArgumentError(f"{name} has shape {c.shape}; expected (B + 1,) with B >= 0")
+    c = c.astype(np.int64)
+    if c[0] != 0:
+        raise ArgumentError(f"{name}[0] = {c[0]}; expected 0")
+    if np.any(np.diff(c) < 0):
+        raise ArgumentError(f"{name} = {c.tolist()} must be non-decreasing")
+    if c[-1] != total:
+        raise ArgumentError(f"{name}[-1] = {c[-1]}; expected the packed length {total}")
+    return c
+
+
+# ---- the normalised attention calls -------------------------------------------------------------
+def _causal_hi(causal: str | None, off: np.ndarray) -> np.ndarray | None:
+    """Upper bound on kpos - qpos: 0 bottom-right; top-left j <= i is kpos - qpos <= -off."""
+    if causal is None:
+        return None
+    return np.zeros_like(off) if causal == "bottom_right" else -off
+
+
+def check_qkv(q: Any, k: Any, v: Any, ndim: int) -> np.dtype:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(x, name, ndim=ndim)
+    kinds = {name: is_device_array(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(kinds.values())) > 1:
+        raise ArgumentError(
+            "q, k and v must all be numpy arrays or all device arrays of one backend, got "
+            + ", ".join(f"{n}: {'device' if d else 'numpy'}" for n, d in kinds.items())
+        )
+    return same_dtype({"q": q, "k": k, "v": v})
+
+
+def check_heads(q_shape, k_shape, v_shape, names=("q", "k", "v")) -> None:
+    """Shapes in bshd order (B, S, H, D) (or packed (T, H, D)); checks heads and head dims."""
+    qn, kn, vn = names
+    hq, d = q_shape[-2], q_shape[-1]
+    hkv, dk = k_shape[-2], k_shape[-1]
+    if d < 1 or v_shape[-1] < 1:
+        raise ShapeError(f"head dims must be >= 1, got D={d}, Dv={v_shape[-1]}")
+    if dk != d:
+        raise ShapeError(f"{kn} has head dim {dk} but {qn} has {d}; they must match")
+    if v_shape[-2] != hkv or v_shape[:-2] != k_shape[:-2]:
+        raise ShapeError(
+            f"{vn} has shape {tuple(v_shape)} but {kn} has {tuple(k_shape)}; they must agree "
+            "in every dim but the last"
+        )
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise ShapeError(
+            f"{qn} has {hq} heads and {kn} has {hkv}; need Hq % Hkv == 0 with both >= 1"
+        )
+
+
+def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, layout,
+               need_lse: bool) -> AttnCall:
+    layout = check_layout(layout)
+    check_qkv(q, k, v, ndim=4)
+    q, k, v = (to_bshd(x, layout) for x in (q, k, v))
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    check_heads(q.shape, k.shape, v.shape)
+    if k.shape[0] != b:
+        raise ShapeError(f"k has batch {k.shape[0]} but q has {b}; they must match")
+    causal = check_causal(causal)
+    left, right = check_window(window)
+    mask_view, mask_kind = check_mask(mask, (b, hq, sq, sk))
+    idx = np.arange(b, dtype=np.int64)
+    zeros = np.zeros(b, dtype=np.int64)
+    off = np.full(b, sk - sq, dtype=np.int64)
+    return AttnCall(
+        q=q, k=k, v=v,
+        q_batch=idx, q_row0=zeros, q_len=np.full(b, sq, dtype=np.int64),
+        k_batch=idx, k_row0=zeros, k_len=np.full(b, sk, dtype=np.int64),
+        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(causal, off),
+        scale=check_scale(scale, d), window_left=left, window_right=right,
+        softcap=check_softcap(softcap), alibi=check_alibi(alibi_slopes, b, hq),
+        mask_view=mask_view, mask_kind=mask_kind, dense=True, need_lse=need_lse,
+    )
+
+
+def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_slopes,
+                need_lse: bool) -> AttnCall:
+    check_qkv(q, k, v, ndim=3)
+    check_heads(q.shape, k.shape, v.shape)
+    cq = check_seqlens(cu_q, "cu_seqlens_q", q.shape[0])
+    ck = check_seqlens(cu_k, "cu_seqlens_k", k.shape[0])
+    if cq.shape != ck.shape:
+        raise ArgumentError(
+            f"cu_seqlens_q has {cq.shape[0] - 1} sequences but cu_seqlens_k has {ck.shape[0] - 1}"
+        )
+    n = cq.shape[0] - 1
+    q_len, k_len = np.diff(cq), np.diff(ck)
+    off = k_len - q_len
+    causal = check_causal(causal)
+    left, right = check_window(window)
+    zeros = np.zeros(n, dtype=np.int64)
+    return AttnCall(
+        q=add_batch_dim(q), k=add_batch_dim(k), v=add_batch_dim(v),
+        q_batch=zeros, q_row0=cq[:-1].copy(), q_len=q_len,
+        k_batch=zeros, k_row0=ck[:-1].copy(), k_len=k_len,
+        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(causal, off),
+        scale=check_scale(scale, q.shape[-1]), window_left=left, window_right=right,
+        softcap=check_softcap(softcap), alibi=check_alibi(alibi_slopes, n, q.shape[1]),
+        need_lse=need_lse,
+    )
+
+
+def add_batch_dim(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return x[None]
+    return x.reshape((1,) + tuple(x.shape))

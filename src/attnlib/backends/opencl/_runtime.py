@@ -1,0 +1,143 @@
+"""OpenCL runtime: device choice, context and queue, kernel sources, program build + memo.
+
+Device choice (SPEC section 5): ``PYOPENCL_CTX`` when set (pyopencl's own syntax), else the first
+GPU that is not a simulator, else the first device that is not a simulator. Oclgrind reports every
+device-type bit, GPU included, so simulators are recognised by platform name.
+
+Programs are built through pyopencl's ``Program.build``, which keeps its own on-disk binary cache
+keyed by source, options and driver; on top of that one in-memory memo per
+(context, file, options) avoids even the hashing on every call.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ...errors import BackendUnavailableError, KernelBuildError
+
+_SIMULATOR_PLATFORMS = ("oclgrind",)
+
+
+def is_simulator(device: Any) -> bool:
+    """True for devices of a simulator platform (Oclgrind), which auto never picks."""
+    name = device.platform.name.lower()
+    return any(s in name for s in _SIMULATOR_PLATFORMS)
+
+
+def list_devices() -> list[Any]:
+    import pyopencl as cl
+
+    devices = []
+    for platform in cl.get_platforms():
+        try:
+            devices.extend(platform.get_devices())
+        except cl.Error:  # a platform with no device raises instead of returning []
+            continue
+    return devices
+
+
+def has_gpu() -> bool:
+    """True when a non-simulator GPU is present; never raises."""
+    try:
+        import pyopencl as cl
+
+        return any(
+            d.type & cl.device_type.GPU and not is_simulator(d) for d in list_devices()
+        )
+    except Exception:
+        return False
+
+
+def choose_context() -> Any:
+    """A context on the device the SPEC's rule picks (PYOPENCL_CTX first)."""
+    import pyopencl as cl
+
+    if os.environ.get("PYOPENCL_CTX"):
+        return cl.create_some_context(interactive=False)
+    devices = [d for d in list_devices() if not is_simulator(d)]
+    gpus = [d for d in devices if d.type & cl.device_type.GPU]
+    chosen = (gpus or devices or [None])[0]
+    if chosen is None:
+        raise BackendUnavailableError(
+            "opencl: no OpenCL device found (simulators such as Oclgrind are only used when "
+            "PYOPENCL_CTX selects them)"
+        )
+    return cl.Context([chosen])
+
+
+def kernel_source(filename: str) -> str:
+    """The text of ``kernels/<filename>``: the installed wheel's attnlib/kernels, else the repo."""
+    try:
+        res = resources.files("attnlib").joinpath("kernels", filename)
+        if res.is_file():
+            return res.read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
+        pass
+    path = Path(__file__).resolve().parents[4] / "kernels" / filename
+    return path.read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Compile-time constants of one kernel file; every field becomes ``-D NAME=value``.
+
+    Subclasses name their fields in UPPER_CASE, exactly as the macros are spelt in the .cl file.
+    """
+
+    def options(self) -> tuple[str, ...]:
+        """The sorted ``-D`` options of this config (the memo and pyopencl's cache key)."""
+        defs = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                value = int(value)
+            defs.append(f"-D{f.name}={value}")
+        return tuple(sorted(defs))
+
+
+class ProgramCache:
+    """One built program per (context, file, options); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._programs: dict[tuple, Any] = {}
+        self._sources: dict[str, str] = {}
+
+    def get(self, ctx: Any, filename: str, options: tuple[str, ...]) -> Any:
+        key = (ctx.int_ptr, filename, options)
+        prg = self._programs.get(key)
+        if prg is not None:
+            return prg
+        with self._lock:
+            prg = self._programs.get(key)
+            if prg is None:
+                prg = build_program(ctx, filename, self._source(filename), options)
+                self._programs[key] = prg
+        return prg
+
+    def _source(self, filename: str) -> str:
+        src = self._sources.get(filename)
+        if src is None:
+            src = self._sources[filename] = kernel_source(filename)
+        return src
+
+
+def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...]) -> Any:
+    """Build ``source``; a failure raises KernelBuildError naming the file, options and log."""
+    import pyopencl as cl
+
+    opts = list(options) + ["-cl-std=CL1.2"]
+    try:
+        return cl.Program(ctx, source).build(options=opts)
+    except cl.Error as exc:
+        log = str(exc)
+        raise KernelBuildError(
+            f"opencl: building kernels/{filename} failed on "
+            f"{', '.join(d.name.strip() for d in ctx.devices)} with options {' '.join(opts)}:\n"
+            f"{log}"
+        ) from exc

@@ -1,0 +1,276 @@
+"""KVCache: a pre-allocated key/value cache on the backend's device, optionally a ring buffer.
+
+Bookkeeping lives on the host: per cache row, ``lengths`` (absolute positions written so far)
+and ``_lo``, the first position still held. Held positions are always the contiguous range
+``[_lo, lengths)``; position ``p`` lives in slot ``p % max_seq_len``. A write of positions
+``[s, e)`` keeps the old positions ``[_lo, s)`` whose slots it does not overwrite, which are
+exactly those ``>= e - max_seq_len``, so ``_lo = max(_lo, e - max_seq_len)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _spec, registry
+from ._api import check_rope, pick_backend
+from .backends.base import AttnCall, RopeSpec
+from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
+
+__all__ = ["KVCache", "attention_with_kvcache"]
+
+
+@dataclass(frozen=True)
+class _Write:
+    """A validated write: nothing of it has touched the cache yet."""
+
+    k: object
+    v: object
+    rows: np.ndarray
+    start: np.ndarray
+    new_len: np.ndarray
+    new_lo: np.ndarray
+
+
+class KVCache:
+    """Keys and values for autoregressive decoding, allocated once on the backend's device.
+
+    ``k`` buffer ``(max_batch_size, max_seq_len, n_kv_heads, head_dim)``, ``v`` buffer
+    ``(..., head_dim_v)``. ``ring=False``: writing past ``max_seq_len`` raises
+    ``CacheOverflowError`` and changes nothing. ``ring=True``: position ``p`` lives in slot
+    ``p % max_seq_len``; ``lengths`` keeps counting absolute positions and only the last
+    ``max_seq_len`` are held (sliding-window decoding, as in Mistral).
+    """
+
+    def __init__(self, max_batch_size, max_seq_len, n_kv_heads, head_dim, *, head_dim_v=None,
+                 dtype="float32", ring=False, backend=None):
+        self.max_batch_size = _spec.check_int(max_batch_size, "max_batch_size", minimum=1)
+        self.max_seq_len = _spec.check_int(max_seq_len, "max_seq_len", minimum=1)
+        self.n_kv_heads = _spec.check_int(n_kv_heads, "n_kv_heads", minimum=1)
+        self.head_dim = _spec.check_int(head_dim, "head_dim", minimum=1)
+        self.head_dim_v = (self.head_dim if head_dim_v is None
+                           else _spec.check_int(head_dim_v, "head_dim_v", minimum=1))
+        self.dtype = _spec.parse_dtype(dtype)
+        self.ring = _spec.check_bool(ring, "ring")
+        self.backend = pick_backend(backend, (), self.dtype)
+        shape = (self.max_batch_size, self.max_seq_len, self.n_kv_heads)
+        self.k = self.backend.cache_alloc(shape + (self.head_dim,), self.dtype)
+        self.v = self.backend.cache_alloc(shape + (self.head_dim_v,), self.dtype)
+        self._len = np.zeros(self.max_batch_size, dtype=np.int64)
+        self._lo = np.zeros(self.max_batch_size, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return (f"KVCache(max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "
+                f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"head_dim_v={self.head_dim_v}, dtype={self.dtype}, ring={self.ring}, "
+                f"backend={self.backend.name!r})")
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens written per cache row (absolute positions; may exceed max_seq_len in a ring)."""
+        return self._len.copy()
+
+    @property
+    def held_from(self) -> np.ndarray:
+        """The first position each row still holds (0 unless a ring has wrapped)."""
+        return self._lo.copy()
+
+    def reset(self, batch_index=None) -> None:
+        """Forget everything (``None``), or the rows given by an int or a sequence of ints."""
+        rows = self._rows(batch_index, "batch_index", None)
+        self._len[rows] = 0
+        self._lo[rows] = 0
+
+    def update(self, k, v, start_pos, *, batch_idx=None) -> None:
+        """Write ``k (B, S_new, Hkv, D)``, ``v (B, S_new, Hkv, Dv)`` at ``start_pos`` (an int or
+        an int array ``(B,)``); sets each row's length to ``start_pos + S_new``. Writing before
+        the current length rewrites (rollback); a gap is an ArgumentError."""
+        self._commit(self._plan(k, v, start_pos, batch_idx), None)
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _rows(self, index, name: str, b: int | None) -> np.ndarray:
+        if index is None:
+            return np.arange(self.max_batch_size if b is None else b, dtype=np.int64)
+        if _spec.is_array(index):
+            idx = _spec.host(index)
+            if idx.dtype.kind not in "iu" or idx.ndim != 1:
+                raise ArgumentError(f"{name} must be an int array (B,), got {idx.dtype} {idx.shape}")
+            idx = idx.astype(np.int64)
+        elif isinstance(index, (list, tuple)):
+            idx = np.array([_spec.check_int(i, name) for i in index], dtype=np.int64)
+        else:
+            idx = np.array([_spec.check_int(index, name)], dtype=np.int64)
+        if b is not None and idx.shape != (b,):
+            raise ShapeError(f"{name} has shape {idx.shape}; expected ({b},)")
+        if idx.size and (idx.min() < 0 or idx.max() >= self.max_batch_size):
+            raise ArgumentError(
+                f"{name}={idx.tolist()} has entries outside [0, {self.max_batch_size})"
+            )
+        return idx
+
+    def _check_kv(self, k, v, b: int | None = None) -> int:
+        for name, x, d in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
+            _spec.check_array(x, name, ndim=4)
+            if np.dtype(x.dtype) != self.dtype:
+                raise DTypeError(f"{name} has dtype {x.dtype}; this cache holds {self.dtype}")
+            if x.shape[2] != self.n_kv_heads or x.shape[3] != d:
+                raise ShapeError(
+                    f"{name} has shape {tuple(x.shape)}; expected (B, S_new, {self.n_kv_heads}, {d})"
+                )
+        if tuple(k.shape[:2]) != tuple(v.shape[:2]):
+            raise ShapeError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")
+        if b is not None and k.shape[0] != b:
+            raise ShapeError(f"k has batch {k.shape[0]} but q has {b}")
+        if k.shape[0] > self.max_batch_size:
+            raise ShapeError(f"k has batch {k.shape[0]} > max_batch_size={self.max_batch_size}")
+        return k.shape[0]
+
+    def _start(self, start_pos, rows: np.ndarray) -> np.ndarray:
+        b = rows.shape[0]
+        if start_pos is None:
+            return self._len[rows].copy()
+        if _spec.is_array(start_pos):
+            sp = _spec.host(start_pos)
+            if sp.dtype.kind not in "iu":
+                raise ArgumentError(f"start_pos has dtype {sp.dtype}; expected an int or int array")
+            if sp.shape != (b,):
+                raise ArgumentError(f"start_pos has shape {sp.shape}; expected ({b},)")
+            sp = sp.astype(np.int64)
+        else:
+            sp = np.full(b, _spec.check_int(start_pos, "start_pos"), dtype=np.int64)
+        if (sp < 0).any():
+            raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0")
+        return sp
+
+    def _plan(self, k, v, start_pos, batch_idx, b: int | None = None) -> _Write:
+        b = self._check_kv(k, v, b)
+        rows = self._rows(batch_idx, "batch_idx", b)
+        if len(np.unique(rows)) != b:
+            raise ArgumentError(f"batch_idx={rows.tolist()} writes one cache row twice")
+        start = self._start(start_pos, rows)
+        n_new = k.shape[1]
+        cur, lo = self._len[rows], self._lo[rows]
+        gap = start > cur
+        if gap.any():
+            i = int(np.flatnonzero(gap)[0])
+            raise ArgumentError(
+                f"start_pos={int(start[i])} for cache row {int(rows[i])} leaves a gap: that row "
+                f"holds {int(cur[i])} tokens, so start_pos must be <= {int(cur[i])}"
+            )
+        end = start + n_new
+        cap = self.max_seq_len
+        if not self.ring:
+            over = end > cap
+            if over.any():
+                i = int(np.flatnonzero(over)[0])
+                raise CacheOverflowError(
+                    f"writing {n_new} tokens at start_pos={int(start[i])} into cache row "
+                    f"{int(rows[i])} needs {int(end[i])} slots > max_seq_len={cap} (ring=False); "
+                    "the cache is unchanged"
+                )
+            return _Write(k, v, rows, start, end, lo.copy())
+        if n_new > cap:
+            raise CacheOverflowError(
+                f"k has {n_new} new tokens but a ring cache holds at most max_seq_len={cap} "
+                "per update; the cache is unchanged"
+            )
+        stale = start < lo
+        if stale.any():
+            i = int(np.flatnonzero(stale)[0])
+            raise ArgumentError(
+                f"start_pos={int(start[i])} for cache row {int(rows[i])} rewrites a position no "
+                f"longer held (this ring holds positions {int(lo[i])}..{int(cur[i]) - 1})"
+            )
+        return _Write(k, v, rows, start, end, np.maximum(lo, end - cap))
+
+    def _commit(self, w: _Write, rope: RopeSpec | None) -> None:
+        if w.k.shape[1] > 0:
+            self.backend.cache_write(self.k, w.k, w.rows, w.start, rope)
+            self.backend.cache_write(self.v, w.v, w.rows, w.start, None)
+        self._len[w.rows] = w.new_len
+        self._lo[w.rows] = np.minimum(w.new_lo, w.new_len)
+
+
+def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_idx=None,
+                           rope=None, causal=True, scale=None, window=None, softcap=None,
+                           alibi_slopes=None, return_lse=False, backend=None):
+    """Append ``k``, ``v`` (if given) at ``start_pos`` (default: the current lengths), then attend
+    ``q (B, Sq, Hq, D)`` over each sequence's held tokens (FlashAttention's
+    ``flash_attn_with_kvcache``).
+
+    Query row ``i`` of sequence ``b`` sits at absolute position ``len_b - Sq + i`` (``len_b``:
+    the length after the append); causal (bottom-right, the default) lets it see held keys at
+    positions ``<= len_b - Sq + i``; RoPE (``rope=attnlib.RoPE(...)``) rotates q and the new k at
+    these positions before writing and attending. ``batch_idx (B,)`` maps batch rows to cache
+    rows. Every check runs before the cache is touched: a failing call leaves it unchanged.
+    """
+    if not isinstance(cache, KVCache):
+        raise ArgumentError(f"cache must be an attnlib.KVCache, got {type(cache).__name__}")
+    be = cache.backend
+    if backend is not None and registry.get_backend(backend) is not be:
+        raise ArgumentError(
+            f"backend={backend!r} differs from the cache's backend {be.name!r}; attention over a "
+            "cache runs where the cache lives"
+        )
+    return_lse = _spec.check_bool(return_lse, "return_lse")
+    _spec.check_array(q, "q", ndim=4)
+    if np.dtype(q.dtype) != cache.dtype:
+        raise DTypeError(f"q has dtype {q.dtype}; this cache holds {cache.dtype}")
+    b, sq, hq, d = q.shape
+    if d != cache.head_dim:
+        raise ShapeError(f"q has head dim {d}; this cache holds head_dim={cache.head_dim}")
+    if hq < 1 or hq % cache.n_kv_heads:
+        raise ShapeError(f"q has {hq} heads; need a multiple of n_kv_heads={cache.n_kv_heads}")
+    if b > cache.max_batch_size and batch_idx is None:
+        raise ShapeError(f"q has batch {b} > max_batch_size={cache.max_batch_size}")
+    causal = _spec.check_causal(causal, allow_top_left=False)
+    left, right = _spec.check_window(window)
+    rope_spec = check_rope(rope, d)
+    if (k is None) != (v is None):
+        raise ArgumentError("k and v must be given together (or both left out)")
+    if k is None:
+        if start_pos is not None:
+            raise ArgumentError("start_pos was given without k and v; there is nothing to write")
+        rows = cache._rows(batch_idx, "batch_idx", b)
+        write, new_len, lo = None, cache._len[rows], cache._lo[rows]
+    else:
+        write = cache._plan(k, v, start_pos, batch_idx, b)
+        rows, new_len, lo = write.rows, write.new_len, np.minimum(write.new_lo, write.new_len)
+    short = new_len < sq
+    if short.any():
+        i = int(np.flatnonzero(short)[0])
+        raise ShapeError(
+            f"q has Sq={sq} rows but cache row {int(rows[i])} holds only {int(new_len[i])} "
+            "tokens; Sq must be <= each sequence's length"
+        )
+    call = AttnCall(
+        q=q, k=cache.k, v=cache.v,
+        q_batch=np.arange(b, dtype=np.int64), q_row0=np.zeros(b, dtype=np.int64),
+        q_len=np.full(b, sq, dtype=np.int64),
+        k_batch=rows.copy(), k_row0=lo % cache.max_seq_len, k_len=new_len - lo,
+        q_pos0=new_len - sq, k_pos0=lo.copy(),
+        causal_hi=None if causal is None else np.zeros(b, dtype=np.int64),
+        scale=_spec.check_scale(scale, d), window_left=left, window_right=right,
+        softcap=_spec.check_softcap(softcap), alibi=_spec.check_alibi(alibi_slopes, b, hq),
+        ring=cache.max_seq_len if cache.ring else 0, need_lse=return_lse,
+    )
+    pick_backend(be, (q,), cache.dtype)
+    # -- everything is checked: only now touch the cache
+    if write is not None:
+        cache._commit(write, rope_spec)
+    if rope_spec is not None:
+        positions = (new_len - sq)[:, None] + np.arange(sq, dtype=np.int64)[None, :]
+        call = _with_q(call, be.rope(q, positions, rope_spec))
+    if sq == 0 or b == 0:
+        out = np.zeros((b, sq, hq, cache.head_dim_v), cache.dtype)
+        lse = np.full((b, hq, sq), -np.inf, np.float64 if cache.dtype == np.float64 else np.float32)
+    else:
+        out, lse = be.attention(call)
+    return (out, lse) if return_lse else out
+
+
+def _with_q(call: AttnCall, q) -> AttnCall:
+    from dataclasses import replace
+
+    return replace(call, q=q)

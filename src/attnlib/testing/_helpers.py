@@ -1,0 +1,93 @@
+"""Shared pieces of the conformance tests: dtypes, random data, one checked attention call."""
+
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from attnlib.testing.reference import naive_attention, reference_attention
+from attnlib.testing.tolerance import check_attention
+
+#: every dtype of the SPEC, by name
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float64": np.dtype(np.float64),
+}
+
+
+def rng_for(*key) -> np.random.Generator:
+    """A generator seeded from the test's own parameters (reproducible, different per case)."""
+    seed = zlib.crc32(repr(key).encode())
+    return np.random.default_rng([seed, 20261129])
+
+
+def randn(rng, shape, dtype="float32", scale=1.0) -> np.ndarray:
+    """Random normal data in ``dtype``; never zeros (a zero would hide indexing bugs)."""
+    x = rng.standard_normal(shape) * scale
+    x = np.where(x == 0, 0.5, x)
+    return x.astype(DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+
+
+def qkv(rng, b, sq, sk, hq, hkv, d, dv=None, dtype="float32", scale=1.0):
+    dv = d if dv is None else dv
+    return (
+        randn(rng, (b, sq, hq, d), dtype, scale),
+        randn(rng, (b, sk, hkv, d), dtype, scale),
+        randn(rng, (b, sk, hkv, dv), dtype),
+    )
+
+
+def unsupported_ok(backend, dtype) -> bool:
+    """The SPEC lets a backend refuse only float64 (OpenCL devices without cl_khr_fp64), and
+    only when its own ``supports_dtype`` says so."""
+    import attnlib
+
+    dtype = np.dtype(dtype)
+    if dtype != np.float64:
+        return False
+    return attnlib.get_backend(backend).supports_dtype(dtype) is not None
+
+
+def call_or_unsupported(backend, dtype, fn):
+    """Run ``fn()``; if the backend refuses the dtype it must do so with UnsupportedError (and
+    only where the SPEC allows it): then return None and the caller checks nothing more."""
+    from attnlib.errors import UnsupportedError
+
+    if unsupported_ok(backend, dtype):
+        with pytest.raises(UnsupportedError):
+            fn()
+        return None
+    return fn()
+
+
+def check_dense(backend, q, k, v, *, layout="bshd", **kw):
+    """attention() on ``backend`` against the oracle, by the accuracy rule; returns (out, lse)."""
+    import attnlib
+
+    dtype = np.asarray(q).dtype
+    res = call_or_unsupported(
+        backend,
+        dtype,
+        lambda: attnlib.attention(q, k, v, return_lse=True, backend=backend, layout=layout, **kw),
+    )
+    if res is None:
+        return None
+    out, lse = res
+    assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray), "numpy in, numpy out"
+    ref, ref_lse = reference_attention(q, k, v, layout=layout, **kw)
+    assert out.shape == ref.shape, f"out shape {out.shape}, expected {ref.shape}"
+    assert out.dtype == dtype, f"out dtype {out.dtype}, expected {dtype}"
+    lse_dtype = np.float64 if dtype == np.float64 else np.float32
+    assert lse.dtype == lse_dtype, f"lse dtype {lse.dtype}, expected {lse_dtype}"
+    assert lse.shape == ref_lse.shape, f"lse shape {lse.shape}, expected {ref_lse.shape}"
+    if dtype == np.float64:
+        naive, naive_lse = None, None
+    else:
+        naive, naive_lse = naive_attention(q, k, v, layout=layout, **kw)
+    check_attention(out, lse, ref, naive, ref_lse, naive_lse)
+    return out, lse

@@ -1,0 +1,206 @@
+"""SPEC section 3: softmax, logsumexp, merge_states and OnlineAttention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnlib.testing._helpers import DTYPES, call_or_unsupported, qkv, randn, rng_for
+from attnlib.testing.reference import reference_logsumexp, reference_softmax
+from attnlib.testing.tolerance import assert_rule, check_attention
+
+
+def _naive_softmax(x, axis):
+    """Softmax plainly in x's dtype (float32 arithmetic rounded to it for narrow dtypes)."""
+    work = np.float64 if x.dtype.itemsize >= 4 else np.float32
+    xf = x.astype(work)
+    m = np.max(xf, axis=axis, keepdims=True)
+    e = np.exp(xf - m).astype(x.dtype).astype(work)
+    return (e / e.sum(axis=axis, keepdims=True).astype(x.dtype).astype(work)).astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_softmax_and_logsumexp(attnlib_backend, dtype, axis):
+    import attnlib
+
+    x = randn(rng_for("softmax", dtype, axis), (7, 33, 5), dtype, scale=3.0)
+    x[2, :, 1] = -np.inf  # an all -inf line along axis 1 and partly along the others
+    x[:, 4, :] = -np.inf
+    got = call_or_unsupported(attnlib_backend, x.dtype,
+                              lambda: attnlib.softmax(x, axis=axis, backend=attnlib_backend))
+    if got is None:
+        return
+    assert got.dtype == x.dtype and got.shape == x.shape
+    ref = reference_softmax(x, axis)
+    naive = None if x.dtype == np.float64 else _naive_softmax(x, axis)
+    assert_rule(np.nan_to_num(got), np.nan_to_num(ref), naive if naive is None else
+                np.nan_to_num(naive.astype(np.float64)), "softmax")
+    assert not np.isnan(got).any()
+    lse = attnlib.logsumexp(x, axis=axis, backend=attnlib_backend)
+    assert lse.dtype == (np.float64 if x.dtype == np.float64 else np.float32)
+    ref_lse = reference_logsumexp(x, axis)
+    assert lse.shape == ref_lse.shape
+    assert_rule(lse, ref_lse, None, "logsumexp", slack=1e-5 * (1 + np.abs(ref_lse[
+        np.isfinite(ref_lse)]).max()))
+
+
+def test_softmax_all_neg_inf_rows(attnlib_backend):
+    import attnlib
+
+    x = np.full((3, 9), -np.inf, np.float32)
+    x[1, 4] = 2.0
+    sm = attnlib.softmax(x, backend=attnlib_backend)
+    assert (sm[[0, 2]] == 0).all() and sm[1, 4] == 1.0 and not np.isnan(sm).any()
+    lse = attnlib.logsumexp(x, backend=attnlib_backend)
+    assert np.isneginf(lse[[0, 2]]).all() and lse[1] == 2.0
+
+
+def test_softmax_nan_propagates_and_strides(attnlib_backend):
+    import attnlib
+
+    base = randn(rng_for("softmax nan"), (11, 40), "float32")
+    x = base[::-2, 3::3]  # negative and stepped strides
+    x_c = np.ascontiguousarray(x)
+    sm = attnlib.softmax(x, backend=attnlib_backend)
+    assert_rule(sm, reference_softmax(x_c), None, "softmax")
+    bad = x_c.copy()
+    bad[2, 5] = np.nan
+    got = attnlib.softmax(bad, backend=attnlib_backend)
+    assert np.isnan(got[2]).all() and not np.isnan(np.delete(got, 2, axis=0)).any()
+    assert np.isnan(attnlib.logsumexp(bad, backend=attnlib_backend)[2])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_merge_equals_attention_over_concatenated_keys(attnlib_backend, dtype, layout):
+    import attnlib
+
+    rng = rng_for("merge", dtype, layout)
+    q, k, v = qkv(rng, 2, 9, 40, 4, 2, 24, 20, dtype)
+    cuts = [0, 7, 7, 23, 40]  # one empty chunk among them
+    if layout == "bhsd":
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        ax = 2
+    else:
+        ax = 1
+
+    def run():
+        outs, lses = [], []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            sl = [slice(None)] * 4
+            sl[ax] = slice(a, b)
+            o, s = attnlib.attention(q, k[tuple(sl)], v[tuple(sl)], return_lse=True,
+                                     layout=layout, backend=attnlib_backend)
+            outs.append(o)
+            lses.append(s)
+        return attnlib.merge_states(outs, lses, layout=layout, backend=attnlib_backend)
+
+    res = call_or_unsupported(attnlib_backend, q.dtype, run)
+    if res is None:
+        return
+    out, lse = res
+    whole, whole_lse = attnlib.attention(q, k, v, return_lse=True, layout=layout,
+                                         backend=attnlib_backend)
+    assert out.dtype == q.dtype and out.shape == whole.shape and lse.shape == whole_lse.shape
+    from attnlib.testing.reference import naive_attention, reference_attention
+
+    ref, ref_lse = reference_attention(q, k, v, layout=layout)
+    naive, naive_lse = (None, None) if q.dtype == np.float64 else naive_attention(
+        q, k, v, layout=layout)
+    check_attention(out, lse, ref, naive, ref_lse, naive_lse)
+
+
+def test_merge_of_empty_states(attnlib_backend):
+    import attnlib
+
+    outs = [np.zeros((1, 3, 2, 4), np.float32) for _ in range(3)]
+    lses = [np.full((1, 2, 3), -np.inf, np.float32) for _ in range(3)]
+    out, lse = attnlib.merge_states(outs, lses, backend=attnlib_backend)
+    assert (out == 0).all() and np.isneginf(lse).all()
+    # one real state among empty ones comes back unchanged
+    rng = rng_for("merge one")
+    o = randn(rng, (1, 3, 2, 4))
+    s = randn(rng, (1, 2, 3))
+    out, lse = attnlib.merge_states([outs[0], o, outs[1]], [lses[0], s, lses[1]],
+                                    backend=attnlib_backend)
+    assert np.allclose(out, o, atol=1e-6) and np.allclose(lse, s, atol=1e-6)
+
+
+def _stream(backend, q, k, v, chunks, **kw):
+    import attnlib
+
+    acc = attnlib.OnlineAttention(q, backend=backend, **kw)
+    for a, b in zip(chunks[:-1], chunks[1:]):
+        acc.update(k[:, a:b], v[:, a:b])
+    return acc
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_streaming_equals_one_shot(attnlib_backend, dtype, causal):
+    import attnlib
+
+    rng = rng_for("stream", dtype, causal)
+    q, k, v = qkv(rng, 2, 13, 50, 4, 2, 32, 24, dtype)
+    chunks = [0, 1, 9, 9, 30, 50]
+    kw = dict(causal=causal, softcap=6.0, scale=0.3)
+    if causal:
+        kw["total_keys"] = 50
+
+    def run():
+        return _stream(attnlib_backend, q, k, v, chunks, **kw).result(return_lse=True)
+
+    res = call_or_unsupported(attnlib_backend, q.dtype, run)
+    if res is None:
+        return
+    out, lse = res
+    from attnlib.testing.reference import naive_attention, reference_attention
+
+    ref, ref_lse = reference_attention(q, k, v, causal=causal, softcap=6.0, scale=0.3)
+    naive, naive_lse = (None, None) if q.dtype == np.float64 else naive_attention(
+        q, k, v, causal=causal, softcap=6.0, scale=0.3)
+    check_attention(out, lse, ref, naive, ref_lse, naive_lse)
+    one = attnlib.attention(q, k, v, causal=causal, softcap=6.0, scale=0.3,
+                            backend=attnlib_backend)
+    assert out.shape == one.shape and out.dtype == one.dtype
+
+
+def test_streaming_bhsd_and_result_forms(attnlib_backend):
+    import attnlib
+
+    rng = rng_for("stream bhsd")
+    q, k, v = qkv(rng, 1, 5, 21, 2, 1, 16)
+    qt, kt, vt = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    acc = attnlib.OnlineAttention(qt, layout="bhsd", backend=attnlib_backend)
+    out0, lse0 = acc.result(return_lse=True)
+    assert out0.shape == (1, 2, 5, 16) and (out0 == 0).all() and np.isneginf(lse0).all()
+    for a, b in [(0, 8), (8, 21)]:
+        acc.update(kt[:, :, a:b], vt[:, :, a:b])
+    out = acc.result()
+    assert isinstance(out, np.ndarray) and out.shape == (1, 2, 5, 16)
+    ref = attnlib.attention(qt, kt, vt, layout="bhsd", backend=attnlib_backend)
+    assert np.allclose(out, ref, atol=1e-5)
+
+
+def test_streaming_from_memmap(attnlib_backend, tmp_path):
+    import attnlib
+
+    rng = rng_for("memmap")
+    q, k, v = qkv(rng, 1, 7, 45, 2, 2, 16)
+    mk = np.lib.format.open_memmap(tmp_path / "k.npy", mode="w+", dtype=k.dtype, shape=k.shape)
+    mv = np.lib.format.open_memmap(tmp_path / "v.npy", mode="w+", dtype=v.dtype, shape=v.shape)
+    mk[:] = k
+    mv[:] = v
+    mk.flush()
+    mv.flush()
+    rk = np.load(tmp_path / "k.npy", mmap_mode="r")
+    rv = np.load(tmp_path / "v.npy", mmap_mode="r")
+    acc = attnlib.OnlineAttention(q, causal=True, total_keys=45, backend=attnlib_backend)
+    for a in range(0, 45, 10):
+        acc.update(rk[:, a:a + 10], rv[:, a:a + 10])
+    out, lse = acc.result(return_lse=True)
+    from attnlib.testing.reference import reference_attention
+
+    ref, ref_lse = reference_attention(q, k, v, causal=True)
+    check_attention(out, lse, ref, None, ref_lse, None)
