@@ -1,4 +1,4 @@
-"""The ``attnlib`` command: ``info``, ``check`` and ``bench`` (``python -m attnlib`` is the same)."""
+"""The ``attnlib`` command: ``info``, ``check``, ``bench``; ``python -m attnlib`` is the same."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,7 +17,6 @@ __all__ = [
     "softmax",
     "logsumexp",
     "merge_states",
-    "OnlineAttention",
     "rope",
     "RoPE",
     "to_device",
@@ -183,7 +183,9 @@ def merge_states(outs, lses, *, layout="bshd", backend=None):
     b, sq, h, _ = outs[0].shape
     for i, (o, lse) in enumerate(zip(outs, lses)):
         if tuple(o.shape) != tuple(outs[0].shape):
-            raise ShapeError(f"outs[{i}] has shape {tuple(o.shape)}; expected {tuple(outs[0].shape)}")
+            raise ShapeError(
+                f"outs[{i}] has shape {tuple(o.shape)}; expected {tuple(outs[0].shape)}"
+            )
         if tuple(lse.shape) != (b, h, sq):
             raise ShapeError(f"lses[{i}] has shape {tuple(lse.shape)}; expected {(b, h, sq)}")
     be = pick_backend(backend, list(outs) + list(lses), dt)

@@ -6,7 +6,9 @@ import os
 
 #: name -> (default, meaning); the README's table is generated from the same facts.
 VARIABLES: dict[str, tuple[str, str]] = {
-    "ATTNLIB_BACKEND": ("auto", "backend used when no argument, use_backend or set_backend applies"),
+    "ATTNLIB_BACKEND": (
+        "auto", "backend used when no argument, use_backend or set_backend applies"
+    ),
     "ATTNLIB_TEST_BACKENDS": (
         "all available",
         "comma-separated backends the conformance suite runs (pytest plugin)",

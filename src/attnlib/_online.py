@@ -63,7 +63,8 @@ class OnlineAttention:
             raise ShapeError(f"k_chunk has batch {k.shape[0]} but q has {b}")
         if self._state is not None and v.shape[3] != self._state[0].shape[3]:
             raise ShapeError(
-                f"v_chunk has head dim {v.shape[3]} but earlier chunks had {self._state[0].shape[3]}"
+                f"v_chunk has head dim {v.shape[3]} but earlier chunks had "
+                f"{self._state[0].shape[3]}"
             )
         n = k.shape[1]
         if self._total is not None and self._seen + n > self._total:

@@ -41,7 +41,9 @@ def host(x: Any) -> np.ndarray:
 
 def check_array(x: Any, name: str, ndim: int | tuple[int, ...] | None = None) -> Any:
     if not is_array(x):
-        raise DTypeError(f"{name} must be an array (numpy or the backend's), got {type(x).__name__}")
+        raise DTypeError(
+            f"{name} must be an array (numpy or the backend's), got {type(x).__name__}"
+        )
     if ndim is not None:
         ndims = (ndim,) if isinstance(ndim, int) else ndim
         if len(x.shape) not in ndims:
@@ -178,7 +180,9 @@ def check_mask(mask: Any, shape: tuple[int, int, int, int]) -> tuple[np.ndarray 
     else:
         raise DTypeError(f"mask has dtype {m.dtype}; expected bool or a float dtype (additive)")
     if m.ndim > 4:
-        raise ShapeError(f"mask has shape {m.shape}; expected at most 4 dims broadcastable to {shape}")
+        raise ShapeError(
+            f"mask has shape {m.shape}; expected at most 4 dims broadcastable to {shape}"
+        )
     full = (1,) * (4 - m.ndim) + tuple(m.shape)
     if any(a not in (1, b) for a, b in zip(full, shape)):
         raise ShapeError(
@@ -189,7 +193,9 @@ def check_mask(mask: Any, shape: tuple[int, int, int, int]) -> tuple[np.ndarray 
 
 def check_seqlens(cu: Any, name: str, total: int) -> np.ndarray:
     if not is_array(cu):
-        raise ArgumentError(f"{name} must be an int32 array of shape (B + 1,), got {type(cu).__name__}")
+        raise ArgumentError(
+            f"{name} must be an int32 array of shape (B + 1,), got {type(cu).__name__}"
+        )
     c = host(cu)
     if c.dtype.kind not in "iu":
         raise ArgumentError(f"{name} has dtype {c.dtype}; expected int32")

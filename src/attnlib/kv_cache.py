@@ -95,7 +95,9 @@ class KVCache:
         if _spec.is_array(index):
             idx = _spec.host(index)
             if idx.dtype.kind not in "iu" or idx.ndim != 1:
-                raise ArgumentError(f"{name} must be an int array (B,), got {idx.dtype} {idx.shape}")
+                raise ArgumentError(
+                    f"{name} must be an int array (B,), got {idx.dtype} {idx.shape}"
+                )
             idx = idx.astype(np.int64)
         elif isinstance(index, (list, tuple)):
             idx = np.array([_spec.check_int(i, name) for i in index], dtype=np.int64)
@@ -116,7 +118,8 @@ class KVCache:
                 raise DTypeError(f"{name} has dtype {x.dtype}; this cache holds {self.dtype}")
             if x.shape[2] != self.n_kv_heads or x.shape[3] != d:
                 raise ShapeError(
-                    f"{name} has shape {tuple(x.shape)}; expected (B, S_new, {self.n_kv_heads}, {d})"
+                    f"{name} has shape {tuple(x.shape)}; expected "
+                    f"(B, S_new, {self.n_kv_heads}, {d})"
                 )
         if tuple(k.shape[:2]) != tuple(v.shape[:2]):
             raise ShapeError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")

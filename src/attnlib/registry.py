@@ -12,7 +12,8 @@ import contextvars
 import importlib
 import threading
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from . import _config
 from .backends.base import Backend

@@ -7,7 +7,8 @@ stays under ``_WORKSPACE_BYTES`` whatever the sequence lengths are.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
