@@ -86,7 +86,7 @@ def attend(q, k, v, qpos, kpos, visible, *, scale, softcap=None, alibi=None, add
     s = np.where(visible, s, -np.inf)
     any_vis = visible.any(axis=2)
     m = np.where(any_vis, np.max(s, axis=2, initial=-np.inf), 0.0)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         p = rnd(np.exp(s - m[:, :, None]))
         p = np.where(visible, p, 0.0)
         l_sum = rnd(p.sum(axis=2))
@@ -95,7 +95,8 @@ def attend(q, k, v, qpos, kpos, visible, *, scale, softcap=None, alibi=None, add
         # keys whose v is not finite: add their terms only where they are visible
         bad = np.flatnonzero(~np.isfinite(vh).all(axis=(1, 2)))
         for j in bad:
-            term = p[:, :, j, None] * vh[j][:, None, :]
+            vj = np.where(np.isfinite(vh[j]), 0.0, vh[j])  # the finite part is in acc already
+            term = p[:, :, j, None] * vj[:, None, :]
             acc = acc + np.where(visible[:, :, j, None], term, 0.0)
         acc = rnd(acc)
         out = np.where(any_vis[:, :, None], rnd(acc / l_sum[:, :, None]), 0.0)
