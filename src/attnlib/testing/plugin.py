@@ -74,9 +74,19 @@ def _resolve(spec: str) -> str:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise pytest.UsageError(f"--attnlib-backend {spec!r}: cannot import it ({err})") from err
+    from attnlib import registry
+
     name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name or name == "base":
+    if not isinstance(name, str) or not name or name in ("base", "auto"):
         name = spec
+    if name in registry.known_backends():
+        try:
+            same = attnlib.get_backend(name).__class__ is cls
+        except Exception:
+            same = False
+        if same:
+            return name
+        name = spec  # never shadow another backend of the same name
     attnlib.register_backend(name, cls)
     return name
 

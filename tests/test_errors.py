@@ -1,0 +1,252 @@
+"""SPEC section 6: every error kind at the front door, each naming its argument.
+
+A spy backend that fails the test if it is ever reached proves that validation happens before
+any backend runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib.backends.numpy_backend import NumpyBackend
+from attnlib.errors import (
+    ArgumentError,
+    AttnlibError,
+    BackendUnavailableError,
+    CacheOverflowError,
+    DTypeError,
+    ShapeError,
+    UnsupportedError,
+)
+
+
+class _Tripwire(NumpyBackend):
+    """Any primitive call means a bad input got past the front door."""
+
+    name = "tripwire"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def attention(self, call):
+        raise AssertionError("reached the backend with a bad input")
+
+    softmax = merge_states = rope = attention
+
+    def cache_write(self, *a):
+        raise AssertionError("reached cache_write with a bad input")
+
+
+attnlib.register_backend("tripwire", _Tripwire)
+BE = "tripwire"
+
+
+def _qkv(b=1, sq=5, sk=7, hq=4, hkv=2, d=8, dv=8, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((b, sq, hq, d)).astype(dtype),
+            rng.standard_normal((b, sk, hkv, d)).astype(dtype),
+            rng.standard_normal((b, sk, hkv, dv)).astype(dtype))
+
+
+def _raises(kind, argname, fn):
+    """fn() raises ``kind`` whose message names ``argname``."""
+    with pytest.raises(kind) as info:
+        fn()
+    assert isinstance(info.value, AttnlibError)
+    assert argname in str(info.value), f"{argname!r} not named in: {info.value}"
+    return info.value
+
+
+Q, K, V = _qkv()
+
+ATTENTION_CASES = [
+    # (id, error kind, argument named, call)
+    ("q list", DTypeError, "q", lambda: attnlib.attention(Q.tolist(), K, V, backend=BE)),
+    ("q int", DTypeError, "q", lambda: attnlib.attention(Q.astype(np.int32), K, V, backend=BE)),
+    ("k bool", DTypeError, "k", lambda: attnlib.attention(Q, K > 0, V, backend=BE)),
+    ("v complex", DTypeError, "v", lambda: attnlib.attention(Q, K, V.astype(complex),
+                                                             backend=BE)),
+    ("q object", DTypeError, "q", lambda: attnlib.attention(Q.astype(object), K, V, backend=BE)),
+    ("mixed dtypes", DTypeError, "k", lambda: attnlib.attention(Q, K.astype(np.float64), V,
+                                                                backend=BE)),
+    ("q 3-d", ShapeError, "q", lambda: attnlib.attention(Q[0], K, V, backend=BE)),
+    ("heads", ShapeError, "Hq", lambda: attnlib.attention(*_qkv(hq=5, hkv=2), backend=BE)),
+    ("head dim", ShapeError, "k", lambda: attnlib.attention(Q, K[..., :7], V, backend=BE)),
+    ("k/v lengths", ShapeError, "v", lambda: attnlib.attention(Q, K, V[:, :6], backend=BE)),
+    ("batch", ShapeError, "k", lambda: attnlib.attention(Q, np.concatenate([K, K]),
+                                                         np.concatenate([V, V]), backend=BE)),
+    ("scale nan", ArgumentError, "scale", lambda: attnlib.attention(Q, K, V, scale=float("nan"),
+                                                                    backend=BE)),
+    ("scale inf", ArgumentError, "scale", lambda: attnlib.attention(Q, K, V, scale=np.inf,
+                                                                    backend=BE)),
+    ("scale str", ArgumentError, "scale", lambda: attnlib.attention(Q, K, V, scale="1",
+                                                                    backend=BE)),
+    ("softcap 0", ArgumentError, "softcap", lambda: attnlib.attention(Q, K, V, softcap=0.0,
+                                                                      backend=BE)),
+    ("softcap neg", ArgumentError, "softcap", lambda: attnlib.attention(Q, K, V, softcap=-1.0,
+                                                                        backend=BE)),
+    ("causal", ArgumentError, "causal", lambda: attnlib.attention(Q, K, V, causal="bottom",
+                                                                  backend=BE)),
+    ("window len", ArgumentError, "window", lambda: attnlib.attention(Q, K, V, window=(1,),
+                                                                      backend=BE)),
+    ("window type", ArgumentError, "window", lambda: attnlib.attention(Q, K, V, window=(1.5, 2),
+                                                                       backend=BE)),
+    ("mask shape", ShapeError, "mask", lambda: attnlib.attention(
+        Q, K, V, mask=np.ones((5, 6), bool), backend=BE)),
+    ("mask dtype", DTypeError, "mask", lambda: attnlib.attention(
+        Q, K, V, mask=np.ones((5, 7), np.int32), backend=BE)),
+    ("alibi shape", ShapeError, "alibi_slopes", lambda: attnlib.attention(
+        Q, K, V, alibi_slopes=np.ones(3, np.float32), backend=BE)),
+    ("layout", ArgumentError, "layout", lambda: attnlib.attention(Q, K, V, layout="bsdh",
+                                                                  backend=BE)),
+    ("backend", ArgumentError, "numpy", lambda: attnlib.attention(Q, K, V, backend="nope")),
+]
+
+
+@pytest.mark.parametrize("kind,argname,fn", [c[1:] for c in ATTENTION_CASES],
+                         ids=[c[0] for c in ATTENTION_CASES])
+def test_attention_errors(kind, argname, fn):
+    _raises(kind, argname, fn)
+
+
+def test_error_family():
+    assert issubclass(ShapeError, ValueError) and issubclass(DTypeError, TypeError)
+    assert issubclass(ArgumentError, ValueError) and issubclass(ArgumentError, TypeError)
+    assert issubclass(UnsupportedError, NotImplementedError)
+    assert issubclass(BackendUnavailableError, RuntimeError)
+    assert issubclass(CacheOverflowError, ValueError)
+    assert attnlib.ShapeError is ShapeError and attnlib.AttnlibError is AttnlibError
+
+
+def _varlen(cu_q, cu_k, total_q=6, total_k=9):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((total_q, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((total_k, 2, 8)).astype(np.float32)
+    return lambda: attnlib.attention_varlen(q, k, k, np.asarray(cu_q, np.int32),
+                                            np.asarray(cu_k, np.int32), backend=BE)
+
+
+@pytest.mark.parametrize("cu_q,cu_k,argname", [
+    ([1, 6], [0, 9], "cu_seqlens_q"),  # does not start at 0
+    ([0, 4, 3, 6], [0, 3, 6, 9], "cu_seqlens_q"),  # decreasing
+    ([0, 6], [0, 3, 9], "cu_seqlens"),  # different batch sizes
+    ([0, 6], [0, 8], "cu_seqlens_k"),  # does not end at total_k
+    ([0, 7], [0, 9], "cu_seqlens_q"),  # past total_q
+])
+def test_varlen_cu_seqlens_errors(cu_q, cu_k, argname):
+    with pytest.raises((ArgumentError, ShapeError)) as info:
+        _varlen(cu_q, cu_k)()
+    assert argname in str(info.value)
+
+
+def test_varlen_cu_seqlens_float_dtype():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((6, 2, 8)).astype(np.float32)
+    with pytest.raises((ArgumentError, DTypeError)) as info:
+        attnlib.attention_varlen(q, q, q, np.array([0.0, 6.0]), np.array([0, 6], np.int32),
+                                 backend=BE)
+    assert "cu_seqlens_q" in str(info.value)
+
+
+def test_softmax_errors():
+    x = np.ones((3, 4), np.float32)
+    _raises(ArgumentError, "axis", lambda: attnlib.softmax(x, axis=2, backend=BE))
+    _raises(ArgumentError, "axis", lambda: attnlib.logsumexp(x, axis=-3, backend=BE))
+    _raises(DTypeError, "x", lambda: attnlib.softmax(x.astype(np.int64), backend=BE))
+    _raises(DTypeError, "x", lambda: attnlib.logsumexp([1.0, 2.0], backend=BE))
+
+
+def test_merge_errors():
+    o = np.ones((1, 3, 2, 4), np.float32)
+    s = np.zeros((1, 2, 3), np.float32)
+    _raises(ShapeError, "lses", lambda: attnlib.merge_states([o, o], [s, s[:, :, :2]],
+                                                             backend=BE))
+    _raises(ShapeError, "outs", lambda: attnlib.merge_states([o, o[:, :2]], [s, s], backend=BE))
+    _raises(ArgumentError, "outs", lambda: attnlib.merge_states([], [], backend=BE))
+    _raises(ArgumentError, "lses", lambda: attnlib.merge_states([o, o], [s], backend=BE))
+    _raises(DTypeError, "outs", lambda: attnlib.merge_states([o, o.astype(np.float64)], [s, s],
+                                                             backend=BE))
+
+
+def test_online_attention_errors():
+    q, k, v = _qkv()
+    _raises(ArgumentError, "total_keys", lambda: attnlib.OnlineAttention(q, causal=True,
+                                                                         backend=BE))
+    acc = attnlib.OnlineAttention(q, backend="numpy")
+    _raises(ShapeError, "k", lambda: acc.update(k[..., :5], v))
+    _raises(DTypeError, "k", lambda: acc.update(k.astype(np.float64), v.astype(np.float64)))
+    acc = attnlib.OnlineAttention(q, causal=True, total_keys=7, backend="numpy")
+    acc.update(k[:, :4], v[:, :4])
+    with pytest.raises(AttnlibError) as info:  # more keys than announced
+        acc.update(k[:, :4], v[:, :4])
+    assert "total_keys" in str(info.value)
+
+
+def test_kvcache_construction_errors():
+    _raises(ArgumentError, "max_seq_len", lambda: attnlib.KVCache(1, 0, 2, 8, backend=BE))
+    _raises(ArgumentError, "max_batch_size", lambda: attnlib.KVCache(-1, 8, 2, 8, backend=BE))
+    _raises(ArgumentError, "head_dim", lambda: attnlib.KVCache(1, 8, 2, 0, backend=BE))
+    _raises(DTypeError, "dtype", lambda: attnlib.KVCache(1, 8, 2, 8, dtype="int32", backend=BE))
+
+
+def test_kvcache_update_errors():
+    cache = attnlib.KVCache(2, 8, 2, 8, backend="numpy")
+    _, k, v = _qkv(b=2, sk=3)
+    _raises(ArgumentError, "start_pos", lambda: cache.update(k, v, -1))
+    _raises(ArgumentError, "start_pos", lambda: cache.update(k, v, np.array([0, 0, 0])))
+    _raises(ArgumentError, "start_pos", lambda: cache.update(k, v, 1.5))
+    _raises(ShapeError, "k", lambda: cache.update(k[..., :7], v, 0))
+    _raises(ShapeError, "v", lambda: cache.update(k, v[:, :2], 0))
+    k3, v3 = np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]])
+    _raises(ShapeError, "max_batch_size", lambda: cache.update(k3, v3, 0))
+    err = _raises(CacheOverflowError, "max_seq_len", lambda: cache.update(
+        np.concatenate([k, k, k], 1), np.concatenate([v, v, v], 1), 0))
+    assert isinstance(err, ValueError)
+    assert np.asarray(cache.lengths).tolist() == [0, 0]
+
+
+def test_kvcache_attention_errors():
+    cache = attnlib.KVCache(2, 8, 2, 8, backend="numpy")
+    _, k, v = _qkv(b=2, sk=3)
+    cache.update(k, v, 0)
+    q = _qkv(b=2, sq=1)[0]
+    _raises(ArgumentError, "batch_idx", lambda: attnlib.attention_with_kvcache(
+        q, cache, batch_idx=np.array([0, 2]), backend="numpy"))
+    _raises(ShapeError, "batch_idx", lambda: attnlib.attention_with_kvcache(
+        q, cache, batch_idx=np.array([0]), backend="numpy"))
+    _raises(ArgumentError, "rope", lambda: attnlib.attention_with_kvcache(
+        q, cache, rope=10000.0, backend="numpy"))
+    _raises(ArgumentError, "k", lambda: attnlib.attention_with_kvcache(
+        q, cache, k=k[:, :1], backend="numpy"))  # k without v
+    _raises(ShapeError, "q", lambda: attnlib.attention_with_kvcache(
+        q[..., :7], cache, backend="numpy"))
+
+
+def test_rope_errors():
+    x = np.ones((1, 4, 2, 8), np.float32)
+    pos = np.arange(4)
+    _raises(ArgumentError, "rotary_dim", lambda: attnlib.rope(x, pos, rotary_dim=5, backend=BE))
+    _raises(ArgumentError, "rotary_dim", lambda: attnlib.rope(x, pos, rotary_dim=10, backend=BE))
+    _raises(ShapeError, "positions", lambda: attnlib.rope(x, np.arange(5), backend=BE))
+    _raises(DTypeError, "positions", lambda: attnlib.rope(x, pos.astype(float), backend=BE))
+    _raises(ArgumentError, "theta", lambda: attnlib.rope(x, pos, theta=-1.0, backend=BE))
+    _raises(ArgumentError, "rotary_dim", lambda: attnlib.RoPE(rotary_dim=3))
+
+
+def test_unknown_backend_lists_valid_names():
+    for call in (lambda: attnlib.get_backend("nope"), lambda: attnlib.set_backend("nope"),
+                 lambda: attnlib.use_backend("nope").__enter__()):
+        err = _raises(ArgumentError, "nope", call)
+        for name in ("numpy", "numba", "opencl"):
+            assert name in str(err)
+
+
+def test_bad_calls_leave_everything_working():
+    for case in ATTENTION_CASES:
+        with pytest.raises(AttnlibError):
+            case[3]()
+    out = attnlib.attention(Q, K, V, backend="numpy")
+    assert np.isfinite(out).all()
