@@ -8,7 +8,8 @@ call itself (device-resident inputs on OpenCL and CUDA; numpy in, numpy out on C
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""What ``attnlib bench`` measures: one frozen case per (task, shape, dtype), with its FLOPs and bytes.
+"""What ``attnlib bench`` measures: one frozen case per (task, shape, dtype), its FLOPs and bytes.
 
 Counting conventions (the same for every backend, PyTorch included):
 

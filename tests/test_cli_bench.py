@@ -1,0 +1,144 @@
+"""`attnlib bench` runs and writes well-formed JSON. It is never asked how fast anything is."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from attnlib._bench.cli import main
+from attnlib._bench.shapes import Case, parse_shape
+
+TINY = ["--size", "tiny", "--backends", "numpy", "--reps", "3", "-q", "--no-probes"]
+
+RESULT_KEYS = {
+    "task", "family", "label", "shape", "dtype", "backend", "device", "device_key", "median_s",
+    "min_s", "reps", "first_call_s", "first_call_shape", "flops", "bytes", "intensity",
+    "flop_per_s", "byte_per_s", "pct_roof", "bound", "vs_torch", "peak_mem_bytes", "mem_method",
+    "error",
+}
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _check_doc(doc: dict) -> None:
+    assert doc["schema"] == "attnlib-bench/1"
+    assert {"machine", "versions", "config", "ceilings", "results"} <= set(doc)
+    for key, c in doc["ceilings"].items():
+        assert set(c) == {"device", "byte_per_s", "flop_per_s", "method"}, key
+        assert _positive(c["byte_per_s"]) and _positive(c["flop_per_s"])
+    for r in doc["results"]:
+        assert set(r) == RESULT_KEYS
+        assert r["error"] is None, r
+        assert r["reps"] >= 1 and r["min_s"] <= r["median_s"]
+        for k in ("median_s", "min_s", "flops", "bytes", "intensity", "flop_per_s", "byte_per_s"):
+            assert _positive(r[k]), (k, r)
+        assert r["flop_per_s"] == pytest.approx(r["flops"] / r["median_s"])
+        assert r["intensity"] == pytest.approx(r["flops"] / r["bytes"])
+        assert r["peak_mem_bytes"] is None or r["peak_mem_bytes"] >= 0
+        if doc["ceilings"]:
+            assert r["device_key"] in doc["ceilings"]
+            assert _positive(r["pct_roof"]) and r["bound"] in ("compute", "memory")
+
+
+def test_tiny_run_writes_wellformed_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = [a for a in TINY if a != "--no-probes"]  # this one measures the ceilings too
+    assert main(argv + ["--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    _check_doc(doc)
+    tasks = {r["task"] for r in doc["results"]}
+    assert tasks == {"prefill", "decode", "softmax", "merge"}
+    causal = {r["shape"]["causal"] for r in doc["results"] if r["task"] == "prefill"}
+    assert causal == {False, True}
+    assert {r["backend"] for r in doc["results"]} == {"numpy"}
+    assert "cpu" in doc["ceilings"]
+    out = capsys.readouterr().out
+    assert "median" in out and "%roof" in out and "ceilings" in out
+
+
+def test_exact_odd_shape(tmp_path):
+    path = tmp_path / "bench.json"
+    argv = ["--backends", "numpy", "--reps", "2", "-q", "--no-probes", "--json", str(path),
+            "--shape", "prefill=2,6,3,37,24,causal", "--shape", "decode=1,4,2,77,24"]
+    assert main(argv) == 0
+    doc = json.loads(path.read_text())
+    _check_doc(doc)
+    shapes = {r["task"]: r["shape"] for r in doc["results"]}
+    assert shapes["prefill"] == {"B": 2, "H": 6, "Hkv": 3, "S": 37, "D": 24, "causal": True}
+    assert shapes["decode"] == {"B": 1, "Hq": 4, "Hkv": 2, "L": 77, "D": 24}
+    # decode bytes are the K and V cache read once: 2 * B * L * Hkv * D * 4
+    dec = next(r for r in doc["results"] if r["task"] == "decode")
+    assert dec["bytes"] == 2 * 1 * 77 * 2 * 24 * 4
+    assert all(r["reps"] == 2 for r in doc["results"])
+
+
+def test_causal_flops_count_visible_pairs():
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        b, h, s, d = (int(x) for x in rng.integers(1, 40, size=4))
+        case = Case(task="prefill", B=b, H=h, Hkv=h, S=s, D=d, causal=True)
+        visible = int(np.tril(np.ones((s, s), dtype=bool)).sum())
+        assert case.flops() == 4 * b * h * d * visible
+        full = Case(task="prefill", B=b, H=h, Hkv=h, S=s, D=d)
+        assert full.flops() == 4 * b * h * d * s * s
+
+
+@pytest.mark.parametrize("bad", ["prefill=1,2,3", "nosuch=1,2", "decode=1,3,2,64,16",
+                                 "softmax=0,4", "merge=a,b,c,d,e"])
+def test_bad_shape_is_rejected(bad):
+    with pytest.raises(ValueError, match="--shape"):
+        parse_shape(bad, "float32")
+
+
+@pytest.mark.parametrize("argv", [["--backends", "nosuch"], ["--tasks", "nosuch"],
+                                  ["--dtypes", "int8"], ["--shape", "prefill=1"]])
+def test_bad_option_exits_with_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["-q"])
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(TINY + ["--plot", str(tmp_path / "r.png")]) == 2
+    assert "pip install" in capsys.readouterr().err
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot is the optional 'plot' extra")
+    path = tmp_path / "roof.png"
+    assert main(TINY + ["--tasks", "prefill,decode", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_python_dash_m_attnlib_bench(tmp_path):
+    path = tmp_path / "b.json"
+    cp = subprocess.run(
+        [sys.executable, "-m", "attnlib", "bench", *TINY, "--tasks", "softmax",
+         "--json", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert cp.returncode == 0, cp.stderr
+    assert "softmax 64x256 float32" in cp.stdout
+    _check_doc(json.loads(path.read_text()))
+
+
+def test_torch_side_by_side(tmp_path):
+    pytest.importorskip("torch", reason="PyTorch is optional; the comparison needs it")
+    path = tmp_path / "b.json"
+    argv = ["--size", "tiny", "--backends", "numpy,torch", "--tasks", "prefill,merge",
+            "--causal", "yes", "--reps", "2", "-q", "--no-probes", "--json", str(path)]
+    assert main(argv) == 0
+    doc = json.loads(path.read_text())
+    _check_doc(doc)
+    ours = [r for r in doc["results"] if r["backend"] == "numpy"]
+    assert ours and all(_positive(r["vs_torch"]) for r in ours)
