@@ -1,0 +1,169 @@
+"""Shared pieces of the NVIDIA tensor-core kernel's harness: AttnCall builders for the cases the
+kernel covers, a float64 reference of the AttnCall semantics, and the SPEC's accuracy rule."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+
+def _import_kernel_module():
+    """attnlib.backends.opencl._nvidia_mma; when the package's __init__ files fail to import
+    (the tree is shared and others edit it), load it beneath stub packages instead."""
+    try:
+        return importlib.import_module("attnlib.backends.opencl._nvidia_mma")
+    except Exception as exc:  # noqa: BLE001
+        print(f"(attnlib import failed: {exc!r}; loading the kernel module alone)")
+        for name in [n for n in sys.modules if n == "attnlib" or n.startswith("attnlib.")]:
+            del sys.modules[name]
+        src = Path(__file__).resolve().parents[2] / "src" / "attnlib"
+        for name, path in (("attnlib", src), ("attnlib.backends", src / "backends"),
+                           ("attnlib.backends.opencl", src / "backends" / "opencl")):
+            mod = types.ModuleType(name)
+            mod.__path__ = [str(path)]
+            sys.modules[name] = mod
+        return importlib.import_module("attnlib.backends.opencl._nvidia_mma")
+
+
+nv = _import_kernel_module()
+AttnCall = nv.AttnCall
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16}
+
+
+def rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def dense_call(q, k, v, *, causal=False, window=None, softcap=None, alibi=None, scale=None):
+    """AttnCall of attention(q, k, v) in bshd, bottom-right causal alignment."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    ar = np.arange(b, dtype=np.int64)
+    z, one = np.zeros(b, np.int64), np.ones(b, np.int64)
+    wl = wr = None
+    if window is not None:
+        wl = window[0] if window[0] is not None and window[0] >= 0 else None
+        wr = window[1] if window[1] is not None and window[1] >= 0 else None
+    return AttnCall(
+        q=q, k=k, v=v, q_batch=ar, q_row0=z, q_len=one * sq, k_batch=ar, k_row0=z, k_len=one * sk,
+        q_pos0=one * (sk - sq), k_pos0=z, causal_hi=z.copy() if causal else None,
+        scale=float(scale if scale is not None else 1.0 / np.sqrt(d)),
+        window_left=wl, window_right=wr, softcap=softcap,
+        alibi=None if alibi is None else np.broadcast_to(alibi, (b, hq)).astype(np.float32),
+        dense=True)
+
+
+def seq_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
+             causal=False, ring=0, scale=None):
+    i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
+    n = len(q_len)
+    return AttnCall(
+        q=q, k=k, v=v, q_batch=i64(q_batch), q_row0=i64(q_row0), q_len=i64(q_len),
+        k_batch=i64(k_batch), k_row0=i64(k_row0), k_len=i64(k_len), q_pos0=i64(q_pos0),
+        k_pos0=i64(k_pos0), causal_hi=np.zeros(n, np.int64) if causal else None,
+        scale=float(scale if scale is not None else 1.0 / np.sqrt(q.shape[3])), ring=ring)
+
+
+def reference(call: AttnCall, work_dtype=np.float64, round_to=None):
+    """out (Bq, Sq, Hq, Dv), lse (Bq, Hq, Sq) of ``call`` in ``work_dtype``; with ``round_to``,
+    every intermediate is rounded to that dtype (the SPEC's naive same-dtype computation)."""
+    rnd = (lambda x: x.astype(round_to).astype(work_dtype)) if round_to else (lambda x: x)
+    q, k, v = (np.asarray(x).astype(work_dtype) for x in (call.q, call.k, call.v))
+    bq, sq, hq, _ = q.shape
+    group = hq // k.shape[2]
+    out = np.zeros((bq, sq, hq, v.shape[3]), work_dtype)
+    lse = np.full((bq, hq, sq), -np.inf, work_dtype)
+    for s in range(call.n_seq):
+        qb, qr, ql = int(call.q_batch[s]), int(call.q_row0[s]), int(call.q_len[s])
+        kb, kr, kl = int(call.k_batch[s]), int(call.k_row0[s]), int(call.k_len[s])
+        rows = kr + np.arange(kl)
+        if call.ring:
+            rows = np.where(rows >= call.ring, rows - call.ring, rows)
+        qpos = call.q_pos0[s] + np.arange(ql)
+        kpos = call.k_pos0[s] + np.arange(kl)
+        dd = kpos[None, :] - qpos[:, None]
+        vis = np.ones((ql, kl), bool)
+        if call.causal_hi is not None:
+            vis &= dd <= call.causal_hi[s]
+        if call.window_left is not None:
+            vis &= -call.window_left <= dd
+        if call.window_right is not None:
+            vis &= dd <= call.window_right
+        for h in range(hq):
+            qq = q[qb, qr:qr + ql, h]
+            kk, vv = k[kb, rows, h // group], v[kb, rows, h // group]
+            sc = rnd(call.scale * rnd(qq @ kk.T))
+            if call.softcap is not None:
+                sc = rnd(call.softcap * np.tanh(sc / call.softcap))
+            if call.alibi is not None:
+                sc = rnd(sc - call.alibi[s, h] * np.abs(dd))
+            sc = np.where(vis, sc, -np.inf)
+            m = sc.max(axis=1, initial=-np.inf, keepdims=True)
+            m_use = np.where(np.isneginf(m), 0, m)
+            p = np.where(vis, np.exp(np.where(vis, sc, 0) - m_use), 0)
+            den = p.sum(axis=1, keepdims=True)
+            pn = rnd(np.where(den > 0, p / np.where(den > 0, den, 1), 0))
+            pv = np.zeros((ql, vv.shape[1]), work_dtype)
+            for j in range(kl):  # skip hidden keys (never 0 * v: v may be NaN there)
+                sel = vis[:, j]
+                pv[sel] += pn[sel, j:j + 1] * vv[j]
+            out[qb, qr:qr + ql, h] = rnd(pv)
+            lse[qb, h, qr:qr + ql] = np.where(den[:, 0] > 0, m_use[:, 0] + np.log(den[:, 0]),
+                                              -np.inf)
+    return out, lse
+
+
+def check(call: AttnCall, out, lse, *, rows_mask=None):
+    """(ok, err, tol, lse_err) by the SPEC's rule: err <= 2 * naive_err + 1e-5."""
+    ref, ref_lse = reference(call)
+    naive, _ = reference(call, np.float32, round_to=call.dtype)
+    o = np.asarray(out).astype(np.float64)
+    err = float(np.nanmax(np.abs(o - ref))) if o.size else 0.0
+    same_nan = bool(np.array_equal(np.isnan(o), np.isnan(ref)))
+    tol = 2 * float(np.nanmax(np.abs(naive - ref))) + 1e-5
+    fin = np.isfinite(ref_lse)
+    lse_err = float(np.max(np.abs(lse[fin] - ref_lse[fin]))) if fin.any() else 0.0
+    lse_inf_ok = bool(np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)))
+    ok = err <= tol and same_nan and lse_inf_ok and lse_err <= 1e-2
+    return ok, err, tol, lse_err
+
+
+def cases(rng, dtype, head_dim):
+    """(name, AttnCall) covering every path the kernel has, at odd sizes."""
+    d = head_dim
+    out = []
+    q, k, v = (rand(rng, s, dtype) for s in ((2, 77, 4, d), (2, 77, 2, d), (2, 77, 2, d)))
+    out.append(("dense gqa 77x77", dense_call(q, k, v)))
+    q, k, v = (rand(rng, s, dtype) for s in ((1, 70, 6, d), (1, 131, 2, d), (1, 131, 2, d)))
+    out.append(("causal 70x131 gqa3", dense_call(q, k, v, causal=True)))
+    q, k, v = (rand(rng, s, dtype) for s in ((1, 150, 2, d), (1, 150, 1, d), (1, 150, 1, d)))
+    slopes = np.array([0.25, 0.0625], np.float32)
+    out.append(("window+softcap+alibi 150", dense_call(q, k, v, window=(20, 5), softcap=3.0,
+                                                       alibi=slopes)))
+    q, k, v = (rand(rng, s, dtype) for s in ((1, 90, 2, d), (1, 33, 2, d), (1, 33, 2, d)))
+    out.append(("causal Sq>Sk empty rows", dense_call(q, k, v, causal=True)))
+    # varlen: three sequences packed in one batch row
+    ql, kl = [5, 64, 33], [5, 90, 33]
+    cq, ck = np.cumsum([0] + ql), np.cumsum([0] + kl)
+    q, k, v = (rand(rng, s, dtype) for s in ((1, cq[-1], 4, d), (1, ck[-1], 4, d),
+                                             (1, ck[-1], 4, d)))
+    out.append(("varlen causal", seq_call(
+        q, k, v, q_batch=[0] * 3, q_row0=cq[:-1], q_len=ql, k_batch=[0] * 3, k_row0=ck[:-1],
+        k_len=kl, q_pos0=np.subtract(kl, ql), k_pos0=[0] * 3, causal=True)))
+    # ring KV cache: slots 80.. then wrap, 90 keys held, NaN in the slots not held
+    ring = 96
+    q = rand(rng, (2, 3, 4, d), dtype)
+    k, v = rand(rng, (2, ring, 2, d), dtype), rand(rng, (2, ring, 2, d), dtype)
+    k[:, 74:80] = np.nan
+    v[:, 74:80] = np.nan
+    out.append(("ring cache decode", seq_call(
+        q, k, v, q_batch=[0, 1], q_row0=[0, 0], q_len=[3, 3], k_batch=[1, 0], k_row0=[80, 80],
+        k_len=[90, 90], q_pos0=[87 + 100, 87 + 100], k_pos0=[100, 100], causal=True, ring=ring)))
+    return out

@@ -1,0 +1,20 @@
+#!/bin/bash
+# One device call: mma.sync ceiling, config sweep (build report + correctness + timing), table.
+# On the lent H200, from the repo root:  bash bench/gpu/run_all.sh   (carry .gpu)
+# Env: D128_CONFIGS / D64_CONFIGS (space-separated BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS), SKIP_TABLE=1.
+set -o pipefail
+source .gpu/setup.sh || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+J=$OUT/results.jsonl
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+  --format=csv 2>&1
+timeout 60 python3 bench/gpu/mma_bench.py peak --json "$J"
+for c in ${D128_CONFIGS:-128,64,8,1 128,64,8,0 128,64,4,0 64,64,4,1}; do
+  timeout 90 python3 bench/gpu/mma_bench.py sweep --d 128 --config "$c" --json "$J"
+done
+for c in ${D64_CONFIGS:-128,64,8,1 128,128,8,1 128,64,4,1 64,128,4,1}; do
+  timeout 90 python3 bench/gpu/mma_bench.py sweep --d 64 --config "$c" --json "$J"
+done
+if [ -z "$SKIP_TABLE" ]; then
+  timeout 300 python3 bench/gpu/mma_bench.py table --sweep "$J" --json "$J" --md "$OUT/table.md"
+fi

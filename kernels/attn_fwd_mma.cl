@@ -1,0 +1,457 @@
+// FlashAttention-2 style forward pass on NVIDIA tensor cores (sm_80+), OpenCL C + inline PTX.
+//
+// One work-group = BLOCK_M query rows of one sequence and one query head; WARPS warps split the
+// rows (16 * M_TILES rows each).  For every key tile of BLOCK_N keys:
+//   S = Q K^T      mma.sync.m16n8k16 (f16/bf16 in, f32 accumulate), fragments from ldmatrix
+//   mask, scale    in the exp2 domain (scores are multiplied by log2(e) once)
+//   online softmax m_new = max(m, rowmax S), alpha = 2^(m - m_new), l = alpha l + sum 2^(S - m_new)
+//   O = alpha O + P V   P re-packed from the S accumulators as the A operand (no shared memory)
+// K/V tiles are double-buffered in local memory with cp.async; tiles that no row of the block can
+// see (causal, window, sequence end) are never visited, tiles every row sees fully skip masking.
+//
+// Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_M, BLOCK_N (multiple of 16),
+// WARPS, IS_BF16, Q_IN_REGS, SOFTCAP, ALIBI, USE_PTX.  USE_PTX=0 replaces every warp-level PTX
+// instruction by an exact emulation through local memory and barriers (for checking the fragment
+// layouts with PoCL on a CPU; slow, never used for speed).
+
+#define M_TILES (BLOCK_M / (16 * WARPS))
+#define THREADS (32 * WARPS)
+#define LDS (HEAD_DIM + 8)          // padded row (halves): 8 rows of one ldmatrix hit 8 bank groups
+#define KSTEPS_QK (HEAD_DIM / 16)   // k-steps of S = Q K^T
+#define NT_S (BLOCK_N / 8)          // 8-column n-tiles of S
+#define NT_O (HEAD_DIM / 8)         // 8-column n-tiles of O
+#define KSTEPS_PV (BLOCK_N / 16)    // k-steps of O = P V
+#define CHUNKS (HEAD_DIM / 8)       // 16-byte chunks per row
+#define SEQ_FIELDS 9
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+#if IS_BF16
+#define MMA_TYPE "bf16"
+#else
+#define MMA_TYPE "f16"
+#endif
+
+#if USE_PTX
+// ---------------------------------------------------------------- NVIDIA: inline PTX
+#define UNROLL _Pragma("unroll")
+#define SCR_DECL
+#define SCR_ARG
+
+#define MMA(D, A, B0, B1)                                                                       \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "                   \
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"                               \
+      : "=f"((D)[0]), "=f"((D)[1]), "=f"((D)[2]), "=f"((D)[3])                                  \
+      : "r"((A)[0]), "r"((A)[1]), "r"((A)[2]), "r"((A)[3]), "r"(B0), "r"(B1),                  \
+        "f"((D)[0]), "f"((D)[1]), "f"((D)[2]), "f"((D)[3]))
+
+#define LDSM_X4(R, BASE, OFF)                                                                   \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"                 \
+               : "=r"((R)[0]), "=r"((R)[1]), "=r"((R)[2]), "=r"((R)[3])                         \
+               : "r"((uint)(size_t)((BASE) + (OFF))) : "memory")
+
+#define LDSM_X4_T(R, BASE, OFF)                                                                 \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"           \
+               : "=r"((R)[0]), "=r"((R)[1]), "=r"((R)[2]), "=r"((R)[3])                         \
+               : "r"((uint)(size_t)((BASE) + (OFF))) : "memory")
+
+#define CP_ASYNC16(DST, SRC)                                                                    \
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"                                      \
+               :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
+#define CP_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define CP_WAIT0() asm volatile("cp.async.wait_group 0;" ::: "memory")
+#define CP_WAIT1() asm volatile("cp.async.wait_group 1;" ::: "memory")
+
+inline float shfl_xor1(float x) {
+  uint r;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, 1, 0x1f, 0xffffffff;" : "=r"(r) : "r"(as_uint(x)));
+  return as_float(r);
+}
+inline float shfl_xor2(float x) {
+  uint r;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, 2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(as_uint(x)));
+  return as_float(r);
+}
+#define SHFL_XOR1(X) shfl_xor1(X)
+#define SHFL_XOR2(X) shfl_xor2(X)
+
+inline float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// two floats -> packed pair, lo in bits 0..15 (PTX cvt puts its first source in the high half)
+inline uint pack2(float lo, float hi) {
+  uint r;
+  asm("cvt.rn." MMA_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+#else
+// ---------------------------------------------------------------- emulation (any OpenCL device)
+// Each warp-level instruction: every lane publishes its operands in a per-warp scratch area, a
+// barrier, then each lane reads what the PTX ISA says it receives.  The callers keep every such
+// call in work-group-uniform control flow.
+#define UNROLL
+#define SCR_DECL , __local uint *scr
+#define SCR_ARG , scr
+
+inline float bits_to_float(uint b) {
+#if IS_BF16
+  return as_float(b << 16);
+#else
+  ushort h = (ushort)b;
+  return vload_half(0, (const __private half *)&h);
+#endif
+}
+
+inline uint f2bits(float x) {
+#if IS_BF16
+  uint u = as_uint(x);
+  if (isnan(x)) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;   // round to nearest even
+#else
+  // float -> binary16, round to nearest even, by integer arithmetic
+  uint u = as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (a >= 0x477ff000u) return sign | 0x7c00u;          // rounds to >= 65520: inf
+  if (a < 0x38800000u) {                                  // subnormal half (or zero)
+    if (a < 0x33000000u) return sign;
+    uint m = (a & 0x7fffffu) | 0x800000u, sh = 126u - (a >> 23);
+    uint r = m >> sh, rem = m & ((1u << sh) - 1u), half_ = 1u << (sh - 1u);
+    if (rem > half_ || (rem == half_ && (r & 1u))) r++;
+    return sign | r;
+  }
+  uint r = (a - 0x38000000u) >> 13, rem = a & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+  return sign | r;
+#endif
+}
+
+inline uint pack2(float lo, float hi) { return f2bits(lo) | (f2bits(hi) << 16); }
+inline float ex2(float x) { return exp2(x); }
+
+// A (16x16, row): a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+inline float emu_a(__local uint *scr, int row, int k) {
+  int reg = ((k >> 3) << 1) | (row >> 3);
+  int ln = ((row & 7) << 2) | ((k & 7) >> 1);
+  return bits_to_float((scr[ln * 8 + reg] >> ((k & 1) * 16)) & 0xffffu);
+}
+// B (16x8, col): b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
+inline float emu_b(__local uint *scr, int k, int n) {
+  int reg = 4 + (k >> 3);
+  int ln = (n << 2) | ((k & 7) >> 1);
+  return bits_to_float((scr[ln * 8 + reg] >> ((k & 1) * 16)) & 0xffffu);
+}
+
+inline void emu_mma(float *d, const uint *a, uint b0, uint b1, __local uint *scr) {
+  int lane = get_local_id(0) & 31;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int r = 0; r < 4; r++) scr[lane * 8 + r] = a[r];
+  scr[lane * 8 + 4] = b0;
+  scr[lane * 8 + 5] = b1;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  int g = lane >> 2, t = lane & 3;
+  for (int c = 0; c < 4; c++) {
+    int row = g + ((c >> 1) << 3), col = 2 * t + (c & 1);
+    float acc = d[c];
+    for (int kk = 0; kk < 16; kk++) acc += emu_a(scr, row, kk) * emu_b(scr, kk, col);
+    d[c] = acc;
+  }
+}
+#define MMA(D, A, B0, B1) emu_mma((D), (A), (B0), (B1), scr)
+
+// ldmatrix x4: lanes 8i..8i+7 give the row addresses of matrix i; lane l receives from matrix i
+// row l/4, columns 2(l%4), 2(l%4)+1 (with .trans: rows 2(l%4), 2(l%4)+1 of column l/4).
+inline void emu_ldsm(uint *r, __local const ushort *base, int off, int trans, __local uint *scr) {
+  int lane = get_local_id(0) & 31;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  scr[lane * 8] = (uint)off;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; i++) {
+    uint lo, hi;
+    if (!trans) {
+      int o = (int)scr[(i * 8 + g) * 8] + 2 * t;
+      lo = base[o];
+      hi = base[o + 1];
+    } else {
+      lo = base[(int)scr[(i * 8 + 2 * t) * 8] + g];
+      hi = base[(int)scr[(i * 8 + 2 * t + 1) * 8] + g];
+    }
+    r[i] = lo | (hi << 16);
+  }
+}
+#define LDSM_X4(R, BASE, OFF) emu_ldsm((R), (BASE), (OFF), 0, scr)
+#define LDSM_X4_T(R, BASE, OFF) emu_ldsm((R), (BASE), (OFF), 1, scr)
+
+inline float emu_shfl(float x, int m, __local uint *scr) {
+  int lane = get_local_id(0) & 31;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  scr[lane * 8] = as_uint(x);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  return as_float(scr[(lane ^ m) * 8]);
+}
+#define SHFL_XOR1(X) emu_shfl((X), 1, scr)
+#define SHFL_XOR2(X) emu_shfl((X), 2, scr)
+
+#define CP_ASYNC16(DST, SRC) (*(__local uint4 *)(DST) = *(__global const uint4 *)(SRC))
+#define CP_COMMIT()
+#define CP_WAIT0()
+#define CP_WAIT1()
+#endif
+
+#define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
+
+// Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
+inline int row_lo(long i, long base, long dlo, int klen) {
+  return (int)clamp(i + base + dlo, 0L, (long)klen);
+}
+inline int row_hi(long i, long base, long dhi, int klen) {
+  return (int)clamp(i + base + dhi, -1L, (long)klen - 1);
+}
+
+__kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
+void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global const ushort *v,
+                  __global ushort *out, __global float *lse,
+                  __global const int *tiles,    // (n_tiles, 2): sequence, first local query row
+                  __global const long *seqs,    // (n_seq, SEQ_FIELDS), see _nvidia_mma.py
+                  __global const float *alibi,  // (n_seq, Hq) slopes * log2(e), when ALIBI
+                  const long q_off, const long q_sb, const long q_sr, const long q_sh,
+                  const long k_off, const long k_sb, const long k_sr, const long k_sh,
+                  const long v_off, const long v_sb, const long v_sr, const long v_sh,
+                  const int sq_arr, const int n_heads, const int group, const int ring,
+                  const float qk_scale, const float cap) {
+  __local ushort sQ[BLOCK_M * LDS] __attribute__((aligned(16)));
+  __local ushort sK[2 * BLOCK_N * LDS] __attribute__((aligned(16)));
+  __local ushort sV[2 * BLOCK_N * LDS] __attribute__((aligned(16)));
+#if !USE_PTX
+  __local uint scr_all[WARPS * 256];
+  __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
+#endif
+  const int tid = get_local_id(0), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tg = lane & 3;
+  const int h = get_group_id(1), hk = h / group;
+  const int s = tiles[2 * get_group_id(0)], m0 = tiles[2 * get_group_id(0) + 1];
+  __global const long *sp = seqs + (long)s * SEQ_FIELDS;
+  const long qb = sp[0], qrow0 = sp[1];
+  const int qlen = (int)sp[2];
+  const long kb = sp[3], krow0 = sp[4];
+  const int klen = (int)sp[5];
+  const long base = sp[6], dlo = sp[7], dhi = sp[8];
+  const int nrows = min(BLOCK_M, qlen - m0);
+  const int wrow0 = warp * 16 * M_TILES;  // this warp's first row in the block
+
+  // -- key range of the block (union over its rows) and of its every row (intersection)
+  const int lo_blk = row_lo(m0, base, dlo, klen), hi_blk = row_hi(m0 + nrows - 1, base, dhi, klen);
+  const int lo_all = row_lo(m0 + nrows - 1, base, dlo, klen), hi_all = row_hi(m0, base, dhi, klen);
+  const int t_first = lo_blk / BLOCK_N;
+  const int t_last = hi_blk >= lo_blk ? hi_blk / BLOCK_N : t_first - 1;
+
+  int rlo[M_TILES][2], rhi[M_TILES][2];
+  UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+    UNROLL for (int hf = 0; hf < 2; hf++) {
+      long i = m0 + wrow0 + mt * 16 + g + 8 * hf;
+      rlo[mt][hf] = row_lo(i, base, dlo, klen);
+      rhi[mt][hf] = row_hi(i, base, dhi, klen);
+    }
+  }
+#if ALIBI
+  const float slope = alibi[(long)s * n_heads + h];
+#endif
+
+  // -- prologue: Q tile (own group), then the first K/V tile
+  {
+    __global const ushort *qh = q + q_off + qb * q_sb + h * q_sh;
+    for (int c = tid; c < BLOCK_M * CHUNKS; c += THREADS) {
+      int r = c / CHUNKS, ch = c % CHUNKS;
+      __local ushort *dst = sQ + r * LDS + ch * 8;
+      if (r < nrows) CP_ASYNC16(dst, qh + (qrow0 + m0 + r) * q_sr + ch * 8);
+      else ZERO16(dst);
+    }
+    CP_COMMIT();
+  }
+  __global const ushort *kh = k + k_off + kb * k_sb + hk * k_sh;
+  __global const ushort *vh = v + v_off + kb * v_sb + hk * v_sh;
+#define LOAD_KV(TILE, BUF)                                                                     \
+  for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
+    int r = c / CHUNKS, ch = c % CHUNKS, j = (TILE) * BLOCK_N + r;                             \
+    int so = (BUF) * BLOCK_N * LDS + r * LDS + ch * 8;                                         \
+    if (j >= lo_blk && j <= hi_blk) {                                                          \
+      long row = krow0 + j;                                                                    \
+      if (ring > 0 && row >= ring) row -= ring;                                                \
+      CP_ASYNC16(sK + so, kh + row * k_sr + ch * 8);                                           \
+      CP_ASYNC16(sV + so, vh + row * v_sr + ch * 8);                                           \
+    } else {                                                                                   \
+      ZERO16(sK + so);                                                                         \
+      ZERO16(sV + so);                                                                         \
+    }                                                                                          \
+  }
+  if (t_first <= t_last) { LOAD_KV(t_first, 0) }
+  CP_COMMIT();
+
+#if Q_IN_REGS
+  uint qa[KSTEPS_QK][M_TILES][4];
+  CP_WAIT1();
+  barrier(CLK_LOCAL_MEM_FENCE);
+  UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+      int row = wrow0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      LDSM_X4(qa[kk][mt], sQ, row * LDS + kk * 16 + (lane >> 4) * 8);
+    }
+  }
+#endif
+
+  float o[M_TILES][NT_O][4];
+  float m_i[M_TILES][2], l_i[M_TILES][2];
+  UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+    UNROLL for (int nd = 0; nd < NT_O; nd++) {
+      UNROLL for (int c = 0; c < 4; c++) o[mt][nd][c] = 0.f;
+    }
+    UNROLL for (int hf = 0; hf < 2; hf++) { m_i[mt][hf] = -INFINITY; l_i[mt][hf] = 0.f; }
+  }
+
+  for (int t = t_first; t <= t_last; t++) {
+    const int buf = (t - t_first) & 1;
+    // -- prefetch the next K/V tile into the other buffer while this one is used
+    if (t < t_last) {
+      LOAD_KV(t + 1, buf ^ 1)
+      CP_COMMIT();
+      CP_WAIT1();
+    } else {
+      CP_WAIT0();
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    __local const ushort *sKb = sK + buf * BLOCK_N * LDS;
+    __local const ushort *sVb = sV + buf * BLOCK_N * LDS;
+
+    // -- S = Q K^T
+    float sacc[M_TILES][NT_S][4];
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+      UNROLL for (int nt = 0; nt < NT_S; nt++) {
+        UNROLL for (int c = 0; c < 4; c++) sacc[mt][nt][c] = 0.f;
+      }
+    }
+    UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
+#if !Q_IN_REGS
+      uint qa1[M_TILES][4];
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        int row = wrow0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        LDSM_X4(qa1[mt], sQ, row * LDS + kk * 16 + (lane >> 4) * 8);
+      }
+#define QA(MT) qa1[MT]
+#else
+#define QA(MT) qa[kk][MT]
+#endif
+      UNROLL for (int n2 = 0; n2 < NT_S / 2; n2++) {
+        uint kf[4];
+        int key = n2 * 16 + (lane & 7) + (lane >> 4) * 8;
+        LDSM_X4(kf, sKb, key * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+        UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+          MMA(sacc[mt][2 * n2], QA(mt), kf[0], kf[1]);
+          MMA(sacc[mt][2 * n2 + 1], QA(mt), kf[2], kf[3]);
+        }
+      }
+#undef QA
+    }
+
+    // -- scores in the exp2 domain: softcap, alibi, then the mask
+    const int n0 = t * BLOCK_N;
+    const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+      UNROLL for (int nt = 0; nt < NT_S; nt++) {
+        UNROLL for (int c = 0; c < 4; c++) {
+          float x = sacc[mt][nt][c];
+#if SOFTCAP
+          x = cap * tanh(x * qk_scale);  // qk_scale = scale / softcap, cap = softcap * log2(e)
+#else
+          x *= qk_scale;                 // qk_scale = scale * log2(e)
+#endif
+          const int j = n0 + nt * 8 + 2 * tg + (c & 1);
+#if ALIBI
+          {
+            long i = m0 + wrow0 + mt * 16 + g + 8 * (c >> 1);
+            x -= slope * fabs((float)(i + base - j));
+          }
+#endif
+          if (need_mask && (j < rlo[mt][c >> 1] || j > rhi[mt][c >> 1])) x = -INFINITY;
+          sacc[mt][nt][c] = x;
+        }
+      }
+    }
+
+    // -- online softmax: new running max, rescale l and O, P = 2^(S - m)
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+      UNROLL for (int hf = 0; hf < 2; hf++) {
+        float mx = -INFINITY;
+        UNROLL for (int nt = 0; nt < NT_S; nt++) {
+          mx = fmax(mx, fmax(sacc[mt][nt][2 * hf], sacc[mt][nt][2 * hf + 1]));
+        }
+        mx = fmax(mx, SHFL_XOR1(mx));
+        mx = fmax(mx, SHFL_XOR2(mx));
+        const float m_new = fmax(m_i[mt][hf], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that sees nothing yet
+        const float alpha = ex2(m_i[mt][hf] - m_use);
+        m_i[mt][hf] = m_new;
+        float rs = 0.f;
+        UNROLL for (int nt = 0; nt < NT_S; nt++) {
+          UNROLL for (int c = 0; c < 2; c++) {
+            float p = ex2(sacc[mt][nt][2 * hf + c] - m_use);
+            sacc[mt][nt][2 * hf + c] = p;
+            rs += p;
+          }
+        }
+        l_i[mt][hf] = l_i[mt][hf] * alpha + rs;
+        UNROLL for (int nd = 0; nd < NT_O; nd++) {
+          o[mt][nd][2 * hf] *= alpha;
+          o[mt][nd][2 * hf + 1] *= alpha;
+        }
+      }
+    }
+
+    // -- O += P V: the S accumulators of n-tiles 2t2, 2t2+1 are the A fragment of k-step t2
+    UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) {
+      uint pa[M_TILES][4];
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        pa[mt][0] = pack2(sacc[mt][2 * t2][0], sacc[mt][2 * t2][1]);
+        pa[mt][1] = pack2(sacc[mt][2 * t2][2], sacc[mt][2 * t2][3]);
+        pa[mt][2] = pack2(sacc[mt][2 * t2 + 1][0], sacc[mt][2 * t2 + 1][1]);
+        pa[mt][3] = pack2(sacc[mt][2 * t2 + 1][2], sacc[mt][2 * t2 + 1][3]);
+      }
+      UNROLL for (int n2 = 0; n2 < NT_O / 2; n2++) {
+        uint vf[4];
+        int key = t2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        LDSM_X4_T(vf, sVb, key * LDS + n2 * 16 + (lane >> 4) * 8);
+        UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+          MMA(o[mt][2 * n2], pa[mt], vf[0], vf[1]);
+          MMA(o[mt][2 * n2 + 1], pa[mt], vf[2], vf[3]);
+        }
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);  // this buffer is refilled by the next iteration's prefetch
+  }
+  CP_WAIT0();
+
+  // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf
+  UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+    UNROLL for (int hf = 0; hf < 2; hf++) {
+      float l = l_i[mt][hf];
+      l += SHFL_XOR1(l);
+      l += SHFL_XOR2(l);
+      const float inv = l == 0.f ? 0.f : 1.f / l;
+      const int r = wrow0 + mt * 16 + g + 8 * hf;
+      if (r < nrows) {
+        const long row = qrow0 + m0 + r;
+        __global uint *orow = (__global uint *)(out + ((qb * sq_arr + row) * n_heads + h) * HEAD_DIM);
+        UNROLL for (int nd = 0; nd < NT_O; nd++) {
+          orow[nd * 4 + tg] = pack2(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
+        }
+        if (tg == 0) {
+          lse[(qb * n_heads + h) * sq_arr + row] =
+              l == 0.f ? -INFINITY : (m_i[mt][hf] + log2(l)) * LN2;
+        }
+      }
+    }
+  }
+}

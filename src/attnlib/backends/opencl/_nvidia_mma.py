@@ -1,0 +1,236 @@
+"""FlashAttention-2 style float16/bfloat16 forward kernel for NVIDIA tensor cores (sm_80+).
+
+``kernels/attn_fwd_mma.cl`` is OpenCL C with inline PTX (``mma.sync.m16n8k16``, ``ldmatrix``,
+``cp.async``), built by NVIDIA's OpenCL driver. This module is self-contained: the OpenCL backend
+asks :func:`applicable` and, when it says True, calls :func:`run` instead of its portable kernel.
+
+Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16 or bfloat16, whose
+head dims are equal and in :data:`HEAD_DIMS`, without a mask: dense, varlen, streaming chunks, KV
+cache (ring too), any positions, causal, window, softcap, alibi, GQA/MQA, LSE. Masks go to the
+portable kernel.
+
+Known gap: within a key tile that some rows of a work-group see and others do not (the causal
+diagonal, window edges), a key hidden from row ``i`` contributes ``0 * v``; if that key's ``v``
+holds inf or NaN, row ``i`` gets NaN. Keys hidden from every row of the block are never read.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..base import AttnCall
+
+__all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "build_options"]
+
+#: head dims (D == Dv) the kernel is built for
+HEAD_DIMS = (64, 128)
+#: (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) per head dim
+DEFAULT_CONFIGS = {64: (128, 64, 8, 1), 128: (128, 64, 8, 1)}
+SEQ_FIELDS = 9
+_BIG = 1 << 40  # an unbounded side of the visible key range
+_LOG2E = 1.4426950408889634
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_DTYPES = (np.dtype(np.float16), _BF16)
+
+_lock = threading.Lock()
+_programs: dict[tuple, Any] = {}
+
+
+def _is_cl_array(x: Any) -> bool:
+    try:
+        import pyopencl.array as cla
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, cla.Array)
+
+
+def compute_capability(device: Any) -> tuple[int, int] | None:
+    """(major, minor) of an NVIDIA device (cl_nv_device_attribute_query), else None."""
+    try:
+        import pyopencl as cl
+
+        if "cl_nv_device_attribute_query" not in device.extensions:
+            return None
+        return (
+            int(device.get_info(cl.device_info.COMPUTE_CAPABILITY_MAJOR_NV)),
+            int(device.get_info(cl.device_info.COMPUTE_CAPABILITY_MINOR_NV)),
+        )
+    except Exception:
+        return None
+
+
+def _array_ok(x: Any) -> bool:
+    """Device arrays are read in place: unit last stride, 16-byte aligned rows and start."""
+    if not _is_cl_array(x):
+        return True
+    item = x.dtype.itemsize
+    if x.strides[3] != item or x.offset % 16:
+        return False
+    return all(s % 16 == 0 and s >= 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
+
+
+def applicable(device: Any, call: AttnCall) -> bool:
+    """True when this kernel can run ``call`` on ``device`` (NVIDIA, sm_80+, fp16/bf16, ...)."""
+    cc = compute_capability(device)
+    if cc is None or cc[0] < 8:
+        return False
+    if call.dtype not in _DTYPES or call.mask_view is not None:
+        return False
+    if call.head_dim != call.head_dim_v or call.head_dim not in HEAD_DIMS:
+        return False
+    if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
+        return False
+    return all(_array_ok(x) for x in (call.q, call.k, call.v))
+
+
+def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
+                  alibi: bool = False, use_ptx: bool = True) -> tuple[str, ...]:
+    block_m, block_n, warps, q_in_regs = config
+    return (
+        f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
+        f"-DWARPS={warps}", f"-DQ_IN_REGS={int(q_in_regs)}",
+        f"-DIS_BF16={int(np.dtype(dtype) == _BF16)}", f"-DSOFTCAP={int(softcap)}",
+        f"-DALIBI={int(alibi)}", f"-DUSE_PTX={int(use_ptx)}",
+    )
+
+
+def kernel_path() -> Path:
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "kernels", here.parents[4] / "kernels"):
+        if (cand / "attn_fwd_mma.cl").is_file():
+            return cand / "attn_fwd_mma.cl"
+    raise FileNotFoundError("attn_fwd_mma.cl not found beside attnlib or in the source tree")
+
+
+def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
+    """Build (once per context, device and options) and return the program."""
+    import pyopencl as cl
+
+    key = (ctx.int_ptr, device.int_ptr, options)
+    with _lock:
+        prg = _programs.get(key)
+        if prg is None:
+            src = kernel_path().read_text()
+            prg = cl.Program(ctx, src).build(options=list(options), devices=[device])
+            _programs[key] = prg
+    return prg
+
+
+def _tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sequence fields for the kernel and the work list of (sequence, first row) tiles,
+    heaviest first (causal blocks near the diagonal see more keys and should start early)."""
+    n = call.n_seq
+    seqs = np.zeros((n, SEQ_FIELDS), np.int64)
+    seqs[:, 0], seqs[:, 1], seqs[:, 2] = call.q_batch, call.q_row0, call.q_len
+    seqs[:, 3], seqs[:, 4], seqs[:, 5] = call.k_batch, call.k_row0, call.k_len
+    seqs[:, 6] = np.asarray(call.q_pos0, np.int64) - np.asarray(call.k_pos0, np.int64)
+    seqs[:, 7] = -call.window_left if call.window_left is not None else -_BIG
+    hi = np.full(n, _BIG, np.int64)
+    if call.causal_hi is not None:
+        hi = np.minimum(hi, np.asarray(call.causal_hi, np.int64))
+    if call.window_right is not None:
+        hi = np.minimum(hi, call.window_right)
+    seqs[:, 8] = hi
+    q_len = np.asarray(call.q_len, np.int64)
+    counts = (q_len + block_m - 1) // block_m
+    sid = np.repeat(np.arange(n, dtype=np.int64), counts)
+    first = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts,
+                                                                    counts)
+    m0 = first * block_m
+    if sid.size:
+        # key tiles each work-group visits (same arithmetic as the kernel), for the order only
+        k_len = seqs[sid, 5]
+        last = np.minimum(m0 + block_m, q_len[sid]) - 1
+        lo = np.clip(m0 + seqs[sid, 6] + seqs[sid, 7], 0, k_len)
+        hi_r = np.clip(last + seqs[sid, 6] + seqs[sid, 8], -1, k_len - 1)
+        work = np.where(hi_r >= lo, hi_r // block_n - lo // block_n + 1, 0)
+        order = np.argsort(-work, kind="stable")
+        sid, m0 = sid[order], m0[order]
+    tiles = np.stack([sid, m0], axis=1).astype(np.int32)
+    return np.ascontiguousarray(seqs), np.ascontiguousarray(tiles)
+
+
+def _view(ctx: Any, x: Any) -> tuple[Any, int, tuple[int, int, int], Any]:
+    """(buffer, element offset, element strides of dims 0..2, keep-alive) of q, k or v."""
+    import pyopencl as cl
+
+    item = x.dtype.itemsize
+    if _is_cl_array(x):
+        return x.base_data, x.offset // item, tuple(s // item for s in x.strides[:3]), x
+    h = np.ascontiguousarray(x).view(np.uint16)
+    if h.size == 0:
+        h = np.zeros(8, np.uint16)
+    buf = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=h)
+    sh = x.shape
+    return buf, 0, (sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]), buf
+
+
+def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | None = None,
+        use_ptx: bool | None = None, extra_options: tuple[str, ...] = (),
+        wait_for: Any = None, events: list | None = None) -> tuple[Any, Any]:
+    """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
+
+    ``config`` = (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) overrides :data:`DEFAULT_CONFIGS`;
+    ``use_ptx=False`` builds the emulated kernel (any OpenCL device; for layout checks only);
+    ``events``, when given, receives the kernel's event (for timing).
+    """
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    d = call.head_dim
+    config = tuple(config or DEFAULT_CONFIGS[d])
+    block_m, block_n, warps = config[0], config[1], config[2]
+    if use_ptx is None:
+        use_ptx = compute_capability(device) is not None
+    dtype = call.dtype
+    bq, sq_arr, hq, _ = call.q.shape
+    hkv = call.k.shape[2]
+    is_dev = _is_cl_array(call.q)
+    out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
+
+    seqs, tiles = _tables(call, block_m, block_n)
+    out = cla.empty(queue, out_shape, dtype)
+    lse = cla.empty(queue, lse_shape, np.float32)
+    if tiles.shape[0] and hq:
+        opts = build_options(d, dtype, config, softcap=call.softcap is not None,
+                             alibi=call.alibi is not None, use_ptx=use_ptx) + tuple(extra_options)
+        knl = cl.Kernel(get_program(ctx, device, opts), "attn_fwd_mma")
+        mf = cl.mem_flags
+        seq_buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=seqs)
+        tile_buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=tiles)
+        slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
+                  if call.alibi is not None else np.zeros(1, np.float32))
+        alibi_buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR,
+                              hostbuf=np.ascontiguousarray(slopes, np.float32))
+        (qb, qo, qs, _kq), (kb, ko, ks, _kk), (vb, vo, vs, _kv) = (
+            _view(ctx, call.q), _view(ctx, call.k), _view(ctx, call.v))
+        if call.softcap is not None:
+            qk_scale, cap = call.scale / call.softcap, call.softcap * _LOG2E
+        else:
+            qk_scale, cap = call.scale * _LOG2E, 0.0
+        i64, i32 = np.int64, np.int32
+        knl.set_args(
+            qb, kb, vb, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf,
+            i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
+            i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
+            np.float32(qk_scale), np.float32(cap))
+        threads = 32 * warps
+        evt = cl.enqueue_nd_range_kernel(queue, knl, (tiles.shape[0] * threads, hq),
+                                         (threads, 1), wait_for=wait_for)
+        out.add_event(evt)
+        lse.add_event(evt)
+        if events is not None:
+            events.append(evt)
+    if is_dev:
+        return out, lse
+    out_h = np.empty(out_shape, dtype)
+    lse_h = np.empty(lse_shape, np.float32)
+    if out_h.size:
+        cl.enqueue_copy(queue, out_h.view(np.uint16), out.base_data)
+        cl.enqueue_copy(queue, lse_h, lse.base_data)
+    return out_h, lse_h
