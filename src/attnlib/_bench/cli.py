@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from .shapes import SHAPE_HELP, TASKS, default_ladders, parse_shape
@@ -44,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=SHAPE_HELP + "; exact shapes, no shrinking")
     p.add_argument("--size", choices=("auto", "cpu", "gpu", "tiny"), default="auto",
                    help="size profile (default: gpu when an OpenCL GPU or CUDA is present)")
-    p.add_argument("--budget", type=float, default=40.0, metavar="SECONDS",
-                   help="time for the measured calls, shared by all (default: 40)")
+    p.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
+                   help="target wall time of the whole run (default: 60); slow backends get "
+                        "smaller shapes and fewer repetitions to fit it")
     p.add_argument("--reps", type=int, default=None, help="repetitions per case (default: "
                    "as many as fit the budget, 3 to 30)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -139,6 +141,7 @@ def _profile(args: argparse.Namespace, runners: list[Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``attnlib bench``; returns the process exit status."""
+    t_start = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     from .suite import Progress
@@ -180,17 +183,17 @@ def main(argv: list[str] | None = None) -> int:
         ladders = [[c] for c in shapes]
     else:
         ladders = default_ladders(profile, args.tasks, args.dtypes, causal)
-    ceilings = {} if args.no_probes else _ceilings(runners, progress)
-    slot = min(15.0, max(0.2, args.budget / max(1, len(ladders) * len(runners))))
-    progress(f"size profile {profile!r}; {len(ladders)} families x {len(runners)} backends, "
-             f"~{slot:.2g} s each")
     from .report import annotate, print_table, to_json, write_json
-    from .suite import run_family
+    from .suite import Budget, run_family
 
+    # the budget counts from the start: imports and probes are part of the minute
+    budget = Budget(args.budget - (time.perf_counter() - t_start), len(ladders) * len(runners))
+    ceilings = {} if args.no_probes else _ceilings(runners, progress)
+    progress(f"size profile {profile!r}; {len(ladders)} families x {len(runners)} backends")
     results = []
     for lad in ladders:
         progress(f"{lad[0].family()}:")
-        results += run_family(lad, runners, slot, progress, reps=args.reps)
+        results += run_family(lad, runners, budget, progress, reps=args.reps)
     annotate(results, ceilings)
     print_table(results, ceilings, sys.stdout, load)
     config = {"backends": [r.name for r in runners], "devices": {r.name: r.device_label

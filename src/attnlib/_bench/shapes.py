@@ -78,6 +78,10 @@ class Case:
             return f"softmax {self.rows}x{self.cols} {self.dtype}"
         return f"merge n={self.n} B={self.B} S={self.S} H={self.H} D={self.D} {self.dtype}"
 
+    def ident(self) -> str:
+        """The label as a test id that ``pytest -k`` accepts: ``prefill-B1-H8-S512-D64-float32``."""
+        return self.label().replace("=", "").replace(" ", "-")
+
     # ---- work ---------------------------------------------------------------------------------
     @property
     def itemsize(self) -> int:

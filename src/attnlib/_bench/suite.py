@@ -26,10 +26,26 @@ from .measure import median, peak_meter, time_once, time_reps
 from .runners import make_inputs
 from .shapes import Case
 
-__all__ = ["Result", "Progress", "run_family", "MIN_REPS", "MAX_REPS"]
+__all__ = ["Result", "Progress", "Budget", "run_family", "MIN_REPS", "MAX_REPS"]
 
 MIN_REPS = 3
 MAX_REPS = 30
+MIN_SLOT_S = 0.2
+
+
+class Budget:
+    """The run's wall-clock budget, handed out in slots, one per (family, runner): each slot
+    gets an equal share of what is left, so time a slow compile used is taken from later slots
+    rather than added to the run."""
+
+    def __init__(self, total_s: float, n_slots: int) -> None:
+        self.end = time.perf_counter() + total_s
+        self.left = max(1, n_slots)
+
+    def take(self) -> float:
+        share = (self.end - time.perf_counter()) / self.left
+        self.left = max(1, self.left - 1)
+        return max(MIN_SLOT_S, share)
 
 
 @dataclass
@@ -140,6 +156,7 @@ def _probe(runner: Any, case: Case, inputs: _Inputs, res: Result,
 
 def _repeat(fn: Callable, sync: Callable, t: float, budget: float, reps: int | None,
             res: Result) -> None:
+    """Median of ``reps`` calls (the metered call counts as one), or as many as fit ``budget``."""
     n = reps if reps else int(max(MIN_REPS, min(MAX_REPS, budget / max(t, 1e-9))))
     ts = [t] + time_reps(fn, sync, n - 1)
     res.median_s, res.min_s, res.reps = median(ts), min(ts), len(ts)
@@ -148,7 +165,7 @@ def _repeat(fn: Callable, sync: Callable, t: float, budget: float, reps: int | N
 def run_family(
     ladder: list[Case],
     runners: list[Any],
-    slot_budget: float,
+    budget: Budget,
     progress: Callable[[str], None],
     reps: int | None = None,
 ) -> list[Result]:
@@ -159,6 +176,8 @@ def run_family(
     first_call: dict[str, tuple[float | None, str | None]] = {}
     try:
         for runner in runners:
+            slot_budget = budget.take()
+            slot_end = time.perf_counter() + slot_budget
             idx = len(ladder) - 1
             res = Result(ladder[idx], runner.name, runner.device_label, runner.device_key)
             try:
@@ -172,7 +191,8 @@ def run_family(
             first_call[runner.name] = (res.first_call_s, res.first_call_shape)
             while idx > 0:
                 nxt = ladder[idx - 1]
-                if t * nxt.flops() / ladder[idx].flops() * MIN_REPS > slot_budget:
+                predicted = t * nxt.flops() / ladder[idx].flops()
+                if time.perf_counter() + predicted * (MIN_REPS + 1) > slot_end:
                     break
                 nres = Result(nxt, runner.name, runner.device_label, runner.device_key)
                 try:
@@ -184,7 +204,7 @@ def run_family(
                     _debug()
                     break
                 idx, res = idx - 1, nres
-            _repeat(fn, sync, t, slot_budget, reps, res)
+            _repeat(fn, sync, t, slot_end - time.perf_counter(), reps, res)
             res.first_call_s, res.first_call_shape = first_call[runner.name]
             top_index[runner.name] = idx
             results.append(res)
@@ -202,7 +222,7 @@ def run_family(
                 res = Result(case, runner.name, runner.device_label, runner.device_key)
                 try:
                     fn, sync, t = _probe(runner, case, inputs, res, warm=True)
-                    _repeat(fn, sync, t, slot_budget / 2, reps, res)
+                    _repeat(fn, sync, t, MIN_SLOT_S, reps, res)
                     del fn, sync
                     res.first_call_s, res.first_call_shape = first_call[runner.name]
                     progress(f"  {runner.name:<8} {case.label()}: median "
