@@ -228,6 +228,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 #if MASK_KIND == 1
                         vis = mv != 0;
 #else
+                        vis = mv != NEG_INF; /* -inf excludes the key even where k is NaN */
                         x += mv;
 #endif
                     }

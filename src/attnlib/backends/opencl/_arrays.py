@@ -49,13 +49,13 @@ def _host_span(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
     memory is not one dense block with non-negative strides (a transposed view is not copied)."""
     item = x.itemsize
     if x.flags.c_contiguous:
-        return x.reshape(-1), tuple(s // item for s in np.empty(x.shape, np.uint8).strides)
+        return x.reshape(-1), np.empty(x.shape, np.uint8).strides
     if all(s > 0 and s % item == 0 for s, n in zip(x.strides, x.shape) if n > 1):
         flat = np.ravel(x, order="K")
         if np.shares_memory(flat, x):
             return flat, tuple(s // item if n > 1 else 0 for s, n in zip(x.strides, x.shape))
     x = np.ascontiguousarray(x)
-    return x.reshape(-1), tuple(s // item for s in np.empty(x.shape, np.uint8).strides)
+    return x.reshape(-1), np.empty(x.shape, np.uint8).strides
 
 
 def upload(ctx: Any, x: np.ndarray) -> DevView:

@@ -1,0 +1,193 @@
+"""The OpenCL backend: portable OpenCL C 1.2 kernels (kernels/*.cl) driven by pyopencl.
+
+It runs on any OpenCL device (NVIDIA, AMD, Intel, PoCL on CPUs) and takes numpy arrays (numpy
+out) or ``pyopencl.array.Array`` (Array out, no host copy, enqueued on the Array's queue).
+
+Options (``attnlib.get_backend("opencl", **options)``):
+
+* ``queue``: a ``pyopencl.CommandQueue`` to run on (its context and device are used);
+* ``context``: a ``pyopencl.Context`` (a queue on its first device is made);
+* ``tiles``: ``(BLOCK_M, BLOCK_N, THREADS_M, THREADS_N)`` forcing the forward tiling;
+* ``num_splits``: force the number of key splits (flash-decoding) per query block.
+
+Raises :class:`~attnlib.errors.UnsupportedError` (through ``supports_dtype``) for float64 on a
+device without ``cl_khr_fp64`` and :class:`~attnlib.errors.KernelBuildError` when a kernel fails
+to compile (the message holds the options and the build log).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..base import AttnCall, Backend, RopeSpec
+from . import _attention, _ops
+from ._arrays import is_cl_array
+from ._runtime import KernelConfig, ProgramCache, choose_context, has_gpu, is_simulator
+
+__all__ = ["OpenCLBackend"]
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    name: str
+    is_cpu: bool
+    compute_units: int
+    local_mem: int
+    fp64: bool
+
+
+def _facts(device: Any) -> DeviceFacts:
+    import pyopencl as cl
+
+    return DeviceFacts(
+        name=device.name.strip(),
+        is_cpu=bool(device.type & cl.device_type.CPU) and not device.type & cl.device_type.GPU,
+        compute_units=int(device.max_compute_units),
+        local_mem=int(device.local_mem_size),
+        fp64="cl_khr_fp64" in device.extensions,
+    )
+
+
+class OpenCLBackend(Backend):
+    name: ClassVar[str] = "opencl"
+    description: ClassVar[str] = "OpenCL C 1.2 kernels via pyopencl (any GPU, PoCL on CPUs)"
+    _available: ClassVar[bool | None] = None
+    _gpu: ClassVar[bool | None] = None
+
+    def __init__(
+        self,
+        *,
+        queue: Any = None,
+        context: Any = None,
+        tiles: Sequence[int] | None = None,
+        num_splits: int | None = None,
+    ) -> None:
+        import pyopencl as cl
+
+        if queue is None:
+            context = context if context is not None else choose_context()
+            queue = cl.CommandQueue(context)
+        self.queue = queue
+        self.context = queue.context
+        self.device = queue.device
+        self.facts = _facts(self.device)
+        self.tiles = tuple(int(t) for t in tiles) if tiles is not None else None
+        self.num_splits = num_splits
+        self._programs = ProgramCache()
+        self._kernels: dict[tuple, Any] = {}
+        # clSetKernelArg on one kernel object is not thread-safe: set + enqueue under a lock
+        self._launch_lock = threading.Lock()
+
+    # ---- availability -------------------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> bool:
+        if cls._available is None:
+            try:
+                from ._runtime import list_devices
+
+                cls._available = any(not is_simulator(d) for d in list_devices())
+            except Exception:
+                cls._available = False
+        return cls._available
+
+    @classmethod
+    def auto_priority(cls) -> int:
+        # first when a GPU is present; after numba and numpy (10) on CPU-only OpenCL (PoCL)
+        if cls._gpu is None:
+            cls._gpu = has_gpu()
+        return 100 if cls._gpu else 5
+
+    def info(self) -> dict:
+        import pyopencl as cl
+
+        d = self.device
+        return {
+            "pyopencl": cl.VERSION_TEXT,
+            "platform": d.platform.name.strip(),
+            "device": self.facts.name,
+            "type": cl.device_type.to_string(d.type),
+            "compute_units": self.facts.compute_units,
+            "local_mem_bytes": self.facts.local_mem,
+            "fp64": self.facts.fp64,
+            "driver": d.driver_version,
+        }
+
+    # ---- arrays -------------------------------------------------------------------------------
+    def owns(self, x: Any) -> bool:
+        return is_cl_array(x)
+
+    def to_device(self, x: np.ndarray) -> Any:
+        import pyopencl.array as cla
+
+        if is_cl_array(x):
+            return x
+        return cla.to_device(self.queue, np.ascontiguousarray(x))
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return x.get() if is_cl_array(x) else np.asarray(x)
+
+    def supports_dtype(self, dtype: np.dtype) -> str | None:
+        if np.dtype(dtype) == np.float64 and not self.facts.fp64:
+            return (
+                f"opencl: float64 needs cl_khr_fp64, which device {self.facts.name!r} lacks; "
+                "use float32 or the numpy/numba backend"
+            )
+        return None
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    def queue_for(self, *arrays: Any) -> Any:
+        """The queue of the first pyopencl Array given (work stays in order with the caller's
+        kernels), else the backend's own."""
+        for a in arrays:
+            if is_cl_array(a) and a.queue is not None:
+                return a.queue
+        return self.queue
+
+    def launch(self, ctx: Any, queue: Any, filename: str, cfg: KernelConfig, kernel: str,
+               gsize: tuple, lsize: tuple | None, args: Sequence[Any]) -> None:
+        import pyopencl as cl
+
+        opts = cfg.options()
+        key = (ctx.int_ptr, filename, opts, kernel)
+        with self._launch_lock:
+            knl = self._kernels.get(key)
+            if knl is None:
+                prg = self._programs.get(ctx, filename, opts)
+                knl = self._kernels[key] = cl.Kernel(prg, kernel)
+            knl.set_args(*args)
+            cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize)
+
+    # ---- primitives ---------------------------------------------------------------------------
+    def attention(self, call: AttnCall) -> tuple[Any, Any]:
+        return _attention.attention(self, call)
+
+    def softmax(self, x: Any, axis: int, log: bool) -> Any:
+        return _ops.softmax(self, x, axis, log)
+
+    def merge_states(self, outs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
+        return _ops.merge_states(self, outs, lses)
+
+    def rope(self, x: Any, positions: np.ndarray, spec: RopeSpec) -> Any:
+        return _ops.rope(self, x, positions, spec)
+
+    def cache_alloc(self, shape: tuple[int, int, int, int], dtype: np.dtype) -> Any:
+        import pyopencl as cl
+        import pyopencl.array as cla
+
+        buf = cla.empty(self.queue, tuple(shape), np.dtype(dtype))
+        if buf.nbytes:
+            cl.enqueue_fill_buffer(self.queue, buf.data, np.uint8(0), 0, buf.nbytes)
+        self.queue.finish()
+        return buf
+
+    def cache_write(self, buf: Any, src: Any, rows: np.ndarray, start_pos: np.ndarray,
+                    rope: RopeSpec | None) -> None:
+        _ops.cache_write(self, buf, src, rows, start_pos, rope)
+
+    def cache_read(self, buf: Any) -> np.ndarray:
+        return buf.get()

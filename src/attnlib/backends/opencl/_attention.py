@@ -1,0 +1,181 @@
+"""The attention primitive on OpenCL: one tiled kernel (kernels/attn_fwd.cl) for dense, varlen,
+streaming chunks and the (ring) KV cache, plus split-KV (flash-decoding) with a merge pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
+from ._runtime import KernelConfig
+
+if TYPE_CHECKING:
+    from ..base import AttnCall
+    from . import OpenCLBackend
+
+_INT_MAX = 2**31 - 1
+_UNBOUNDED = 1 << 40  # a window side that is None
+#: packed query rows (q_len * GROUP) up to which a call takes the decode tiling
+DECODE_ROWS = 8
+
+
+@dataclass(frozen=True)
+class FwdConfig(KernelConfig):
+    HEAD_DIM: int
+    HEAD_DIM_V: int
+    GROUP: int
+    BLOCK_M: int
+    BLOCK_N: int
+    THREADS_M: int
+    THREADS_N: int
+    STORE_KIND: int
+    ACC_KIND: int
+    MASK_KIND: int
+    HAS_ALIBI: bool
+    HAS_SOFTCAP: bool
+    SPLIT: bool
+
+
+@dataclass(frozen=True)
+class MergeConfig(KernelConfig):
+    IN_KIND: int
+    STORE_KIND: int
+    ACC_KIND: int
+
+
+def local_bytes(bm: int, bn: int, tn: int, d: int, dv: int, acc_bytes: int) -> int:
+    """__local memory of one attn_fwd work-group (mirrors the arrays declared in the kernel)."""
+    dv_pad = -(-dv // tn) * tn
+    return acc_bytes * (bm * (d + 1) + bn * max(d + 1, dv_pad) + bm * (bn + 1) + tn * bm)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_tiles(
+    facts: Any, rows: int, d: int, dv: int, acc_bytes: int, override: tuple | None
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, THREADS_M, THREADS_N) for this device and call.
+
+    ``rows`` is the largest number of packed query rows (q_len * GROUP) of one sequence. Few rows
+    (decoding) take BLOCK_M = rows rounded up to a power of two with one row per work-item and
+    wide key tiles; otherwise the largest prefill tiling whose __local arrays fit the device.
+    """
+    if override is not None:
+        return tuple(override)  # type: ignore[return-value]
+    if rows <= DECODE_ROWS:
+        bm = _next_pow2(rows)
+        cands = [(bm, 32, bm, 8)] if facts.is_cpu else [(bm, 64, bm, 32), (bm, 32, bm, 32)]
+    elif facts.is_cpu:
+        cands = [(16, 32, 4, 8), (16, 16, 4, 4)]
+    else:
+        cands = [(64, 64, 16, 16), (64, 32, 16, 16), (32, 32, 8, 16), (16, 32, 4, 16),
+                 (16, 16, 4, 8), (8, 8, 2, 4)]
+    for bm, bn, tm, tn in cands:
+        if local_bytes(bm, bn, tn, d, dv, acc_bytes) <= facts.local_mem:
+            return bm, bn, tm, tn
+    return cands[-1]
+
+
+def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | None) -> int:
+    """Key splits per block (flash-decoding): enough work-groups to fill every compute unit a few
+    times over, each split keeping at least two key tiles."""
+    if override is not None:
+        return max(1, int(override))
+    target = facts.compute_units * (1 if facts.is_cpu else 4)
+    if n_groups >= target or key_tiles < 4:
+        return 1
+    return max(1, min(-(-target // n_groups), key_tiles // 2))
+
+
+def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    queue = be.queue_for(call.q, call.k, call.v)
+    ctx = queue.context
+    dtype = call.dtype
+    acc = acc_dtype(dtype)
+    bq, sq_arr, hq, d = call.q.shape
+    hkv, dv = call.n_kv_heads, call.head_dim_v
+    group = hq // hkv
+    out = cla.empty(queue, (bq, sq_arr, hq, dv), dtype)
+    lse = cla.empty(queue, (bq, hq, sq_arr), acc)
+    host = not is_cl_array(call.q)
+    n_seq = call.n_seq
+    if out.size == 0 or n_seq == 0:
+        return (out.get(), lse.get()) if host else (out, lse)
+
+    rows = (call.q_len.astype(np.int64) * group)
+    tiles = choose_tiles(be.facts, int(rows.max()), d, dv, acc.itemsize, be.tiles)
+    bm, bn, tmh, tnh = tiles
+    n_blocks = -(-rows // bm)
+    seq_of = np.repeat(np.arange(n_seq), n_blocks)
+    first = np.arange(seq_of.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+    table = np.stack([seq_of, first * bm], axis=1).reshape(-1)
+    chi = np.full(n_seq, _INT_MAX) if call.causal_hi is None else call.causal_hi
+    fields = [call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
+              call.q_pos0, call.k_pos0, chi]
+    desc = np.concatenate([np.stack(fields, axis=1).reshape(-1), table]).astype(np.int32)
+    n_groups = int(seq_of.size)
+    if n_groups == 0:
+        return (out.get(), lse.get()) if host else (out, lse)
+    key_tiles = -(-int(call.k_len.max()) // bn) if n_seq else 0
+    splits = choose_splits(be.facts, n_groups * hkv, key_tiles, be.num_splits)
+
+    mask_kind = 0
+    mask_args: list[Any] = [dummy_buffer(ctx), 0, 0, 0, 0, 0]
+    if call.mask_view is not None:
+        mask_kind = 1 if call.mask_kind == "bool" else 2
+        mv = call.mask_view
+        base = mv[tuple(slice(0, 1) if s == 0 else slice(None) for s in mv.strides)]
+        base = base.astype(np.uint8 if mask_kind == 1 else acc)
+        mdev = upload(ctx, base)
+        strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
+        mask_args = [mdev.buf, mdev.offset, *strides]
+    alibi_buf = dummy_buffer(ctx)
+    if call.alibi is not None:
+        alibi_buf = upload(ctx, np.ascontiguousarray(call.alibi, np.float32)).buf
+
+    cfg = FwdConfig(
+        HEAD_DIM=d, HEAD_DIM_V=dv, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
+        THREADS_N=tnh, STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
+        MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
+        HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1,
+    )
+    n_out_rows = bq * sq_arr * hq
+    if splits > 1:
+        part_o = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, splits * n_out_rows * dv * acc.itemsize)
+        part_l = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, splits * n_out_rows * acc.itemsize)
+        dst = [part_o, part_l]
+    else:
+        dst = [out.data, lse.data]
+
+    views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
+    desc_buf = upload(ctx, desc).buf
+    wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
+    wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
+    i64, i32, f = np.int64, np.int32, acc.type
+    args: list[Any] = []
+    for view in views:
+        args += [view.buf, i64(view.offset), *(i64(s) for s in view.strides)]
+    args += [desc_buf, i32(n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
+             f(call.softcap or 1.0), alibi_buf, mask_args[0], *(i64(a) for a in mask_args[1:])]
+    args += [*dst, i32(sq_arr), i32(hq), i64(n_out_rows)]
+    nt = tmh * tnh
+    be.launch(ctx, queue, "attn_fwd.cl", cfg, "attn_fwd", (n_groups * nt, hkv, splits),
+              (nt, 1, 1), args)
+
+    if splits > 1:
+        mcfg = MergeConfig(IN_KIND=store_kind(acc), STORE_KIND=store_kind(dtype),
+                           ACC_KIND=int(acc == np.float64))
+        margs = [part_o, i64(n_out_rows * dv), part_l, i64(n_out_rows), i64(sq_arr * hq),
+                 i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(dv), i64(n_out_rows),
+                 out.data, lse.data]
+        be.launch(ctx, queue, "merge.cl", mcfg, "merge_states", (dv, n_out_rows), None, margs)
+    if host:
+        return out.get(), lse.get()
+    return out, lse

@@ -1,0 +1,174 @@
+"""softmax / logsumexp, merge_states, rope and the KV-cache append on OpenCL."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
+from ._attention import MergeConfig
+from ._runtime import KernelConfig
+
+if TYPE_CHECKING:
+    from ..base import RopeSpec
+    from . import OpenCLBackend
+
+
+@dataclass(frozen=True)
+class SoftmaxConfig(KernelConfig):
+    STORE_KIND: int
+    ACC_KIND: int
+    WG: int
+    LOG: bool
+
+
+@dataclass(frozen=True)
+class RopeConfig(KernelConfig):
+    STORE_KIND: int
+    ACC_KIND: int
+    ROTATE: bool
+    INTERLEAVED: bool
+
+
+def _finish(host: bool, *arrays: Any) -> Any:
+    res = tuple(a.get() for a in arrays) if host else arrays
+    return res[0] if len(res) == 1 else res
+
+
+def softmax(be: OpenCLBackend, x: Any, axis: int, log: bool) -> Any:
+    import pyopencl.array as cla
+
+    queue = be.queue_for(x)
+    host = not is_cl_array(x)
+    if not host and not x.flags.c_contiguous:
+        x = x.get()  # a strided device view: one host round trip, then the plain path
+    if host:
+        x = np.ascontiguousarray(x)
+    dtype = np.dtype(x.dtype)
+    acc = acc_dtype(dtype)
+    shape = tuple(x.shape)
+    n = shape[axis]
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
+    out_shape = shape[:axis] + shape[axis + 1 :] if log else shape
+    out = cla.empty(queue, out_shape, acc if log else dtype)
+    n_rows = outer * inner
+    if out.size == 0:
+        return _finish(host, out)
+    if n == 0:  # an empty axis: lse = -inf for every row
+        out.fill(acc.type(-np.inf))
+        return _finish(host, out)
+    ctx = queue.context
+    view = device_view(ctx, x)
+    wg_cap = 64 if be.facts.is_cpu else 256
+    wg = 16 if n <= 16 else min(wg_cap, 64 if n <= 512 else 256)
+    cfg = SoftmaxConfig(STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64), WG=wg,
+                        LOG=log)
+    i64 = np.int64
+    args = [view.buf, i64(view.offset), i64(n * inner), i64(inner), i64(1), np.int32(n),
+            i64(inner), out.data]
+    be.launch(ctx, queue, "softmax.cl", cfg, "softmax_rows", (n_rows * wg,), (wg,), args)
+    return _finish(host, out)
+
+
+def _stack_device(queue: Any, arrays: Sequence[Any], dtype: np.dtype) -> Any:
+    """One device buffer holding ``arrays`` back to back (C order), copied on the device when
+    they are contiguous pyopencl Arrays, else through the host."""
+    import pyopencl as cl
+
+    ctx = queue.context
+    if all(is_cl_array(a) and a.flags.c_contiguous for a in arrays):
+        nbytes = arrays[0].nbytes
+        buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max(1, nbytes * len(arrays)))
+        for i, a in enumerate(arrays):
+            if nbytes:
+                cl.enqueue_copy(queue, buf, a.base_data, src_offset=a.offset,
+                                dst_offset=i * nbytes, byte_count=nbytes)
+        return buf
+    host = [a.get() if is_cl_array(a) else np.asarray(a) for a in arrays]
+    return upload(ctx, np.ascontiguousarray(np.stack([np.asarray(h, dtype) for h in host]))).buf
+
+
+def merge_states(be: OpenCLBackend, outs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
+    import pyopencl.array as cla
+
+    queue = be.queue_for(*outs, *lses)
+    host = not is_cl_array(outs[0])
+    dtype = np.dtype(outs[0].dtype)
+    acc = acc_dtype(dtype)
+    b, s, h, dv = outs[0].shape
+    out = cla.empty(queue, (b, s, h, dv), dtype)
+    lse = cla.empty(queue, (b, h, s), acc)
+    n_rows = b * s * h
+    if out.size == 0:
+        if lse.size:
+            lse.fill(acc.type(-np.inf))
+        return _finish(host, out, lse)
+    o_buf = _stack_device(queue, outs, dtype)
+    l_buf = _stack_device(queue, [np.asarray(x, acc) if not is_cl_array(x) else x for x in lses],
+                          acc)
+    cfg = MergeConfig(IN_KIND=store_kind(dtype), STORE_KIND=store_kind(dtype),
+                      ACC_KIND=int(acc == np.float64))
+    i64, i32 = np.int64, np.int32
+    args = [o_buf, i64(n_rows * dv), l_buf, i64(n_rows), i64(h * s), i64(1), i64(s),
+            i32(len(outs)), i32(s), i32(h), i32(dv), i64(n_rows), out.data, lse.data]
+    be.launch(queue.context, queue, "merge.cl", cfg, "merge_states", (dv, n_rows), None, args)
+    return _finish(host, out, lse)
+
+
+def _cos_sin(positions: np.ndarray, spec: RopeSpec, acc: np.dtype) -> np.ndarray:
+    """(cos, sin) of pos * theta**(-2t/r) per (position, pair), computed in float64."""
+    half = spec.rotary_dim // 2
+    inv_freq = float(spec.theta) ** (-2.0 * np.arange(half, dtype=np.float64) / spec.rotary_dim)
+    ang = positions.reshape(-1, 1).astype(np.float64) * inv_freq[None, :]
+    return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(acc)
+
+
+def _rope_copy(be: OpenCLBackend, queue: Any, src: Any, dst: Any, dst_rows: np.ndarray,
+               dst_start: np.ndarray, cap: int, positions: np.ndarray | None,
+               spec: RopeSpec | None) -> None:
+    bsz, s, h, d = src.shape
+    if bsz * s * h * d == 0:
+        return
+    ctx = queue.context
+    dtype = np.dtype(dst.dtype)
+    acc = acc_dtype(dtype)
+    rotate = spec is not None and spec.rotary_dim > 0
+    cs = upload(ctx, _cos_sin(positions, spec, acc)).buf if rotate else dummy_buffer(ctx)
+    cfg = RopeConfig(STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
+                     ROTATE=rotate, INTERLEAVED=bool(spec and spec.interleaved))
+    view = device_view(ctx, src)
+    table = np.stack([dst_rows, dst_start], axis=1).astype(np.int32)
+    item = dtype.itemsize
+    i64, i32 = np.int64, np.int32
+    y_strides = [st // item for st in dst.strides[:3]]
+    args = [view.buf, i64(view.offset), *(i64(st) for st in view.strides), cs,
+            upload(ctx, table).buf, i32(s), i32(h), i32(d),
+            i32(spec.rotary_dim if rotate else 0), i32(cap), dst.data,
+            *(i64(st) for st in y_strides)]
+    be.launch(ctx, queue, "rope.cl", cfg, "rope_copy", (d, h, bsz * s), None, args)
+
+
+def rope(be: OpenCLBackend, x: Any, positions: np.ndarray, spec: RopeSpec) -> Any:
+    import pyopencl.array as cla
+
+    queue = be.queue_for(x)
+    host = not is_cl_array(x)
+    bsz, s, h, d = x.shape
+    out = cla.empty(queue, (bsz, s, h, d), x.dtype)
+    pos = np.broadcast_to(np.asarray(positions, np.int64), (bsz, s))
+    _rope_copy(be, queue, x, out, np.arange(bsz), np.zeros(bsz, np.int64), max(s, 1), pos, spec)
+    return _finish(host, out)
+
+
+def cache_write(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray, start_pos: np.ndarray,
+                rope_spec: RopeSpec | None) -> None:
+    queue = be.queue_for(buf)
+    cap = buf.shape[1]
+    bsz, s = src.shape[:2]
+    start = np.asarray(start_pos, np.int64)
+    pos = start[:, None] + np.arange(s, dtype=np.int64)[None, :] if rope_spec else None
+    _rope_copy(be, queue, src, buf, np.asarray(rows, np.int64), start % cap, cap, pos, rope_spec)
