@@ -135,7 +135,7 @@ def _ceilings(runners: list[Any], progress: Any) -> dict:
 def _profile(args: argparse.Namespace, runners: list[Any]) -> str:
     if args.size != "auto":
         return args.size
-    gpu = any(r.device_key.startswith("cuda:") or "[GPU]" in r.device_label for r in runners)
+    gpu = any(r.device_key.startswith("cuda:") or "GPU]" in r.device_label for r in runners)
     return "gpu" if gpu else "cpu"
 
 

@@ -1,7 +1,8 @@
 """Measured ceilings per device: a quick copy probe (bandwidth) and an FMA probe (compute).
 
-* CPU: ``numpy.copyto`` of a 64 MiB float32 array (read + write counted; one thread, as numpy
-  copies) and a float32 matmul through numpy's BLAS (all its threads), ``2 n^3`` FLOPs.
+* CPU: ``numpy.copyto`` of a 64 MiB float32 array (read + write counted; one thread, and one
+  chunk per core in threads) and a float32 matmul through numpy's BLAS (one and all threads;
+  PyTorch's too when it runs), ``2 n^3`` FLOPs; the best of each.
 * OpenCL: a float4 copy kernel (read + write) and a float4 FMA kernel (8 independent chains per
   work-item, 2 FLOPs per lane per FMA), on the backend's own queue when it exposes one.
 * CUDA (PyTorch): a tensor copy and a float32 matmul with TF32 off.
@@ -64,6 +65,19 @@ def cpu_ceiling(with_torch: bool = False) -> Ceiling:
     dst = np.empty_like(src)
     t = _best(lambda: np.copyto(dst, src), lambda: None, 7)
     bw = 2 * src.nbytes / t
+    # one thread rarely saturates the memory bus: copy in one chunk per core as well (numpy
+    # releases the GIL while it copies) and keep the better of the two
+    workers = os.cpu_count() or 1
+    if workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        bounds = np.linspace(0, n, workers + 1).astype(np.int64)
+        chunks = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        with ThreadPoolExecutor(workers) as pool:
+            def par() -> None:
+                list(pool.map(lambda c: np.copyto(c[0], c[1]), chunks))
+
+            bw = max(bw, 2 * src.nbytes / _best(par, lambda: None, 7))
 
     def make(m: int) -> tuple[Callable, Callable, float]:
         a = np.random.default_rng(1).random((m, m), dtype=np.float32)
@@ -71,7 +85,7 @@ def cpu_ceiling(with_torch: bool = False) -> Ceiling:
         return (lambda: a @ b), (lambda: None), 2.0 * m**3
 
     flops = _calibrated(make, 256, 2, 0.03, reps=3, limit=4096)
-    method = "numpy.copyto 64 MiB (1 thread) / float32 matmul (numpy BLAS"
+    method = "numpy.copyto 64 MiB, 1 and all threads / float32 matmul (numpy BLAS"
     try:
         # on a busy machine a multi-threaded BLAS can stall at its barriers: one thread's rate
         # is a lower bound of the roof
@@ -177,7 +191,9 @@ def opencl_ceiling(backend: Any = None) -> Ceiling:
 
     flops = _calibrated(make, cu * 64, 4, 0.02, reps=5, limit=1 << 26)
     kind = "GPU" if is_gpu else "CPU"
-    return Ceiling(f"{dev.name.strip()} [{kind}]", bw, flops,
+    from .runners import short_device_name
+
+    return Ceiling(f"{short_device_name(dev.name)} [OpenCL {kind}]", bw, flops,
                    f"OpenCL float4 copy {nbytes >> 20} MiB / float4 FMA kernel")
 
 

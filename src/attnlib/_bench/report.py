@@ -66,7 +66,7 @@ def _mib(b: int | float | None) -> str:
     return f"{b / (1 << 20):.1f} MiB"
 
 
-_COLS = (("backend", 8), ("device", 20), ("median", 9), ("1st call", 9), ("FLOP/s", 11),
+_COLS = (("backend", 8), ("device", 24), ("median", 9), ("1st call", 9), ("FLOP/s", 11),
          ("bytes/s", 11), ("%roof", 7), ("vs torch", 8), ("peak mem", 10))
 
 

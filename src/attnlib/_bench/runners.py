@@ -68,7 +68,7 @@ class AttnlibRunner:
         self.name = name
         self.backend = attnlib.get_backend(name)
         self.device_key, self.device_label = _attnlib_device(name, self.backend)
-        self.host_memory = self.device_key == "cpu" or "[CPU]" in self.device_label
+        self.host_memory = self.device_key == "cpu" or self.device_label.endswith("CPU]")
 
     def prepare(self, case: Case, inputs: dict[str, Any]) -> tuple[Callable[[], Any], Callable]:
         import attnlib
@@ -135,10 +135,17 @@ def _attnlib_device(name: str, backend: Any) -> tuple[str, str]:
             import pyopencl as cl
 
             kind = "GPU" if dev.type & cl.device_type.GPU else "CPU"
-            return f"opencl:{dev.name.strip()}", f"{dev.name.strip()} [{kind}]"
+            return f"opencl:{dev.name.strip()}", f"{short_device_name(dev.name)} [OpenCL {kind}]"
         except Exception:
             return "opencl:?", "OpenCL device"
     return "cpu", "CPU"
+
+
+def short_device_name(name: str) -> str:
+    """'pthread-Intel(R) Xeon(R) Processor' -> 'Intel Xeon' (PoCL's names are long)."""
+    for junk in ("(R)", "(TM)", "(tm)", "pthread-", "cpu-", " Processor", " CPU"):
+        name = name.replace(junk, "")
+    return " ".join(name.split())
 
 
 class TorchRunner:
@@ -154,7 +161,7 @@ class TorchRunner:
         if self.cuda:
             self.dev = torch.device("cuda")
             self.device_key = f"cuda:{torch.cuda.get_device_name(0)}"
-            self.device_label = f"{torch.cuda.get_device_name(0)} [CUDA]"
+            self.device_label = f"{short_device_name(torch.cuda.get_device_name(0))} [CUDA]"
         else:
             self.dev = torch.device("cpu")
             self.device_key, self.device_label = "cpu", "CPU"
