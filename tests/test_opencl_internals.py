@@ -1,0 +1,179 @@
+"""What the shared conformance suite cannot see of the opencl backend: build errors, device arrays
+in and out without host copies, a caller's queue, threads, forced tilings and key splits."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib.testing._helpers import check_dense, qkv, rng_for
+
+cl = pytest.importorskip("pyopencl")
+cla = pytest.importorskip("pyopencl.array")
+
+from attnlib.backends.opencl import OpenCLBackend, _attention, _runtime  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not OpenCLBackend.is_available(), reason="no OpenCL device (pyopencl[pocl] provides one)"
+)
+
+
+@pytest.fixture(scope="module")
+def be():
+    return attnlib.get_backend("opencl")
+
+
+def test_device_choice_skips_simulators(monkeypatch):
+    monkeypatch.delenv("PYOPENCL_CTX", raising=False)
+    ctx = _runtime.choose_context()
+    assert not _runtime.is_simulator(ctx.devices[0])
+    assert OpenCLBackend.is_available() is True
+    if not _runtime.has_gpu():
+        assert OpenCLBackend.auto_priority() < attnlib.get_backend("numpy").auto_priority()
+
+
+def test_kernel_build_error_names_options_and_log(be):
+    opts = ("-DHEAD_DIM=8",)  # the other macros missing: the file's #error guard fires
+    with pytest.raises(attnlib.KernelBuildError) as info:
+        _runtime.build_program(be.context, "attn_fwd.cl", _runtime.kernel_source("attn_fwd.cl"),
+                               opts)
+    msg = str(info.value)
+    assert "-DHEAD_DIM=8" in msg and "attn_fwd.cl" in msg
+    assert "HEAD_DIM_V must be defined" in msg, "the build log is part of the message"
+    bad = "__kernel void f(__global float *x) { x[0] = undefined_name; }"
+    with pytest.raises(attnlib.KernelBuildError, match="undefined_name"):
+        _runtime.build_program(be.context, "inline.cl", bad, ())
+
+
+def test_config_options_are_sorted_defines():
+    cfg = _attention.MergeConfig(IN_KIND=1, STORE_KIND=0, ACC_KIND=0)
+    assert cfg.options() == ("-DACC_KIND=0", "-DIN_KIND=1", "-DSTORE_KIND=0")
+
+
+def test_arrays_in_arrays_out_without_host_copies(be, monkeypatch):
+    rng = rng_for("cl arrays")
+    q, k, v = qkv(rng, 2, 19, 45, 4, 2, 24, 12)
+    ref_out, ref_lse = attnlib.attention(q, k, v, causal=True, return_lse=True, backend="numpy")
+    dq, dk, dv = (attnlib.to_device(a, backend=be) for a in (q, k, v))
+
+    def no_get(*a, **kw):
+        raise AssertionError("a device -> host copy happened")
+
+    uploads = []
+    real_upload = _attention.upload
+    monkeypatch.setattr(cla.Array, "get", no_get)
+    monkeypatch.setattr(_attention, "upload", lambda ctx, x: uploads.append(x.size)
+                        or real_upload(ctx, x))
+    out, lse = attnlib.attention(dq, dk, dv, causal=True, return_lse=True, backend=be)
+    monkeypatch.undo()
+    assert isinstance(out, cla.Array) and isinstance(lse, cla.Array)
+    assert out.queue is dq.queue
+    assert all(n < q.size for n in uploads), "q, k or v went through the host"
+    np.testing.assert_allclose(attnlib.to_numpy(out), ref_out, atol=2e-5)
+    np.testing.assert_allclose(attnlib.to_numpy(lse), ref_lse, atol=2e-5)
+
+
+def test_callers_queue_is_used(be):
+    queue = cl.CommandQueue(be.context)
+    mine = attnlib.get_backend("opencl", queue=queue)
+    assert mine.queue is queue
+    rng = rng_for("caller queue")
+    x = rng.standard_normal((3, 7, 33)).astype(np.float32)
+    dx = cla.to_device(queue, x)
+    y = attnlib.softmax(dx, axis=1, backend=mine)
+    assert isinstance(y, cla.Array) and y.queue is queue
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(y.get(), e / e.sum(axis=1, keepdims=True), atol=1e-6)
+
+
+def test_strided_device_arrays(be):
+    rng = rng_for("strided arrays")
+    q, k, v = qkv(rng, 1, 11, 23, 2, 2, 16)
+    # (B, H, S, D) device arrays seen through transposed (B, S, H, D) views: strided, no copy
+    dq, dk, dv = (attnlib.to_device(np.ascontiguousarray(a.transpose(0, 2, 1, 3)), backend=be)
+                  .transpose((0, 2, 1, 3)) for a in (q, k, v))
+    assert not dq.flags.c_contiguous
+    out = attnlib.attention(dq, dk, dv, causal=True, backend=be)
+    ref = attnlib.attention(q, k, v, causal=True, backend="numpy")
+    np.testing.assert_allclose(attnlib.to_numpy(out), ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("tiles,dtype", [((8, 8, 2, 4), "float32"), ((4, 16, 4, 4), "float16"),
+                                         ((16, 8, 8, 2), "bfloat16"), ((8, 8, 2, 4), "float64")])
+def test_forced_tilings(tiles, dtype):
+    mine = attnlib.get_backend("opencl", tiles=tiles)
+    rng = rng_for("tiles", tiles, dtype)
+    q, k, v = qkv(rng, 2, 21, 37, 6, 2, 13, 11, dtype)
+    check_dense(mine, q, k, v, causal=True, window=(9, None), softcap=3.0)
+    check_dense(mine, q, k, v, mask=rng.standard_normal((1, 6, 21, 37)).astype(np.float32))
+
+
+@pytest.mark.parametrize("splits,dtype", [(2, "float32"), (3, "float16"), (7, "float64"),
+                                          (40, "float32")])
+def test_split_kv_matches_reference(splits, dtype):
+    mine = attnlib.get_backend("opencl", num_splits=splits)
+    rng = rng_for("splits", splits, dtype)
+    q, k, v = qkv(rng, 2, 1, 203, 8, 2, 64, 48, dtype)  # decode: one query row, GQA 4
+    check_dense(mine, q, k, v, causal=True)
+    q, k, v = qkv(rng, 1, 29, 150, 3, 3, 24, 24, dtype)
+    check_dense(mine, q, k, v, causal=True, window=(40, 0))
+    out1 = mine.to_numpy(attnlib.attention(q, k, v, backend=mine))
+    out2 = mine.to_numpy(attnlib.attention(q, k, v, backend=mine))
+    assert np.array_equal(out1, out2), "split-KV must stay deterministic"
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_kvcache_decode_with_splits_and_device_arrays(ring):
+    mine = attnlib.get_backend("opencl", num_splits=3)
+    rng = rng_for("cache", ring)
+    hkv, d, cap = 2, 32, 40
+    caches = {name: attnlib.KVCache(2, cap, hkv, d, ring=ring, backend=name)
+              for name in ("numpy", "opencl")}
+    caches["opencl"] = attnlib.KVCache(2, cap, hkv, d, ring=ring, backend=mine)
+    rope = attnlib.RoPE(theta=500.0)
+    steps = [13, 1, 1, 20] + ([15, 1] if ring else [])
+    for s_new in steps:
+        q, k, v = qkv(rng, 2, s_new, s_new, 4, hkv, d)
+        ref = attnlib.attention_with_kvcache(q, caches["numpy"], k, v, rope=rope,
+                                             return_lse=True)
+        dq, dk, dv = (attnlib.to_device(a, backend=mine) for a in (q, k, v))
+        got = attnlib.attention_with_kvcache(dq, caches["opencl"], dk, dv, rope=rope,
+                                             return_lse=True)
+        assert isinstance(got[0], cla.Array)
+        out, lse = (attnlib.to_numpy(g) for g in got)
+        np.testing.assert_allclose(out, ref[0], atol=5e-5)
+        np.testing.assert_allclose(lse, ref[1], atol=5e-5)
+    assert np.array_equal(caches["numpy"].lengths, caches["opencl"].lengths)
+
+
+def test_threads_share_one_backend(be):
+    rng = rng_for("threads")
+    cases = [qkv(rng, 1, 9 + i, 30 + 3 * i, 2, 1, 8 + 8 * (i % 3)) for i in range(6)]
+    serial = [attnlib.attention(*c, causal=True, backend=be) for c in cases]
+    results: dict[int, list] = {}
+
+    def worker(t: int) -> None:
+        results[t] = [attnlib.attention(*c, causal=True, backend=be) for c in cases]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for t in range(4):
+        for got, want in zip(results[t], serial):
+            assert np.array_equal(got, want), "threaded calls must match serial ones bitwise"
+
+
+def test_float64_refused_without_fp64(monkeypatch):
+    mine = attnlib.get_backend("opencl", tiles=(8, 8, 2, 4))
+    monkeypatch.setattr(mine, "facts", mine.facts.__class__(**{**vars(mine.facts),
+                                                               "fp64": False}))
+    assert "cl_khr_fp64" in mine.supports_dtype(np.dtype(np.float64))
+    assert mine.supports_dtype(np.dtype(np.float32)) is None
+    q = np.ones((1, 2, 1, 4))
+    with pytest.raises(attnlib.UnsupportedError, match="cl_khr_fp64"):
+        attnlib.attention(q, q, q, backend=mine)
