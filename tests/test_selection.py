@@ -212,3 +212,34 @@ def test_third_party_two_lines(tmp_path):
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "6 passed" in res.stdout, res.stdout[-2000:]
+
+
+def test_entry_point_group_adds_backends_and_a_broken_one_only_warns(tmp_path):
+    """Backends from the ``attnlib.backends`` entry-point group appear by name; a plug-in that
+    fails to import warns and every other backend still works."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "mypkg_ep.py").write_text(THIRD_PARTY)
+    info = tmp_path / "mypkg_ep-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mypkg-ep\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[attnlib.backends]\nmy_ep = mypkg_ep:MyBackend\nbroken_ep = mypkg_missing:Nope\n")
+    code = (
+        "import warnings, numpy as np, attnlib\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    names = attnlib.available_backends()\n"
+        "x = np.ones((1, 2, 1, 4), np.float32)\n"
+        "out = attnlib.attention(x, x, x, backend='my_ep')\n"
+        "print('my_ep' in names, 'broken_ep' in names, 'numpy' in names,\n"
+        "      any('broken_ep' in str(m.message) for m in w), out.shape)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["True", "False", "True", "True", "(1,", "2,", "1,", "4)"], (
+        res.stdout + res.stderr[-2000:])

@@ -11,6 +11,9 @@ __all__ = ["attention_problems", "varlen_problems", "SETTINGS"]
 SETTINGS = dict(max_examples=25, deadline=None, derandomize=True, print_blob=True)
 
 _CAUSAL = st.sampled_from([False, True, "top_left"])
+# head dims from a fixed odd/even set: compiled backends specialise on HEAD_DIM, and random
+# sizes within it keep every example cheap after the first
+_HEAD_DIMS = st.sampled_from([1, 7, 16, 33, 59, 64])
 _SIDE = st.one_of(st.none(), st.integers(-1, 12))
 
 
@@ -24,8 +27,8 @@ def attention_problems(draw, dtypes=("float32", "float16", "bfloat16", "float64"
     sk = draw(st.integers(0, 48))
     hkv = draw(st.integers(1, 3))
     hq = hkv * draw(st.integers(1, 3))
-    d = draw(st.integers(1, 72))
-    dv = draw(st.one_of(st.just(d), st.integers(1, 72)))
+    d = draw(_HEAD_DIMS)
+    dv = draw(st.one_of(st.just(d), _HEAD_DIMS))
     dtype = DTYPES[draw(st.sampled_from(dtypes))]
     layout = draw(st.sampled_from(["bshd", "bhsd"]))
     seed = draw(st.integers(0, 2**32 - 1))
@@ -65,8 +68,8 @@ def varlen_problems(draw):
                          max_size=n))
     hkv = draw(st.integers(1, 2))
     hq = hkv * draw(st.integers(1, 3))
-    d = draw(st.integers(1, 40))
-    dv = draw(st.integers(1, 40))
+    d = draw(_HEAD_DIMS)
+    dv = draw(st.one_of(st.just(d), _HEAD_DIMS))
     kw = {"causal": draw(_CAUSAL)}
     if draw(st.booleans()):
         kw["window"] = (draw(_SIDE), draw(_SIDE))

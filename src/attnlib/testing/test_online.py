@@ -57,6 +57,16 @@ def test_softmax_all_neg_inf_rows(attnlib_backend):
     assert np.isneginf(lse[[0, 2]]).all() and lse[1] == 2.0
 
 
+def test_softmax_of_an_empty_axis(attnlib_backend):
+    import attnlib
+
+    x = np.ones((3, 0), np.float32)
+    sm = attnlib.softmax(x, backend=attnlib_backend)
+    assert sm.shape == (3, 0) and sm.dtype == np.float32
+    lse = attnlib.logsumexp(x, backend=attnlib_backend)
+    assert lse.shape == (3,) and np.isneginf(lse).all()
+
+
 def test_softmax_nan_propagates_and_strides(attnlib_backend):
     import attnlib
 
