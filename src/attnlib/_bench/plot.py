@@ -67,7 +67,7 @@ def plot_roofline(results: list[Result], ceilings: dict[str, Ceiling], path: str
     ax.set_ylabel("achieved FLOP/s")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left")  # above the bandwidth roof nothing can sit
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,15 +1,16 @@
 """Run ladders of cases on runners within a time budget; one Result per (runner, case).
 
-Per family (one ladder, largest case first) and runner:
+The run's wall-clock budget is handed out in slots, one per (family, runner), each an equal share
+of what is left (:class:`Budget`). Per family (one ladder, largest case first) and runner:
 
 1. climb: call the smallest case (the first call includes the JIT compile or kernel build and is
-   reported as ``first_call_s``), then call it again (timed, peak memory measured); predict the
-   next rung's time from the FLOP ratio and climb while ``MIN_REPS`` calls of it fit in the slot
-   budget. A slow backend (PoCL, the numpy reference) so stops on a smaller shape;
-2. repeat the top rung reached: median of ``reps`` calls (``MIN_REPS <= reps <= MAX_REPS``,
-   as many as fit in the slot budget);
-3. side by side: every runner is also timed on the top rungs that slower runners stopped at,
-   so each shape's table has every backend that reached it, and PyTorch beside them.
+   reported as ``first_call_s``), then call it again, timed, under the peak-memory meter; predict
+   the next rung's time from the FLOP ratio and climb while ``MIN_REPS + 1`` calls of it still
+   fit in the slot. A slow backend (PoCL, the numpy reference) so stops on a smaller shape;
+2. repeat the top rung reached: the median of as many calls as fit the rest of the slot
+   (``MIN_REPS`` to ``MAX_REPS``, or ``--reps``);
+3. side by side: every runner is also timed (``MIN_REPS`` calls) on the top rungs that slower
+   runners stopped at, so each shape's table has every backend that reached it, PyTorch included.
 """
 
 from __future__ import annotations
