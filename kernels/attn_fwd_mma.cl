@@ -10,9 +10,9 @@
 // see (causal, window, sequence end) are never visited, tiles every row sees fully skip masking.
 //
 // Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_M, BLOCK_N (multiple of 16),
-// WARPS, IS_BF16, Q_IN_REGS, SOFTCAP, ALIBI, USE_PTX.  USE_PTX=0 replaces every warp-level PTX
-// instruction by an exact emulation through local memory and barriers (for checking the fragment
-// layouts with PoCL on a CPU; slow, never used for speed).
+// WARPS, IS_BF16, Q_IN_REGS, SOFTCAP, ALIBI, SCALE_POS (scale > 0), USE_PTX.  USE_PTX=0 replaces
+// every warp-level PTX instruction by an exact emulation through local memory and barriers (for
+// checking the fragment layouts with PoCL on a CPU; slow, never used for speed).
 
 #define M_TILES (BLOCK_M / (16 * WARPS))
 #define THREADS (32 * WARPS)
@@ -23,6 +23,22 @@
 #define KSTEPS_PV (BLOCK_N / 16)    // k-steps of O = P V
 #define CHUNKS (HEAD_DIM / 8)       // 16-byte chunks per row
 #define SEQ_FIELDS 9
+#if BLOCK_M % (16 * WARPS) || BLOCK_N % 16 || HEAD_DIM % 16 || THREADS % CHUNKS
+#error "BLOCK_M must be a multiple of 16*WARPS, BLOCK_N and HEAD_DIM of 16, 32*WARPS of HEAD_DIM/8"
+#endif
+#if BLOCK_N % (THREADS / CHUNKS)
+#error "BLOCK_N must be a multiple of 32 * WARPS / (HEAD_DIM / 8)"
+#endif
+// Fold the scale into the exponent (p = 2^(s c - m) as one FMA) when the scores need no other
+// transform and c > 0 (then max(s) c = max(s c)).
+#ifndef RESCALE_THRESH
+#define RESCALE_THRESH 8.0f
+#endif
+#if SOFTCAP || ALIBI || !SCALE_POS
+#define FOLD 0
+#else
+#define FOLD 1
+#endif
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
@@ -72,6 +88,13 @@ inline float shfl_xor2(float x) {
   asm volatile("shfl.sync.bfly.b32 %0, %1, 2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(as_uint(x)));
   return as_float(r);
 }
+inline int warp_any(int pred) {
+  uint r;
+  asm volatile("{ .reg .pred p; setp.ne.u32 p, %1, 0; vote.sync.any.pred p, p, 0xffffffff; "
+               "selp.u32 %0, 1, 0, p; }" : "=r"(r) : "r"(pred));
+  return (int)r;
+}
+#define WARP_ANY(P) warp_any(P)
 #define SHFL_XOR1(X) shfl_xor1(X)
 #define SHFL_XOR2(X) shfl_xor2(X)
 
@@ -193,6 +216,15 @@ inline float emu_shfl(float x, int m, __local uint *scr) {
   barrier(CLK_LOCAL_MEM_FENCE);
   return as_float(scr[(lane ^ m) * 8]);
 }
+inline int emu_any(int pred, __local uint *scr) {
+  int lane = get_local_id(0) & 31, r = 0;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  scr[lane * 8] = (uint)(pred != 0);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int i = 0; i < 32; i++) r |= (int)scr[i * 8];
+  return r;
+}
+#define WARP_ANY(P) emu_any((P), scr)
 #define SHFL_XOR1(X) emu_shfl((X), 1, scr)
 #define SHFL_XOR2(X) emu_shfl((X), 2, scr)
 
@@ -274,7 +306,9 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
   }
   __global const ushort *kh = k + k_off + kb * k_sb + hk * k_sh;
   __global const ushort *vh = v + v_off + kb * v_sb + hk * v_sh;
-#define LOAD_KV(TILE, BUF)                                                                     \
+// Generic K/V tile load: keys outside the block's visible range are zero-filled (never read),
+// ring-buffer rows wrap.
+#define LOAD_KV_CHECKED(TILE, BUF)                                                             \
   for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
     int r = c / CHUNKS, ch = c % CHUNKS, j = (TILE) * BLOCK_N + r;                             \
     int so = (BUF) * BLOCK_N * LDS + r * LDS + ch * 8;                                         \
@@ -288,6 +322,29 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
       ZERO16(sV + so);                                                                         \
     }                                                                                          \
   }
+// Fast path for a tile inside the block's range that does not wrap: each thread copies the same
+// 16-byte column chunk of rows r0, r0 + ROW_STEP, ... from pointers hoisted out of the loop.
+#define ROW_STEP (THREADS / CHUNKS)
+#define LOAD_KV(TILE, BUF)                                                                     \
+  {                                                                                            \
+    const int n0_ = (TILE) * BLOCK_N;                                                          \
+    if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
+        (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
+      __global const ushort *kt = kp0 + n0_ * k_sr, *vt = vp0 + n0_ * v_sr;                    \
+      __local ushort *skt = sK + (BUF) * BLOCK_N * LDS + so0;                                  \
+      __local ushort *svt = sV + (BUF) * BLOCK_N * LDS + so0;                                  \
+      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
+        CP_ASYNC16(skt + i * ROW_STEP * LDS, kt + i * k_step);                                 \
+        CP_ASYNC16(svt + i * ROW_STEP * LDS, vt + i * v_step);                                 \
+      }                                                                                        \
+    } else {                                                                                   \
+      LOAD_KV_CHECKED(TILE, BUF)                                                               \
+    }                                                                                          \
+  }
+  const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDS + ch0_ * 8;
+  __global const ushort *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * 8;
+  __global const ushort *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * 8;
+  const long k_step = ROW_STEP * k_sr, v_step = ROW_STEP * v_sr;
   if (t_first <= t_last) { LOAD_KV(t_first, 0) }
   CP_COMMIT();
 
@@ -314,15 +371,14 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
 
   for (int t = t_first; t <= t_last; t++) {
     const int buf = (t - t_first) & 1;
-    // -- prefetch the next K/V tile into the other buffer while this one is used
+    // -- tile t has landed; after the barrier no warp still reads tile t-1's buffer, so the
+    // prefetch of tile t+1 into it overlaps this tile's math (one barrier per tile)
+    CP_WAIT0();
+    barrier(CLK_LOCAL_MEM_FENCE);
     if (t < t_last) {
       LOAD_KV(t + 1, buf ^ 1)
       CP_COMMIT();
-      CP_WAIT1();
-    } else {
-      CP_WAIT0();
     }
-    barrier(CLK_LOCAL_MEM_FENCE);
     __local const ushort *sKb = sK + buf * BLOCK_N * LDS;
     __local const ushort *sVb = sV + buf * BLOCK_N * LDS;
 
@@ -359,6 +415,18 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
     // -- scores in the exp2 domain: softcap, alibi, then the mask
     const int n0 = t * BLOCK_N;
     const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
+#if FOLD
+    if (need_mask) {
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        UNROLL for (int nt = 0; nt < NT_S; nt++) {
+          UNROLL for (int c = 0; c < 4; c++) {
+            const int j = n0 + nt * 8 + 2 * tg + (c & 1);
+            if (j < rlo[mt][c >> 1] || j > rhi[mt][c >> 1]) sacc[mt][nt][c] = -INFINITY;
+          }
+        }
+      }
+    }
+#else
     UNROLL for (int mt = 0; mt < M_TILES; mt++) {
       UNROLL for (int nt = 0; nt < NT_S; nt++) {
         UNROLL for (int c = 0; c < 4; c++) {
@@ -380,8 +448,13 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
         }
       }
     }
+#endif
 
-    // -- online softmax: new running max, rescale l and O, P = 2^(S - m)
+    // -- online softmax.  Lazy rescaling (exact): the running max m moves, and l and O are
+    // rescaled by alpha = 2^(m_old - m_new), only when some row of the warp saw its max grow by
+    // more than RESCALE_THRESH (log2 units); otherwise P = 2^(S - m) stays below 2^RESCALE_THRESH.
+    float m_new[M_TILES][2];
+    int grow = 0;
     UNROLL for (int mt = 0; mt < M_TILES; mt++) {
       UNROLL for (int hf = 0; hf < 2; hf++) {
         float mx = -INFINITY;
@@ -390,23 +463,43 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
         }
         mx = fmax(mx, SHFL_XOR1(mx));
         mx = fmax(mx, SHFL_XOR2(mx));
-        const float m_new = fmax(m_i[mt][hf], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that sees nothing yet
-        const float alpha = ex2(m_i[mt][hf] - m_use);
-        m_i[mt][hf] = m_new;
+#if FOLD
+        mx *= qk_scale;
+#endif
+        m_new[mt][hf] = fmax(m_i[mt][hf], mx);
+        grow |= m_new[mt][hf] - m_i[mt][hf] > RESCALE_THRESH;  // false while both are -inf
+      }
+    }
+    if (WARP_ANY(grow)) {
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        UNROLL for (int hf = 0; hf < 2; hf++) {
+          const float m_use = m_new[mt][hf] == -INFINITY ? 0.f : m_new[mt][hf];
+          const float alpha = ex2(m_i[mt][hf] - m_use);
+          m_i[mt][hf] = m_new[mt][hf];
+          l_i[mt][hf] *= alpha;
+          UNROLL for (int nd = 0; nd < NT_O; nd++) {
+            o[mt][nd][2 * hf] *= alpha;
+            o[mt][nd][2 * hf + 1] *= alpha;
+          }
+        }
+      }
+    }
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+      UNROLL for (int hf = 0; hf < 2; hf++) {
+        const float m_use = m_i[mt][hf] == -INFINITY ? 0.f : m_i[mt][hf];  // a row seeing nothing
         float rs = 0.f;
         UNROLL for (int nt = 0; nt < NT_S; nt++) {
           UNROLL for (int c = 0; c < 2; c++) {
+#if FOLD
+            float p = ex2(fma(sacc[mt][nt][2 * hf + c], qk_scale, -m_use));
+#else
             float p = ex2(sacc[mt][nt][2 * hf + c] - m_use);
+#endif
             sacc[mt][nt][2 * hf + c] = p;
             rs += p;
           }
         }
-        l_i[mt][hf] = l_i[mt][hf] * alpha + rs;
-        UNROLL for (int nd = 0; nd < NT_O; nd++) {
-          o[mt][nd][2 * hf] *= alpha;
-          o[mt][nd][2 * hf + 1] *= alpha;
-        }
+        l_i[mt][hf] += rs;
       }
     }
 
@@ -429,7 +522,6 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
         }
       }
     }
-    barrier(CLK_LOCAL_MEM_FENCE);  // this buffer is refilled by the next iteration's prefetch
   }
   CP_WAIT0();
 

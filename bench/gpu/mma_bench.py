@@ -28,6 +28,9 @@ CASES = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 1638
 WARMUP, REPS = 3, 10
 EMULATE = bool(os.environ.get("MMA_EMULATE"))  # dry runs of this script with PoCL
 VERBOSE = () if EMULATE else ("-cl-nv-verbose",)
+# extra build flags for an A/B sweep entry (e.g. -DRESCALE_THRESH=-1.0f); such entries are reported
+# but never picked for the table
+EXTRA = tuple(os.environ.get("MMA_EXTRA", "").split())
 
 
 def flops(b, h, s, d, causal):
@@ -91,10 +94,11 @@ def sweep(args):
     cl, ctx, queue, dev = cl_env()
     cfg = tuple(int(x) for x in args.config.split(","))
     d = args.d
-    print(f"== sweep D={d} config (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) = {cfg}")
-    rec = {"d": d, "config": cfg, "ok": True, "tflops": {}}
+    print(f"== sweep D={d} config (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) = {cfg} {EXTRA or ''}")
+    rec = {"d": d, "config": cfg, "ok": True, "tflops": {}, "extra": " ".join(EXTRA)}
+    flags = VERBOSE + EXTRA
     for dname in ("float16", "bfloat16"):
-        opts = nv.build_options(d, mc.DTYPES[dname], cfg, use_ptx=not EMULATE) + VERBOSE
+        opts = nv.build_options(d, mc.DTYPES[dname], cfg, use_ptx=not EMULATE) + flags
         t0 = time.perf_counter()
         try:
             prg = nv.get_program(ctx, dev, opts)
@@ -107,7 +111,7 @@ def sweep(args):
         print("\n".join(ln for ln in log.splitlines() if ln.strip()))
         rng = np.random.default_rng(7)
         for name, call in mc.cases(rng, mc.DTYPES[dname], d):
-            out, lse = nv.run(ctx, queue, dev, call, config=cfg, extra_options=VERBOSE,
+            out, lse = nv.run(ctx, queue, dev, call, config=cfg, extra_options=flags,
                               use_ptx=not EMULATE)
             ok, err, tol, lerr = mc.check(call, out, lse)
             rec["ok"] &= ok
@@ -122,7 +126,7 @@ def sweep(args):
             _, (q, k, v) = dev_inputs(cla, queue, rng, shape, np.float16)
             for causal in (False, True):
                 call = mc.dense_call(q, k, v, causal=causal)
-                t, _, _ = time_mine(ctx, queue, dev, call, cfg, VERBOSE)
+                t, _, _ = time_mine(ctx, queue, dev, call, cfg, flags)
                 tf = flops(*shape, causal) / t / 1e12
                 rec["tflops"][f"{shape} {'causal' if causal else 'full'}"] = tf
                 print(f"  fp16 {shape} causal={causal!s:5s} {t * 1e3:8.3f} ms {tf:7.1f} TFLOP/s",
@@ -137,7 +141,7 @@ def best_configs(path):
     if path and os.path.exists(path):
         for line in open(path):
             r = json.loads(line)
-            if "d" not in r or not r["ok"] or not r["tflops"]:
+            if "d" not in r or not r["ok"] or not r["tflops"] or r.get("extra"):
                 continue
             score = float(np.mean(list(r["tflops"].values())))
             if score > best.get(r["d"], (0, None))[0]:

@@ -141,6 +141,10 @@ def cases(rng, dtype, head_dim):
     out = []
     q, k, v = (rand(rng, s, dtype) for s in ((2, 77, 4, d), (2, 77, 2, d), (2, 77, 2, d)))
     out.append(("dense gqa 77x77", dense_call(q, k, v)))
+    # large scores: the running max keeps growing past the lazy-rescale threshold
+    q, k, v = (rand(rng, s, dtype) for s in ((1, 45, 2, d), (1, 300, 2, d), (1, 300, 2, d)))
+    k *= np.linspace(0.2, 3, 300, dtype=np.float32)[None, :, None, None].astype(dtype)
+    out.append(("growing max, scale 1.0", dense_call(q, k, v, scale=1.0)))
     q, k, v = (rand(rng, s, dtype) for s in ((1, 70, 6, d), (1, 131, 2, d), (1, 131, 2, d)))
     out.append(("causal 70x131 gqa3", dense_call(q, k, v, causal=True)))
     q, k, v = (rand(rng, s, dtype) for s in ((1, 150, 2, d), (1, 150, 1, d), (1, 150, 1, d)))
@@ -166,4 +170,8 @@ def cases(rng, dtype, head_dim):
     out.append(("ring cache decode", seq_call(
         q, k, v, q_batch=[0, 1], q_row0=[0, 0], q_len=[3, 3], k_batch=[1, 0], k_row0=[80, 80],
         k_len=[90, 90], q_pos0=[87 + 100, 87 + 100], k_pos0=[100, 100], causal=True, ring=ring)))
+    # ring cache read before the wrap (the unchecked tile loader), negative scale (no folding)
+    out.append(("ring no wrap, scale<0", seq_call(
+        q, k, v, q_batch=[0, 1], q_row0=[0, 0], q_len=[3, 3], k_batch=[1, 0], k_row0=[2, 0],
+        k_len=[70, 74], q_pos0=[67, 71], k_pos0=[0, 0], causal=True, ring=ring, scale=-0.2)))
     return out

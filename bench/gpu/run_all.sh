@@ -9,11 +9,16 @@ J=$OUT/results.jsonl
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
   --format=csv 2>&1
 timeout 60 python3 bench/gpu/mma_bench.py peak --json "$J"
-for c in ${D128_CONFIGS:-128,64,8,1 128,64,8,0 128,64,4,0 64,64,4,1}; do
+for c in ${D128_CONFIGS:-128,64,4,0 128,32,4,0 64,64,4,1}; do
   timeout 90 python3 bench/gpu/mma_bench.py sweep --d 128 --config "$c" --json "$J"
 done
-for c in ${D64_CONFIGS:-128,64,8,1 128,128,8,1 128,64,4,1 64,128,4,1}; do
+for c in ${D64_CONFIGS:-128,64,4,1 128,64,4,0 128,128,4,0}; do
   timeout 90 python3 bench/gpu/mma_bench.py sweep --d 64 --config "$c" --json "$J"
+done
+# A/B: rescale every tile (RESCALE_THRESH<0: lazy rescaling off)
+for dc in ${AB_CONFIGS:-128:128,64,4,0 64:128,64,4,1}; do
+  MMA_EXTRA="-DRESCALE_THRESH=-1.0f" timeout 90 python3 bench/gpu/mma_bench.py sweep \
+    --d "${dc%%:*}" --config "${dc#*:}" --json "$J"
 done
 if [ -z "$SKIP_TABLE" ]; then
   timeout 300 python3 bench/gpu/mma_bench.py table --sweep "$J" --json "$J" --md "$OUT/table.md"

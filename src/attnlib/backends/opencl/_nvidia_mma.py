@@ -89,13 +89,14 @@ def applicable(device: Any, call: AttnCall) -> bool:
 
 
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
-                  alibi: bool = False, use_ptx: bool = True) -> tuple[str, ...]:
+                  alibi: bool = False, scale_pos: bool = True,
+                  use_ptx: bool = True) -> tuple[str, ...]:
     block_m, block_n, warps, q_in_regs = config
     return (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
         f"-DWARPS={warps}", f"-DQ_IN_REGS={int(q_in_regs)}",
         f"-DIS_BF16={int(np.dtype(dtype) == _BF16)}", f"-DSOFTCAP={int(softcap)}",
-        f"-DALIBI={int(alibi)}", f"-DUSE_PTX={int(use_ptx)}",
+        f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}", f"-DUSE_PTX={int(use_ptx)}",
     )
 
 
@@ -198,7 +199,8 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     lse = cla.empty(queue, lse_shape, np.float32)
     if tiles.shape[0] and hq:
         opts = build_options(d, dtype, config, softcap=call.softcap is not None,
-                             alibi=call.alibi is not None, use_ptx=use_ptx) + tuple(extra_options)
+                             alibi=call.alibi is not None, scale_pos=call.scale > 0,
+                             use_ptx=use_ptx) + tuple(extra_options)
         knl = cl.Kernel(get_program(ctx, device, opts), "attn_fwd_mma")
         mf = cl.mem_flags
         seq_buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=seqs)
