@@ -58,6 +58,12 @@ def _time(t: float | None) -> str:
     return f"{t * 1e6:.3g} us"
 
 
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}x" if x >= 0.1 else f"{x:.2g}x"
+
+
 def _mib(b: int | float | None) -> str:
     if b is None:
         return "-"
@@ -105,7 +111,7 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
             cells = [
                 r.backend, r.device, _time(r.median_s), _time(r.first_call_s),
                 _si(r.case.flops() / r.median_s, "F"), _si(r.case.nbytes() / r.median_s, "B"),
-                roof, "-" if r.vs_torch is None else f"{r.vs_torch:.2f}x",
+                roof, _ratio(r.vs_torch),
                 _mib(r.peak_mem_bytes),
             ]
             print(_row(cells), file=out)

@@ -140,10 +140,13 @@ class _Inputs:
         self._cache.clear()
 
 
-def _probe(runner: Any, case: Case, inputs: _Inputs, res: Result,
-           warm: bool) -> tuple[Callable, Callable, float]:
+def _probe(runner: Any, case: Case, inputs: _Inputs, res: Result, warm: bool,
+           predicted: float | None = None) -> tuple[Callable, Callable, float]:
     """Prepare ``case`` and call it once under the peak-memory meter (after a first, compiling
-    call when not ``warm``); fills ``res`` and returns ``(fn, sync, time of the metered call)``."""
+    call when not ``warm``); fills ``res`` and returns ``(fn, sync, time of one call)``.
+
+    A backend may build kernels per shape: a metered call much slower than ``predicted`` is
+    followed by one more, whose time is returned instead."""
     fn, sync = runner.prepare(case, inputs.get(case))
     if not warm:
         res.first_call_s = time_once(fn, sync)
@@ -152,6 +155,8 @@ def _probe(runner: Any, case: Case, inputs: _Inputs, res: Result,
     with meter:
         t = time_once(fn, sync)
     res.peak_mem_bytes, res.mem_method = meter.bytes, meter.method
+    if predicted is not None and t > 1.5 * predicted:
+        t = time_once(fn, sync)
     return fn, sync, t
 
 
@@ -175,6 +180,7 @@ def run_family(
     results: list[Result] = []
     top_index: dict[str, int] = {}  # runner -> index in ``ladder`` of its top rung
     first_call: dict[str, tuple[float | None, str | None]] = {}
+    t_top: dict[str, float] = {}  # runner -> median time on its top rung
     try:
         for runner in runners:
             slot_budget = budget.take()
@@ -197,7 +203,8 @@ def run_family(
                     break
                 nres = Result(nxt, runner.name, runner.device_label, runner.device_key)
                 try:
-                    fn, sync, t = _probe(runner, nxt, inputs, nres, warm=True)
+                    fn, sync, t = _probe(runner, nxt, inputs, nres, warm=True,
+                                         predicted=predicted)
                 except Exception as exc:  # e.g. MemoryError: keep the rung below
                     nres.error = _err(exc)
                     results.append(nres)
@@ -208,6 +215,7 @@ def run_family(
             _repeat(fn, sync, t, slot_end - time.perf_counter(), reps, res)
             res.first_call_s, res.first_call_shape = first_call[runner.name]
             top_index[runner.name] = idx
+            t_top[runner.name] = res.median_s
             results.append(res)
             progress(f"  {runner.name:<8} {ladder[idx].label()}: median "
                      f"{res.median_s * 1e3:.3f} ms of {res.reps}")
@@ -222,7 +230,9 @@ def run_family(
                 case = ladder[idx]
                 res = Result(case, runner.name, runner.device_label, runner.device_key)
                 try:
-                    fn, sync, t = _probe(runner, case, inputs, res, warm=True)
+                    predicted = t_top[runner.name] * case.flops() / ladder[mine].flops()
+                    fn, sync, t = _probe(runner, case, inputs, res, warm=True,
+                                         predicted=predicted)
                     _repeat(fn, sync, t, MIN_SLOT_S, reps, res)
                     del fn, sync
                     res.first_call_s, res.first_call_shape = first_call[runner.name]
