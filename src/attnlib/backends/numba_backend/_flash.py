@@ -26,62 +26,69 @@ from numba import njit, prange
 
 # 'nnan' / 'ninf' stay off: -inf marks hidden keys and NaN must propagate from visible ones.
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
-# rowmax only: a NaN it misses still reaches the row through exp(NaN) (see _row_max).
-FASTMATH_MAX = {"contract", "reassoc", "nsz", "arcp", "afn", "nnan"}
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2_HI = 0.693359375
+LN2_LO = -2.12194440e-4
 NEG_INF = -np.inf
 BIG = 1 << 62  # "unbounded" for window sides and causal_hi
 
 
-@njit(cache=True, fastmath=FASTMATH_MAX, inline="always")
-def _row_max(s, base, n):
-    mx = NEG_INF
+@njit(cache=True, fastmath=FASTMATH)
+def _col_max(st, n, nr, m_new):
+    """m_new[r] = max(m_new[r], max_j st[j, r]) on the transposed (key-major) score tile.
+
+    Elementwise across rows, so LLVM vectorises it (a per-row reduction does not vectorise
+    without 'nnan'). A NaN score may be missed here; it still reaches its row through exp.
+    """
     for j in range(n):
-        x = s[base + j]
-        mx = x if x > mx else mx
-    return mx
+        col = st[j * nr : (j + 1) * nr]
+        for r in range(nr):
+            x = col[r]
+            a = m_new[r]
+            m_new[r] = x if x > a else a
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _exp_row_f32(s, p, e_bits, e_val, base, n, mu):
-    """p[base:base+n] = exp(s[...] - mu), vectorisable: 2**x = 2**round(x) * poly(frac).
+def _exp_f32(st, pt, n, nr, mu, l_i, e_bits, e_val):
+    """pt = exp(st - mu[row]), l_i += column sums; vectorisable: 2**x = 2**k * poly(f).
 
     The 2**k factor is built from exponent bits (``e_bits`` is an int32 view of ``e_val``);
-    x < -126 gives 0 and NaN stays NaN. Degree-7 Taylor on |f| <= 1/2: rel. error < 1e-8.
+    x < -126 gives 0 and NaN stays NaN. Degree-7 Taylor on |f| <= ln2/2: a few ulp.
     """
-    acc = np.float32(0.0)
     for j in range(n):
-        x = (s[base + j] - mu) * np.float32(LOG2E)
-        xc = x if x > np.float32(-127.0) else np.float32(-127.0)  # NaN -> -127 for the bits
-        fi = np.rint(xc)
-        f = (x - fi) * np.float32(LN2)
-        poly = np.float32(1.0 / 5040.0)
-        poly = poly * f + np.float32(1.0 / 720.0)
-        poly = poly * f + np.float32(1.0 / 120.0)
-        poly = poly * f + np.float32(1.0 / 24.0)
-        poly = poly * f + np.float32(1.0 / 6.0)
-        poly = poly * f + np.float32(0.5)
-        poly = poly * f + np.float32(1.0)
-        poly = poly * f + np.float32(1.0)
-        p[base + j] = np.float32(0.0) if x < np.float32(-126.0) else poly
-        e_bits[j] = (np.int32(fi) + np.int32(127)) << np.int32(23)
-    for j in range(n):
-        y = p[base + j] * e_val[j]
-        p[base + j] = y
-        acc += y
-    return acc
+        sc = st[j * nr : (j + 1) * nr]
+        pc = pt[j * nr : (j + 1) * nr]
+        for r in range(nr):
+            x = sc[r] - mu[r]
+            xk = x * np.float32(LOG2E)
+            xc = xk if xk > np.float32(-127.0) else np.float32(-127.0)  # NaN -> -127 (bits)
+            fi = np.rint(xc)
+            # Cody-Waite: f = x - k ln2 with ln2 split in two, so |f| <= ln2/2 stays exact
+            f = x - fi * np.float32(LN2_HI) - fi * np.float32(LN2_LO)
+            poly = np.float32(1.0 / 5040.0)
+            poly = poly * f + np.float32(1.0 / 720.0)
+            poly = poly * f + np.float32(1.0 / 120.0)
+            poly = poly * f + np.float32(1.0 / 24.0)
+            poly = poly * f + np.float32(1.0 / 6.0)
+            poly = poly * f + np.float32(0.5)
+            poly = poly * f + np.float32(1.0)
+            poly = poly * f + np.float32(1.0)
+            pc[r] = np.float32(0.0) if xk < np.float32(-126.0) else poly
+            e_bits[r] = (np.int32(fi) + np.int32(127)) << np.int32(23)
+        for r in range(nr):
+            y = pc[r] * e_val[r]
+            pc[r] = y
+            l_i[r] += y
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _exp_row_f64(s, p, e_bits, e_val, base, n, mu):
-    acc = 0.0
+def _exp_f64(st, pt, n, nr, mu, l_i):
     for j in range(n):
-        y = math.exp(s[base + j] - mu)
-        p[base + j] = y
-        acc += y
-    return acc
+        for r in range(nr):
+            y = math.exp(st[j * nr + r] - mu[r])
+            pt[j * nr + r] = y
+            l_i[r] += y
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -96,44 +103,79 @@ def _load_rows(src, b, row0, nrows, ring, h, dst, width):
             dst[base + d] = src[b, r, h, d]
 
 
+@njit(cache=True, fastmath=FASTMATH)
+def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap, alibi, mask,
+                   full):
+    """Score modifiers on the key-major tile ``st[j * nr + r]``: softcap, ALiBi, additive mask,
+    then causal / window; a hidden score becomes -inf (assigned, so NaN k never leaks)."""
+    use_alibi = alibi.shape[0] > 0
+    use_mask = mask.shape[0] > 0
+    for j in range(n):
+        kpos = kpos_lo + j
+        base = j * nr
+        if softcap > 0.0:
+            for r in range(nr):
+                st[base + r] = softcap * math.tanh(st[base + r] / softcap)
+        if use_alibi or use_mask:
+            for r in range(nr):
+                i = (r0 + r) // g
+                h = kvh * g + (r0 + r) % g
+                if use_alibi:
+                    st[base + r] -= alibi[s, h] * abs(qpos0 + i - kpos)
+                if use_mask:
+                    mv = mask[s, h, i, jb + j]
+                    st[base + r] = NEG_INF if mv == NEG_INF else st[base + r] + mv
+        if not full:
+            # visible iff kpos - hi <= qpos <= kpos + wl, qpos = qpos0 + (r0 + r) // g
+            lo = 0
+            if hi < BIG:
+                lo = min(max((kpos - hi - qpos0) * g - r0, 0), nr)
+            up = nr
+            if wl < BIG:
+                up = max(min((kpos + wl - qpos0 + 1) * g - r0, nr), 0)
+            for r in range(lo):
+                st[base + r] = NEG_INF
+            for r in range(max(up, lo), nr):
+                st[base + r] = NEG_INF
+
+
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
 def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
                   block_m, block_n, n_workers, out, lse, part_o, part_ml):
     """Run every task; see the module docstring.
 
     ``seq`` int64 (n_seq, 9): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
-    causal_hi (BIG when not causal). ``tasks`` int64 (n_tasks, 6): seq, kv head, first packed
-    row, packed rows, first key, key end; column 6 (if >= 0) is a partial-state slot.
+    causal_hi (BIG when not causal). ``tasks`` int64 (n_tasks, 7): seq, kv head, first packed
+    row, packed rows, first key, key end, partial-state slot (-1: write out / lse directly).
     ``alibi`` (n_seq, Hq) or (0, 0); ``mask`` additive (n_seq, Hq, Sq, Sk) view or (0,0,0,0).
+    Scores are kept key-major (``S^T = K Q^T``) so the per-row softmax steps run elementwise
+    across rows and vectorise.
     """
-    dt = out.dtype
     d_qk = q.shape[3]
     d_v = v.shape[3]
     n_tasks = tasks.shape[0]
-    use_alibi = alibi.shape[0] > 0
     use_mask = mask.shape[0] > 0
+    f32 = out.itemsize == 4
     for w in prange(n_workers):
-        qt = np.zeros(block_m * d_qk, dt)
-        kt = np.zeros(block_n * d_qk, dt)
-        vt = np.zeros(block_n * d_v, dt)
-        st = np.zeros(block_m * block_n, dt)
-        pt = np.zeros(block_m * block_n, dt)
-        pv = np.zeros(block_m * d_v, dt)
-        ot = np.zeros(block_m * d_v, dt)
-        m_i = np.empty(block_m, dt)
-        l_i = np.empty(block_m, dt)
-        alpha = np.empty(block_m, dt)
-        e_val = np.zeros(block_n, np.float32)
+        qt = np.zeros(block_m * d_qk, out.dtype)
+        kt = np.zeros(block_n * d_qk, out.dtype)
+        vt = np.zeros(block_n * d_v, out.dtype)
+        st = np.zeros(block_m * block_n, out.dtype)
+        pt = np.zeros(block_m * block_n, out.dtype)
+        pv = np.zeros(block_m * d_v, out.dtype)
+        ot = np.zeros(block_m * d_v, out.dtype)
+        m_i = np.empty(block_m, out.dtype)
+        m_new = np.empty(block_m, out.dtype)
+        mu = np.empty(block_m, out.dtype)
+        l_i = np.empty(block_m, out.dtype)
+        alpha = np.empty(block_m, out.dtype)
+        e_val = np.zeros(block_m, np.float32)
         e_bits = e_val.view(np.int32)
-        e_val64 = np.zeros(1, np.float64)
-        e_bits64 = e_val64.view(np.int64)
         for t in range(w, n_tasks, n_workers):
             s = tasks[t, 0]
             kvh = tasks[t, 1]
             r0 = tasks[t, 2]
             nr = tasks[t, 3]
-            j_begin = tasks[t, 4]
-            j_end = tasks[t, 5]
             slot = tasks[t, 6]
             qb = seq[s, 0]
             qrow0 = seq[s, 1]
@@ -141,81 +183,53 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
             krow0 = seq[s, 4]
             qpos0 = seq[s, 6]
             kpos0 = seq[s, 7]
-            chi = seq[s, 8]
-            hi = chi if chi < wr else wr
-            # -- load the query block (scaled), packed rows r = i * G + head-in-group
-            for rr in range(nr):
-                r = r0 + rr
-                i = r // g
-                h = kvh * g + r % g
-                base = rr * d_qk
+            hi = min(seq[s, 8], wr)
+            # -- load the query block, pre-scaled; packed row r = i * G + head-in-group
+            for r in range(nr):
+                i = (r0 + r) // g
+                h = kvh * g + (r0 + r) % g
                 for d in range(d_qk):
-                    qt[base + d] = q[qb, qrow0 + i, h, d] * scale
+                    qt[r * d_qk + d] = q[qb, qrow0 + i, h, d] * scale
             qpos_lo = qpos0 + r0 // g
             qpos_hi = qpos0 + (r0 + nr - 1) // g
-            # -- key range that some row of the block can see (tile skipping)
-            j_lo = j_begin
+            # -- only key tiles that some row of the block can see (causal / window skipping)
+            j_lo = tasks[t, 4]
             if wl < BIG:
                 j_lo = max(j_lo, qpos_lo - wl - kpos0)
-            j_hi = j_end
+            j_hi = tasks[t, 5]
             if hi < BIG:
                 j_hi = min(j_hi, qpos_hi + hi - kpos0 + 1)
-            for rr in range(nr):
-                m_i[rr] = NEG_INF
-                l_i[rr] = 0.0
-            for x in range(nr * d_v):
-                ot[x] = 0.0
+            for r in range(nr):
+                m_i[r] = NEG_INF
+                l_i[r] = 0.0
+            ot[: nr * d_v] = 0.0
             qmat = qt[: nr * d_qk].reshape((nr, d_qk))
             for jb in range(j_lo, j_hi, block_n):
                 n = min(block_n, j_hi - jb)
                 _load_rows(k, kb, krow0 + jb, n, ring, kvh, kt, d_qk)
                 _load_rows(v, kb, krow0 + jb, n, ring, kvh, vt, d_v)
-                smat = st[: nr * n].reshape((nr, n))
-                np.dot(qmat, kt[: n * d_qk].reshape((n, d_qk)).T, smat)
+                # -- S^T = K_blk @ Q_blk^T  (BLAS)
+                np.dot(kt[: n * d_qk].reshape((n, d_qk)), qmat.T, st[: n * nr].reshape((n, nr)))
                 kpos_lo = kpos0 + jb
                 kpos_hi = kpos_lo + n - 1
                 full = kpos_hi - qpos_lo <= hi and kpos_lo - qpos_hi >= -wl and not use_mask
-                # -- score modifiers: softcap, ALiBi, mask, then causal / window
-                for rr in range(nr):
-                    r = r0 + rr
-                    i = r // g
-                    h = kvh * g + r % g
-                    qpos = qpos0 + i
-                    base = rr * n
-                    if softcap > 0.0:
-                        for j in range(n):
-                            st[base + j] = softcap * math.tanh(st[base + j] / softcap)
-                    if use_alibi:
-                        slope = alibi[s, h]
-                        for j in range(n):
-                            st[base + j] -= slope * abs(qpos - (kpos_lo + j))
-                    if use_mask:
-                        for j in range(n):
-                            mv = mask[s, h, i, jb + j]
-                            st[base + j] = NEG_INF if mv == NEG_INF else st[base + j] + mv
-                    if not full:
-                        # visible iff -wl <= kpos - qpos <= hi
-                        lo = max(0, qpos - wl - kpos_lo) if wl < BIG else 0
-                        up = min(n, qpos + hi - kpos_lo + 1) if hi < BIG else n
-                        up = max(up, 0)
-                        lo = min(lo, n)
-                        for j in range(lo):
-                            st[base + j] = NEG_INF
-                        for j in range(up, n):
-                            st[base + j] = NEG_INF
-                    # -- online softmax: new max, rescale factor, probabilities
-                    m_new = max(m_i[rr], _row_max(st, base, n))
-                    mu = m_new if m_new != NEG_INF else 0.0
-                    alpha[rr] = math.exp(m_i[rr] - mu)
-                    if out.itemsize == 4:
-                        rs = _exp_row_f32(st, pt, e_bits, e_val, base, n, mu)
-                    else:
-                        rs = _exp_row_f64(st, pt, e_bits64, e_val64, base, n, mu)
-                    l_i[rr] = l_i[rr] * alpha[rr] + rs
-                    m_i[rr] = m_new
+                if softcap > 0.0 or alibi.shape[0] > 0 or not full:
+                    _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi,
+                                   softcap, alibi, mask, full)
+                # -- online softmax: m_new = max(m, rowmax S), alpha = exp(m - m_new)
+                m_new[:nr] = m_i[:nr]
+                _col_max(st, n, nr, m_new)
+                for r in range(nr):
+                    # a row that has seen only hidden keys keeps m = -inf: use 0 as its shift
+                    mu[r] = m_new[r] if m_new[r] != NEG_INF else 0.0
+                    alpha[r] = math.exp(m_i[r] - mu[r])
+                    l_i[r] *= alpha[r]
+                    m_i[r] = m_new[r]
+                if f32:
+                    _exp_f32(st, pt, n, nr, mu, l_i, e_bits, e_val)
+                else:
+                    _exp_f64(st, pt, n, nr, mu, l_i)
                 # -- O = O * alpha + P @ V
-                pmat = pt[: nr * n].reshape((nr, n))
-                pvmat = pv[: nr * d_v].reshape((nr, d_v))
                 clean = full
                 if not full:
                     clean = True
@@ -224,42 +238,86 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                             clean = False
                             break
                 if clean:
-                    np.dot(pmat, vt[: n * d_v].reshape((n, d_v)), pvmat)
+                    pmat = pt[: n * nr].reshape((n, nr))
+                    vmat = vt[: n * d_v].reshape((n, d_v))
+                    np.dot(pmat.T, vmat, pv[: nr * d_v].reshape((nr, d_v)))
                 else:
                     # a non-finite v in a partly hidden tile: skip hidden keys, never 0 * NaN
-                    for x in range(nr * d_v):
-                        pv[x] = 0.0
-                    for rr in range(nr):
-                        for j in range(n):
-                            if st[rr * n + j] != NEG_INF:
-                                pj = pt[rr * n + j]
+                    pv[: nr * d_v] = 0.0
+                    for j in range(n):
+                        for r in range(nr):
+                            if st[j * nr + r] != NEG_INF:
+                                pj = pt[j * nr + r]
                                 for d in range(d_v):
-                                    pv[rr * d_v + d] += pj * vt[j * d_v + d]
-                for rr in range(nr):
-                    a = alpha[rr]
-                    base = rr * d_v
+                                    pv[r * d_v + d] += pj * vt[j * d_v + d]
+                for r in range(nr):
+                    a = alpha[r]
                     for d in range(d_v):
-                        ot[base + d] = ot[base + d] * a + pv[base + d]
+                        ot[r * d_v + d] = ot[r * d_v + d] * a + pv[r * d_v + d]
             # -- epilogue: out = O / l, lse = m + log(l); a row that saw nothing: 0, -inf
-            for rr in range(nr):
-                r = r0 + rr
-                i = r // g
-                h = kvh * g + r % g
-                li = l_i[rr]
-                base = rr * d_v
+            for r in range(nr):
+                i = (r0 + r) // g
+                h = kvh * g + (r0 + r) % g
+                li = l_i[r]
                 if slot >= 0:
                     for d in range(d_v):
-                        part_o[slot, rr, d] = ot[base + d]
-                    part_ml[slot, rr, 0] = m_i[rr]
-                    part_ml[slot, rr, 1] = li
-                    continue
-                if li == 0.0:
+                        part_o[slot, r, d] = ot[r * d_v + d]
+                    part_ml[slot, r, 0] = m_i[r]
+                    part_ml[slot, r, 1] = li
+                elif li == 0.0:
                     for d in range(d_v):
                         out[qb, qrow0 + i, h, d] = 0.0
                     lse[qb, h, qrow0 + i] = NEG_INF
                 else:
                     inv = 1.0 / li
                     for d in range(d_v):
-                        out[qb, qrow0 + i, h, d] = ot[base + d] * inv
-                    lse[qb, h, qrow0 + i] = m_i[rr] + math.log(li)
+                        out[qb, qrow0 + i, h, d] = ot[r * d_v + d] * inv
+                    lse[qb, h, qrow0 + i] = m_i[r] + math.log(li)
     return 0
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def merge_partials(seq, tasks, g, part_o, part_ml, out, lse):
+    """Combine the split-key partial states ``(O, m, l)`` of each task, in slot order."""
+    d_v = part_o.shape[2]
+    acc = np.zeros(d_v, part_o.dtype)
+    n_tasks = tasks.shape[0]
+    t = 0
+    while t < n_tasks:
+        u = t
+        while u + 1 < n_tasks and tasks[u + 1, 0] == tasks[t, 0] and \
+                tasks[u + 1, 1] == tasks[t, 1] and tasks[u + 1, 2] == tasks[t, 2]:
+            u += 1
+        s = tasks[t, 0]
+        kvh = tasks[t, 1]
+        r0 = tasks[t, 2]
+        qb = seq[s, 0]
+        qrow0 = seq[s, 1]
+        for r in range(tasks[t, 3]):
+            i = (r0 + r) // g
+            h = kvh * g + (r0 + r) % g
+            m = NEG_INF
+            for x in range(t, u + 1):
+                mx = part_ml[tasks[x, 6], r, 0]
+                m = mx if mx > m else m
+            mu = m if m != NEG_INF else 0.0
+            total = 0.0
+            acc[:] = 0.0
+            for x in range(t, u + 1):
+                slot = tasks[x, 6]
+                lx = part_ml[slot, r, 1]
+                if lx == 0.0:
+                    continue  # an empty partial state contributes nothing
+                wgt = math.exp(part_ml[slot, r, 0] - mu)
+                total += wgt * lx
+                for d in range(d_v):
+                    acc[d] += wgt * part_o[slot, r, d]
+            if total == 0.0:
+                for d in range(d_v):
+                    out[qb, qrow0 + i, h, d] = 0.0
+                lse[qb, h, qrow0 + i] = NEG_INF
+            else:
+                for d in range(d_v):
+                    out[qb, qrow0 + i, h, d] = acc[d] / total
+                lse[qb, h, qrow0 + i] = mu + math.log(total)
+        t = u + 1

@@ -1,0 +1,166 @@
+"""Unit tests of the numba backend's internals against the float64 numpy reference.
+
+The conformance suite covers the public contract; these tests aim at the numba kernel's own
+moving parts: tile boundaries (sizes just around BLOCK_N / BLOCK_M), GQA row packing, tile
+skipping under causal / window, the flash-decoding key split and its merge, the vectorised
+exp, hidden non-finite v inside a partly visible tile, and bitwise determinism.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import attnlib  # noqa: E402
+from attnlib.backends import numba_backend as nb  # noqa: E402
+
+
+def _qkv(rng, b, sq, sk, hq, hkv, d, dv=None, dtype=np.float32):
+    dv = d if dv is None else dv
+    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
+    v = rng.standard_normal((b, sk, hkv, dv)).astype(dtype)
+    return q, k, v
+
+
+def _check(q, k, v, tol=2e-5, **kw):
+    out, lse = attnlib.attention(q, k, v, return_lse=True, backend="numba", **kw)
+    ref, ref_lse = attnlib.attention(q, k, v, return_lse=True, backend="numpy", **kw)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), atol=tol, rtol=0)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(fin, np.isfinite(lse))
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=tol * 10, rtol=0)
+    return out, lse
+
+
+@pytest.mark.parametrize("sq,sk", [(127, 129), (129, 255), (1, 257), (200, 3), (257, 127)])
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
+def test_tile_boundaries(sq, sk, causal):
+    rng = np.random.default_rng(sq * 1000 + sk)
+    q, k, v = _qkv(rng, 2, sq, sk, 2, 2, 59, 37)
+    _check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 1), (3, 3)])
+def test_gqa_packing_across_blocks(hq, hkv):
+    # packed rows = Sq * G cross a BLOCK_M boundary in the middle of a query row's group
+    rng = np.random.default_rng(hq)
+    sq = nb.BLOCK_M // (hq // hkv) + 3
+    q, k, v = _qkv(rng, 1, sq, sq + 40, hq, hkv, 64)
+    _check(q, k, v, causal=True)
+    _check(q, k, v, window=(17, 5))
+
+
+@pytest.mark.parametrize("window", [(0, 0), (3, None), (None, 2), (130, 7), (300, 300)])
+def test_window_tile_skipping(window):
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, 1, 301, 333, 2, 1, 32)
+    _check(q, k, v, window=window)
+    _check(q, k, v, window=window, causal=True)
+
+
+def test_decode_split_keys_and_merge():
+    # one query row per sequence, few tasks and a long cache: the key range is split
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, 1, 1, 5 * nb.MIN_KEYS_PER_SPLIT + 77, 4, 1, 64)
+    _check(q, k, v)
+    _check(q, k, v, causal=True, window=(1000, None))
+
+
+def test_plan_tasks_split_covers_every_key_once():
+    rng = np.random.default_rng(4)
+    q, k, v = _qkv(rng, 1, 1, 3 * nb.MIN_KEYS_PER_SPLIT + 5, 2, 1, 8)
+    calls = []
+
+    class Spy(nb.NumbaBackend):
+        def attention(self, call):
+            calls.append(call)
+            return super().attention(call)
+
+    attnlib.attention(q, k, v, backend=Spy())
+    tasks, n_slots = nb.plan_tasks(calls[0], n_threads=2)
+    assert n_slots == tasks.shape[0] > 1
+    assert tasks[0, 4] == 0 and tasks[-1, 5] == k.shape[1]
+    np.testing.assert_array_equal(tasks[1:, 4], tasks[:-1, 5])
+
+
+def test_hidden_nonfinite_v_in_partial_tile():
+    # NaN / inf v rows that causal hides inside a partly visible tile must not leak
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, 1, 150, 150, 2, 2, 16)
+    v[0, 140, 0, 3] = np.nan
+    v[0, 141, 1, :] = np.inf
+    k[0, 145, 0, 0] = np.nan
+    out, _ = _check(q, k, v, causal=True)
+    assert np.isfinite(out[0, :140]).all()
+    assert np.isnan(out[0, 140:, 0, 3]).all()
+
+
+def test_fully_masked_rows_and_tiles():
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng, 1, 40, 300, 2, 2, 16)
+    mask = np.ones((1, 1, 40, 300), bool)
+    mask[..., :200] = False  # whole key tiles hidden for every row
+    mask[:, :, 5, :] = False  # a row that sees nothing
+    out, lse = _check(q, k, v, mask=mask)
+    assert (out[0, 5] == 0).all() and np.isneginf(lse[0, :, 5]).all()
+
+
+def test_exp_kernel_accuracy():
+    from attnlib.backends.numba_backend import _flash
+
+    x = np.concatenate([np.linspace(-130, 0, 4001), [-np.inf, np.nan, -1e-30, 0.0]])
+    x = x.astype(np.float32)
+    nr = x.size
+    p = np.zeros_like(x)
+    l_i = np.zeros(nr, np.float32)
+    e_val = np.zeros(nr, np.float32)
+    _flash._exp_f32(x, p, 1, nr, np.zeros(nr, np.float32), l_i, e_val.view(np.int32), e_val)
+    ref = np.exp(x.astype(np.float64))
+    ok = np.isfinite(x) & (x > -87)
+    np.testing.assert_allclose(p[ok], ref[ok], rtol=3e-7, atol=0)
+    assert (p[x < -88] == 0).all()
+    assert np.isnan(p[np.isnan(x)]).all()
+    np.testing.assert_array_equal(l_i, p)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16", np.float64])
+def test_dtypes_against_reference(dtype):
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(rng, 2, 67, 131, 4, 2, 111, dtype=dt)
+    tol = 1e-12 if dt == np.float64 else (2e-2 if dt.itemsize == 2 else 2e-5)
+    _check(q, k, v, tol=tol, causal=True, softcap=20.0)
+
+
+def test_bitwise_deterministic():
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, 2, 300, 517, 8, 2, 64)
+    a = attnlib.attention(q, k, v, causal=True, return_lse=True, backend="numba")
+    b = attnlib.attention(q, k, v, causal=True, return_lse=True, backend="numba")
+    for x, y in zip(a, b):
+        assert x.tobytes() == y.tobytes()
+
+
+def test_softmax_and_merge_against_reference():
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((5, 37, 3)).astype(np.float32) * 30
+    x[1, :, 2] = -np.inf
+    for axis in (0, 1, 2):
+        np.testing.assert_allclose(attnlib.softmax(x, axis, backend="numba"),
+                                   attnlib.softmax(x, axis, backend="numpy"), atol=1e-6)
+        np.testing.assert_allclose(attnlib.logsumexp(x, axis, backend="numba"),
+                                   attnlib.logsumexp(x, axis, backend="numpy"), atol=1e-5)
+    q, k, v = _qkv(rng, 1, 9, 40, 2, 2, 8)
+    parts = [attnlib.attention(q, k[:, a:b], v[:, a:b], return_lse=True, backend="numba")
+             for a, b in ((0, 13), (13, 13), (13, 40))]
+    out, lse = attnlib.merge_states([p[0] for p in parts], [p[1] for p in parts],
+                                    backend="numba")
+    ref, ref_lse = attnlib.attention(q, k, v, return_lse=True, backend="numpy")
+    np.testing.assert_allclose(out, ref, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
