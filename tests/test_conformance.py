@@ -7,6 +7,7 @@ is every available backend.
 from attnlib.testing.test_attention import *  # noqa: F401,F403
 from attnlib.testing.test_edges import *  # noqa: F401,F403
 from attnlib.testing.test_kvcache import *  # noqa: F401,F403
+from attnlib.testing.test_kvcache_random import *  # noqa: F401,F403
 from attnlib.testing.test_online import *  # noqa: F401,F403
 from attnlib.testing.test_oracle import *  # noqa: F401,F403
 from attnlib.testing.test_random import *  # noqa: F401,F403

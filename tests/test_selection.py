@@ -243,3 +243,12 @@ def test_entry_point_group_adds_backends_and_a_broken_one_only_warns(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["True", "False", "True", "True", "(1,", "2,", "1,", "4)"], (
         res.stdout + res.stderr[-2000:])
+
+
+def test_known_gaps_file(tmp_path):
+    """--attnlib-xfail FILE: one gap per line, comments allowed."""
+    from attnlib.testing.xfails import Gap, read_gaps
+
+    f = tmp_path / "gaps.txt"
+    f.write_text("# backend  match  reason\nmy_backend  test_alibi  ALiBi not yet built  # soon\n")
+    assert read_gaps(str(f)) == [Gap("my_backend", "test_alibi", "ALiBi not yet built")]

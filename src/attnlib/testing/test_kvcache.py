@@ -16,19 +16,20 @@ class Pair:
     """A real KVCache and its model, driven together."""
 
     def __init__(self, backend, max_batch, max_seq, *, dv=D, dtype="float32", ring=False,
-                 seed="pair"):
+                 seed="pair", hq=HQ, hkv=HKV, d=D):
         import attnlib
 
-        self.backend, self.dtype = backend, DTYPES[dtype]
-        self.rng = rng_for(seed, max_batch, max_seq, dv, dtype, ring)
-        self.dv = dv
-        self.cache = attnlib.KVCache(max_batch, max_seq, HKV, D, head_dim_v=dv, dtype=self.dtype,
+        self.backend = backend
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
+        self.rng = rng_for(seed, max_batch, max_seq, dv, str(dtype), ring, hq, hkv, d)
+        self.dv, self.hq, self.hkv, self.d = dv, hq, hkv, d
+        self.cache = attnlib.KVCache(max_batch, max_seq, hkv, d, head_dim_v=dv, dtype=self.dtype,
                                      ring=ring, backend=backend)
-        self.model = CacheModel(max_batch, max_seq, HKV, D, dv, ring)
+        self.model = CacheModel(max_batch, max_seq, hkv, d, dv, ring)
 
     def kv(self, b, s):
-        return (randn(self.rng, (b, s, HKV, D), self.dtype),
-                randn(self.rng, (b, s, HKV, self.dv), self.dtype))
+        return (randn(self.rng, (b, s, self.hkv, self.d), self.dtype),
+                randn(self.rng, (b, s, self.hkv, self.dv), self.dtype))
 
     def update(self, b, s, start_pos):
         k, v = self.kv(b, s)
@@ -44,7 +45,7 @@ class Pair:
             b = len(self.model.lengths)
         rows = np.arange(b) if batch_idx is None else np.asarray(batch_idx)
         b = len(rows)
-        q = randn(self.rng, (b, sq, HQ, D), self.dtype)
+        q = randn(self.rng, (b, sq, self.hq, self.d), self.dtype)
         k = v = None
         if new:
             k, v = self.kv(b, new)
@@ -60,8 +61,8 @@ class Pair:
         naive = naive_lse = None
         if self.dtype != np.float64:
             naive, naive_lse = self.model.attend(q, rows, rope=rope, dtype=self.dtype, **kw)
-        assert out.shape == (b, sq, HQ, self.dv) and out.dtype == self.dtype
-        assert lse.shape == (b, HQ, sq)
+        assert out.shape == (b, sq, self.hq, self.dv) and out.dtype == self.dtype
+        assert lse.shape == (b, self.hq, sq)
         check_attention(out, lse, ref, naive, ref_lse, naive_lse)
         self.check_lengths()
         return out, lse
@@ -77,7 +78,7 @@ class Pair:
         import attnlib
 
         n = len(self.model.lengths)
-        q = randn(rng_for("snap"), (n, 1, HQ, D), self.dtype)
+        q = randn(rng_for("snap"), (n, 1, self.hq, self.d), self.dtype)
         lengths = np.asarray(self.cache.lengths).copy()
         rows = np.flatnonzero(lengths > 0)
         out = attnlib.attention_with_kvcache(q[rows], self.cache, batch_idx=rows,
