@@ -8,7 +8,9 @@ Options (``attnlib.get_backend("opencl", **options)``):
 * ``queue``: a ``pyopencl.CommandQueue`` to run on (its context and device are used);
 * ``context``: a ``pyopencl.Context`` (a queue on its first device is made);
 * ``tiles``: ``(BLOCK_M, BLOCK_N, THREADS_M, THREADS_N)`` forcing the forward tiling;
-* ``num_splits``: force the number of key splits (flash-decoding) per query block.
+* ``num_splits``: force the number of key splits (flash-decoding) per query block;
+* ``use_mma``: on NVIDIA sm_80+ devices run float16/bfloat16 prefill on tensor cores
+  (``_nvidia_mma``, default True); decoding-shaped calls always take the split-KV kernel.
 
 Raises :class:`~attnlib.errors.UnsupportedError` (through ``supports_dtype``) for float64 on a
 device without ``cl_khr_fp64`` and :class:`~attnlib.errors.KernelBuildError` when a kernel fails
@@ -39,6 +41,7 @@ class DeviceFacts:
     compute_units: int
     local_mem: int
     fp64: bool
+    simulator: bool = False
 
 
 def _facts(device: Any) -> DeviceFacts:
@@ -50,6 +53,7 @@ def _facts(device: Any) -> DeviceFacts:
         compute_units=int(device.max_compute_units),
         local_mem=int(device.local_mem_size),
         fp64="cl_khr_fp64" in device.extensions,
+        simulator=is_simulator(device),
     )
 
 
@@ -66,6 +70,7 @@ class OpenCLBackend(Backend):
         context: Any = None,
         tiles: Sequence[int] | None = None,
         num_splits: int | None = None,
+        use_mma: bool = True,
     ) -> None:
         import pyopencl as cl
 
@@ -78,6 +83,7 @@ class OpenCLBackend(Backend):
         self.facts = _facts(self.device)
         self.tiles = tuple(int(t) for t in tiles) if tiles is not None else None
         self.num_splits = num_splits
+        self.use_mma = bool(use_mma)
         self._programs = ProgramCache()
         self._kernels: dict[tuple, Any] = {}
         # clSetKernelArg on one kernel object is not thread-safe: set + enqueue under a lock
@@ -176,12 +182,15 @@ class OpenCLBackend(Backend):
         return _ops.rope(self, x, positions, spec)
 
     def cache_alloc(self, shape: tuple[int, int, int, int], dtype: np.dtype) -> Any:
-        import pyopencl as cl
         import pyopencl.array as cla
 
         buf = cla.empty(self.queue, tuple(shape), np.dtype(dtype))
         if buf.nbytes:
-            cl.enqueue_fill_buffer(self.queue, buf.data, np.uint8(0), 0, buf.nbytes)
+            # zeroed by a kernel over a word view of the same memory (Oclgrind does not count
+            # clEnqueueFillBuffer as initialising memory)
+            word = np.uint32 if buf.nbytes % 4 == 0 else np.uint8
+            n = buf.nbytes // np.dtype(word).itemsize
+            cla.Array(self.queue, (n,), word, data=buf.data).fill(0)
         self.queue.finish()
         return buf
 

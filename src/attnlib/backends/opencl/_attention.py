@@ -66,6 +66,8 @@ def choose_tiles(
     """
     if override is not None:
         return tuple(override)  # type: ignore[return-value]
+    if facts.simulator:  # Oclgrind interprets every work-item: small tiles, several per call
+        return (min(_next_pow2(rows), 8), 8, min(_next_pow2(rows), 4), 4)
     if rows <= DECODE_ROWS:
         bm = _next_pow2(rows)
         cands = [(bm, 32, bm, 8)] if facts.is_cpu else [(bm, 64, bm, 32), (bm, 32, bm, 32)]
@@ -110,6 +112,11 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         return (out.get(), lse.get()) if host else (out, lse)
 
     rows = (call.q_len.astype(np.int64) * group)
+    if be.use_mma and int(rows.max()) > DECODE_ROWS:
+        from . import _nvidia_mma  # NVIDIA tensor cores (sm_80+), fp16/bf16 prefill
+
+        if _nvidia_mma.applicable(be.device, call):
+            return _nvidia_mma.run(ctx, queue, be.device, call)
     tiles = choose_tiles(be.facts, int(rows.max()), d, dv, acc.itemsize, be.tiles)
     bm, bn, tmh, tnh = tiles
     n_blocks = -(-rows // bm)
