@@ -8,6 +8,7 @@ from attnlib.testing.test_attention import *  # noqa: F401,F403
 from attnlib.testing.test_edges import *  # noqa: F401,F403
 from attnlib.testing.test_kvcache import *  # noqa: F401,F403
 from attnlib.testing.test_kvcache_random import *  # noqa: F401,F403
+from attnlib.testing.test_long import *  # noqa: F401,F403
 from attnlib.testing.test_online import *  # noqa: F401,F403
 from attnlib.testing.test_oracle import *  # noqa: F401,F403
 from attnlib.testing.test_random import *  # noqa: F401,F403
