@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from hypothesis import strategies as st
 
 __all__ = ["attention_problems", "varlen_problems", "SETTINGS"]
 
-#: reproducible in CI and bounded in time; shapes stay small (the oracle is dense)
-SETTINGS = dict(max_examples=25, deadline=None, derandomize=True, print_blob=True)
+#: reproducible in CI and bounded in time; shapes stay small (the oracle is dense).
+#: ATTNLIB_TEST_EXAMPLES=N asks for a deeper run (N examples per random test).
+SETTINGS = dict(
+    max_examples=int(os.environ.get("ATTNLIB_TEST_EXAMPLES", "") or 25),
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+)
 
 _CAUSAL = st.sampled_from([False, True, "top_left"])
 # head dims from a fixed odd/even set: compiled backends specialise on HEAD_DIM, and random

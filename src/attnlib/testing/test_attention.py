@@ -58,7 +58,7 @@ MASK_SHAPES = [
 
 
 @pytest.mark.parametrize("shape_i", range(len(MASK_SHAPES)))
-@pytest.mark.parametrize("kind", ["bool", "float32", "float16", "float64"])
+@pytest.mark.parametrize("kind", ["bool", "float32", "float16", "bfloat16", "float64"])
 def test_mask_broadcasting(attnlib_backend, shape_i, kind):
     b, h, sq, sk = 2, 3, 11, 23
     rng = rng_for("mask", shape_i, kind)
@@ -68,7 +68,7 @@ def test_mask_broadcasting(attnlib_backend, shape_i, kind):
     if kind == "bool":
         mask = keep
     else:
-        mask = np.where(keep, rng.standard_normal(shape), -np.inf).astype(kind)
+        mask = np.where(keep, rng.standard_normal(shape), -np.inf).astype(DTYPES[kind])
     check_dense(attnlib_backend, q, k, v, mask=mask)
 
 

@@ -177,3 +177,45 @@ def test_nan_pattern_helper_catches_differences():
     """Guard for the suite itself: the comparison really looks at NaN."""
     with pytest.raises(AssertionError):
         assert_same_nonfinite(np.array([1.0, np.nan]), np.array([1.0, 2.0]))
+
+
+def test_device_arrays_through_every_primitive(attnlib_backend):
+    """Device arrays in give device arrays out (numpy backends: numpy), equal to the host path."""
+    import attnlib
+
+    be = attnlib.get_backend(attnlib_backend)
+    rng = rng_for("device all")
+    q, k, v = qkv(rng, 1, 6, 11, 2, 1, 8, 5)
+    dev = {name: attnlib.to_device(a, backend=attnlib_backend) for name, a in
+           (("q", q), ("k", k), ("v", v))}
+    owned = be.owns(dev["q"])
+
+    def same(got, want, atol=1e-6):
+        assert be.owns(got) == owned, f"{type(got).__name__} out for {type(dev['q']).__name__} in"
+        host = attnlib.to_numpy(got)
+        assert host.shape == np.shape(want) and host.dtype == np.asarray(want).dtype
+        assert np.allclose(host, want, rtol=0, atol=atol, equal_nan=True)
+
+    x = dev["q"]
+    same(attnlib.softmax(x, axis=1, backend=attnlib_backend),
+         attnlib.softmax(q, axis=1, backend=attnlib_backend))
+    same(attnlib.logsumexp(x, backend=attnlib_backend),
+         attnlib.logsumexp(q, backend=attnlib_backend))
+    pos = np.arange(6)
+    same(attnlib.rope(x, pos, backend=attnlib_backend), attnlib.rope(q, pos,
+                                                                     backend=attnlib_backend))
+    o1, l1 = attnlib.attention(x, dev["k"], dev["v"], return_lse=True, backend=attnlib_backend)
+    same(o1, attnlib.attention(q, k, v, backend=attnlib_backend))
+    mo, ml = attnlib.merge_states([o1, o1], [l1, l1], backend=attnlib_backend)
+    ho, hl = attnlib.merge_states([attnlib.to_numpy(o1)] * 2, [attnlib.to_numpy(l1)] * 2,
+                                  backend=attnlib_backend)
+    same(mo, ho)
+    same(ml, hl)
+    acc = attnlib.OnlineAttention(x, backend=attnlib_backend)
+    acc.update(dev["k"], dev["v"])
+    same(acc.result(), attnlib.attention(q, k, v, backend=attnlib_backend), atol=1e-5)
+    cache = attnlib.KVCache(1, 16, 1, 8, head_dim_v=5, backend=attnlib_backend)
+    out = attnlib.attention_with_kvcache(x, cache, dev["k"][:, :6], dev["v"][:, :6],
+                                         backend=attnlib_backend)
+    same(out, attnlib.attention(q, k[:, :6], v[:, :6], causal=True, backend=attnlib_backend),
+         atol=1e-5)
