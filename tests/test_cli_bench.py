@@ -142,3 +142,24 @@ def test_torch_side_by_side(tmp_path):
     _check_doc(doc)
     ours = [r for r in doc["results"] if r["backend"] == "numpy"]
     assert ours and all(_positive(r["vs_torch"]) for r in ours)
+
+
+def test_runs_without_torch(monkeypatch, tmp_path):
+    """PyTorch is optional: without it the table has no torch rows and no ratios, and no error."""
+    import attnlib
+    import attnlib._bench.cli as cli
+
+    monkeypatch.setattr(cli, "_torch_installed", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    # the default backend list, kept to numpy so that no JIT compile slows the test down
+    monkeypatch.setattr(attnlib, "available_backends", lambda: ["numpy"])
+    path = tmp_path / "b.json"
+    argv = ["--size", "tiny", "--tasks", "prefill", "--causal", "no", "--reps", "2", "-q",
+            "--no-probes", "--json", str(path)]
+    assert main(argv) == 0
+    doc = json.loads(path.read_text())
+    _check_doc(doc)
+    assert {r["backend"] for r in doc["results"]} == {"numpy"}
+    assert all(r["vs_torch"] is None for r in doc["results"])
+    with pytest.raises(SystemExit):
+        main(["--backends", "torch", "-q"])

@@ -116,7 +116,8 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
             ]
             print(_row(cells), file=out)
     print("", file=out)
-    print("ceilings (measured here; float32):", file=out)
+    if ceilings:
+        print("ceilings (measured here; float32):", file=out)
     for c in ceilings.values():
         print(f"  {c.device:<40} {_si(c.byte_per_s, 'B/s'):>12} "
               f"{_si(c.flop_per_s, 'FLOP/s'):>14}   ({c.method})", file=out)
