@@ -25,7 +25,7 @@ import mma_common as mc  # noqa: E402
 
 nv = mc.nv
 CASES = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128)]
-WARMUP, REPS = 3, 10
+WARMUP, REPS = 3, 20
 EMULATE = bool(os.environ.get("MMA_EMULATE"))  # dry runs of this script with PoCL
 VERBOSE = () if EMULATE else ("-cl-nv-verbose",)
 # extra build flags for an A/B sweep entry (e.g. -DRESCALE_THRESH=-1.0f); such entries are reported
@@ -107,6 +107,9 @@ def sweep(args):
             rec["ok"] = False
             break
         log = prg.get_build_info(dev, cl.program_build_info.LOG)
+        if args.ptx and dname == "float16":
+            with open(args.ptx, "wb") as f:
+                f.write(prg.get_info(cl.program_info.BINARIES)[0])
         print(f"-- build {dname} ({time.perf_counter() - t0:.1f} s), -cl-nv-verbose:")
         print("\n".join(ln for ln in log.splitlines() if ln.strip()))
         rng = np.random.default_rng(7)
@@ -240,6 +243,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", default=None)
     ap.add_argument("--md", default=None)
+    ap.add_argument("--ptx", default=None, help="sweep: write the fp16 program's PTX here")
     args = ap.parse_args()
     {"peak": peak, "sweep": sweep, "table": table}[args.what](args)
 

@@ -29,8 +29,9 @@ __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "build_options"]
 
 #: head dims (D == Dv) the kernel is built for
 HEAD_DIMS = (64, 128)
-#: (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) per head dim
-DEFAULT_CONFIGS = {64: (128, 64, 8, 1), 128: (128, 64, 8, 1)}
+#: (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) per head dim: the fastest of the sweep on the H200
+#: (bench/RESULTS.md); 4 warps x 32 rows, 2 work-groups per SM (registers: 246-255 per thread)
+DEFAULT_CONFIGS = {64: (128, 64, 4, 1), 128: (128, 64, 4, 0)}
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
