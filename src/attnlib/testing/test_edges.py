@@ -219,3 +219,27 @@ def test_device_arrays_through_every_primitive(attnlib_backend):
                                          backend=attnlib_backend)
     same(out, attnlib.attention(q, k[:, :6], v[:, :6], causal=True, backend=attnlib_backend),
          atol=1e-5)
+
+
+def test_calls_from_several_threads(attnlib_backend):
+    """One backend instance used by several threads at once gives each the serial result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import attnlib
+
+    rng = rng_for("threads")
+    cases = [qkv(rng, 1, 5 + 7 * i, 40 + 9 * i, 2, 1, 16) for i in range(4)]
+
+    def run(case):
+        q, k, v = case
+        out, lse = attnlib.attention(q, k, v, causal=True, return_lse=True,
+                                     backend=attnlib_backend)
+        sm = attnlib.softmax(q, axis=1, backend=attnlib_backend)
+        return out, lse, sm
+
+    serial = [run(c) for c in cases]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(2):
+            for got, want in zip(pool.map(run, cases), serial):
+                for a, b in zip(got, want):
+                    assert a.tobytes() == b.tobytes()
