@@ -34,7 +34,9 @@ def annotate(results: list[Result], ceilings: dict[str, Ceiling]) -> None:
             mem_roof = ceil.byte_per_s * ai
             r.bound = "memory" if mem_roof < ceil.flop_per_s else "compute"
             roof = min(mem_roof, ceil.flop_per_s)
-            r.pct_roof = 100.0 * (r.case.flops() / r.median_s) / roof
+            # the compute roof is a float32 probe: it says nothing about float16 tensor cores
+            if r.bound == "memory" or r.case.dtype == "float32":
+                r.pct_roof = 100.0 * (r.case.flops() / r.median_s) / roof
         if r.backend != "torch" and r.case in torch_t:
             r.vs_torch = torch_t[r.case] / r.median_s
 
@@ -108,6 +110,8 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
                 print(_row([r.backend, r.device]) + "  " + r.error, file=out)
                 continue
             roof = "-" if r.pct_roof is None else f"{r.pct_roof:.0f}% {r.bound[0].upper()}"
+            if r.pct_roof is None and r.bound:
+                roof = f"- {r.bound[0].upper()}"
             cells = [
                 r.backend, r.device, _time(r.median_s), _time(r.first_call_s),
                 _si(r.case.flops() / r.median_s, "F"), _si(r.case.nbytes() / r.median_s, "B"),
@@ -126,7 +130,7 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
         "median of the repeated calls; '1st call' includes JIT compile / kernel build (smallest "
         "shape); F = FLOP, B = bytes",
         "%roof: achieved FLOP/s over min(peak FLOP/s, bandwidth x FLOP/byte) of the device; "
-        "C compute-bound, M memory-bound",
+        "C compute-bound, M memory-bound (compute roofs are float32: '-' for other dtypes)",
         "vs torch: PyTorch's time / this backend's time (above 1 = faster than PyTorch)",
     ]
     if methods:
