@@ -27,7 +27,8 @@ def _csv(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="attnlib bench",
-        description=__doc__.split("\n\n")[0],
+        description="Every available attnlib backend side by side with PyTorch SDPA (when "
+                    "installed): a table per shape, the JSON of it, and a roofline picture.",
         epilog="Shapes are picked for this machine and shrunk for slow backends to fit --budget; "
                "--shape fixes them. A benchmark is measured, never asserted.",
     )
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="draw the roofline (needs matplotlib)")
     p.add_argument("--memory", action="store_true",
                    help="run the motivating example instead: S=16384, 32 heads, D=128, float32, "
-                        "one subprocess per backend, peak memory beside the naive score matrix")
+                        "one subprocess per backend, peak memory beside the naive score matrix "
+                        "(--backends, --causal and the first of --dtypes apply)")
     p.add_argument("--memory-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="with --memory: skip a backend predicted slower than this (default: 300)")
     p.add_argument("--no-probes", action="store_true", help="skip the ceiling probes")

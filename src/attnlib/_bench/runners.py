@@ -142,6 +142,8 @@ def _attnlib_device(name: str, backend: Any) -> tuple[str, str]:
             import pyopencl as cl
 
             kind = "GPU" if dev.type & cl.device_type.GPU else "CPU"
+            if "oclgrind" in dev.platform.name.lower():  # reports every type bit, GPU included
+                kind = "simulator"
             return f"opencl:{dev.name.strip()}", f"{short_device_name(dev.name)} [OpenCL {kind}]"
         except Exception:
             return "opencl:?", "OpenCL device"
