@@ -281,13 +281,14 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
   const int t_first = lo_blk / BLOCK_N;
   const int t_last = hi_blk >= lo_blk ? hi_blk / BLOCK_N : t_first - 1;
 
-  // this thread's first row sees keys j with lo0 <= j - (row - first row) <= hi0 and j < klen
-  // (two registers instead of a bound pair per row)
-  const int lo0 = (int)clamp(m0 + wrow0 + g + base + dlo, -(1L << 30), 1L << 30);
-  const int hi0 = (int)clamp(m0 + wrow0 + g + base + dhi, -(1L << 30), 1L << 30);
-#define HIDDEN(MT, C, J)                                                                      \
-  ((J) - (MT) * 16 - 8 * ((C) >> 1) < lo0 || (J) - (MT) * 16 - 8 * ((C) >> 1) > hi0 ||       \
-   (J) >= klen)
+  int rlo[M_TILES][2], rhi[M_TILES][2];
+  UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+    UNROLL for (int hf = 0; hf < 2; hf++) {
+      long i = m0 + wrow0 + mt * 16 + g + 8 * hf;
+      rlo[mt][hf] = row_lo(i, base, dlo, klen);
+      rhi[mt][hf] = row_hi(i, base, dhi, klen);
+    }
+  }
 #if ALIBI
   const float slope = alibi[(long)s * n_heads + h];
 #endif
@@ -420,7 +421,7 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
         UNROLL for (int nt = 0; nt < NT_S; nt++) {
           UNROLL for (int c = 0; c < 4; c++) {
             const int j = n0 + nt * 8 + 2 * tg + (c & 1);
-            if (HIDDEN(mt, c, j)) sacc[mt][nt][c] = -INFINITY;
+            if (j < rlo[mt][c >> 1] || j > rhi[mt][c >> 1]) sacc[mt][nt][c] = -INFINITY;
           }
         }
       }
@@ -442,7 +443,7 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
             x -= slope * fabs((float)(i + base - j));
           }
 #endif
-          if (need_mask && HIDDEN(mt, c, j)) x = -INFINITY;
+          if (need_mask && (j < rlo[mt][c >> 1] || j > rhi[mt][c >> 1])) x = -INFINITY;
           sacc[mt][nt][c] = x;
         }
       }
