@@ -226,8 +226,9 @@ class CacheModel:
     ``p`` is held by sequence ``b`` iff ``p < lengths[b]`` and its slot still holds ``p``.
     """
 
-    def __init__(self, max_batch, max_seq, hkv, d, dv, ring=False):
+    def __init__(self, max_batch, max_seq, hkv, d, dv, ring=False, dtype=np.float64):
         self.max_seq, self.ring = max_seq, ring
+        self.dtype = np.dtype(dtype)  # the cache stores rotated keys in its own dtype
         self.k = np.zeros((max_batch, max_seq, hkv, d))
         self.v = np.zeros((max_batch, max_seq, hkv, dv))
         self.slot_pos = np.full((max_batch, max_seq), -1, np.int64)
@@ -240,7 +241,7 @@ class CacheModel:
             pos = sp + np.arange(k.shape[1])
             kb = k[b:b + 1]
             if rope is not None:
-                kb = reference_rope(kb, pos[None], **rope)
+                kb = reference_rope(kb, pos[None], **rope).astype(self.dtype).astype(np.float64)
             slots = pos % self.max_seq
             self.k[row, slots] = kb[0]
             self.v[row, slots] = np.asarray(v[b], dtype=np.float64)

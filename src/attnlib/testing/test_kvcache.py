@@ -25,7 +25,7 @@ class Pair:
         self.dv, self.hq, self.hkv, self.d = dv, hq, hkv, d
         self.cache = attnlib.KVCache(max_batch, max_seq, hkv, d, head_dim_v=dv, dtype=self.dtype,
                                      ring=ring, backend=backend)
-        self.model = CacheModel(max_batch, max_seq, hkv, d, dv, ring)
+        self.model = CacheModel(max_batch, max_seq, hkv, d, dv, ring, self.dtype)
 
     def kv(self, b, s):
         return (randn(self.rng, (b, s, self.hkv, self.d), self.dtype),
