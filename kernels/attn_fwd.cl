@@ -14,6 +14,11 @@
  *
  * Storage kinds: 0 float, 1 half (vload_half, no cl_khr_fp16 needed), 2 bfloat16 (ushort,
  * widened by shifting), 3 double. Math in float (ACC_KIND 0) or double (ACC_KIND 1).
+ *
+ * Vector paths (chosen on the host): D_VEC=4 reads Q and K from __local as 4-vectors along the head
+ * dim (HEAD_DIM % 4 == 0); V_VEC=4 gives each work-item output columns in 4-wide chunks
+ * interleaved across work-items, read as 4-vectors; LOAD_VEC=1 loads global rows with vload4
+ * (unit stride along the head dims). P is always read 4 keys at a time (BLOCK_N % 4 == 0).
  */
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -30,8 +35,14 @@
 #if !defined(HAS_ALIBI) || !defined(HAS_SOFTCAP) || !defined(SPLIT)
 #error "HAS_ALIBI, HAS_SOFTCAP and SPLIT must be defined"
 #endif
-#if (BLOCK_M % THREADS_M) || (BLOCK_N % THREADS_N)
-#error "BLOCK_M and BLOCK_N must be multiples of THREADS_M and THREADS_N"
+#if !defined(D_VEC) || !defined(V_VEC) || !defined(LOAD_VEC)
+#error "D_VEC, V_VEC and LOAD_VEC must be defined"
+#endif
+#if (BLOCK_M % THREADS_M) || (BLOCK_N % THREADS_N) || (BLOCK_N % 4)
+#error "BLOCK_M, BLOCK_N must be multiples of THREADS_M, THREADS_N; BLOCK_N of 4"
+#endif
+#if (D_VEC == 4 && HEAD_DIM % 4) || (LOAD_VEC && (D_VEC != 4 || HEAD_DIM_V % 4))
+#error "D_VEC=4 needs HEAD_DIM % 4 == 0; LOAD_VEC needs D_VEC=4 and HEAD_DIM_V % 4 == 0"
 #endif
 
 #if ACC_KIND == 1 || STORE_KIND == 3
@@ -39,21 +50,26 @@
 #endif
 #if ACC_KIND == 1
 typedef double acc_t;
+typedef double4 acc4_t;
 #else
 typedef float acc_t;
+typedef float4 acc4_t;
 #endif
 
 #if STORE_KIND == 0
 typedef float store_t;
 #define LD(p, i) ((acc_t)(p)[i])
+#define LD4(p, i) vload4(0, (p) + (i))
 #define ST(p, i, x) ((p)[i] = (float)(x))
 #elif STORE_KIND == 1
 typedef half store_t;
 #define LD(p, i) ((acc_t)vload_half((size_t)(i), (p)))
+#define LD4(p, i) vload_half4(0, (p) + (i))
 #define ST(p, i, x) vstore_half_rte((float)(x), (size_t)(i), (p))
 #elif STORE_KIND == 2
 typedef ushort store_t;
 #define LD(p, i) ((acc_t)as_float((uint)(p)[i] << 16))
+#define LD4(p, i) as_float4(convert_uint4(vload4(0, (p) + (i))) << 16)
 #define ST(p, i, x) ((p)[i] = bf16_rne((float)(x)))
 /* float -> bfloat16, round to nearest even; NaN stays a (quiet) NaN */
 inline ushort bf16_rne(float f) {
@@ -65,6 +81,7 @@ inline ushort bf16_rne(float f) {
 #elif STORE_KIND == 3
 typedef double store_t;
 #define LD(p, i) ((acc_t)(p)[i])
+#define LD4(p, i) vload4(0, (p) + (i))
 #define ST(p, i, x) ((p)[i] = (double)(x))
 #else
 #error "unknown STORE_KIND"
@@ -87,15 +104,57 @@ typedef store_t out_t;
 #define TM (BLOCK_M / THREADS_M)
 #define TN (BLOCK_N / THREADS_N)
 #define NT (THREADS_M * THREADS_N)
+#if V_VEC == 4
+#define DV_PER (((HEAD_DIM_V + 4 * THREADS_N - 1) / (4 * THREADS_N)) * 4)
+#define DV_COL(c) ((((c) / 4) * THREADS_N + tn) * 4 + (c) % 4)
+#else
 #define DV_PER ((HEAD_DIM_V + THREADS_N - 1) / THREADS_N)
+#define DV_COL(c) (tn + THREADS_N * (c))
+#endif
 #define DV_PAD (DV_PER * THREADS_N)
-/* odd leading dimensions: work-items reading different rows at one column hit different banks */
-#define QS_LD (HEAD_DIM + 1)
-#define KS_LD (HEAD_DIM + 1)
+/* padded leading dimensions: work-items reading different rows at one column hit different banks
+ * (D + 1 for scalar reads; D + 4 keeps 4-vectors aligned) */
+#define QS_LD (HEAD_DIM + (D_VEC == 4 ? 4 : 1))
+#define KS_LD QS_LD
 #define VS_LD DV_PAD
-#define PS_LD (BLOCK_N + 1)
+#define PS_LD (BLOCK_N + 4)
 #define KV_SIZE ((BLOCK_N * KS_LD) > (BLOCK_N * VS_LD) ? (BLOCK_N * KS_LD) : (BLOCK_N * VS_LD))
+#define V4(n) (((n) + 3) / 4)
 #define NEG_INF (-(acc_t)INFINITY)
+
+#if V_VEC == 4
+#define V_ROW(n, b)                                                           \
+    for (int c4 = 0; c4 < DV_PER / 4; ++c4) {                                 \
+        const acc4_t t_ = kv_s4[(n) * (VS_LD / 4) + c4 * THREADS_N + tn];      \
+        b[4 * c4] = t_.x;                                                     \
+        b[4 * c4 + 1] = t_.y;                                                 \
+        b[4 * c4 + 2] = t_.z;                                                 \
+        b[4 * c4 + 3] = t_.w;                                                 \
+    }
+#else
+#define V_ROW(n, b)                                                           \
+    for (int c = 0; c < DV_PER; ++c) b[c] = kv_s[(n) * VS_LD + tn + THREADS_N * c];
+#endif
+
+/* acc += P V over the staged tile; GUARD=1 skips keys with p == 0 */
+#define PV_TILE(GUARD)                                                        \
+    for (int n4 = 0; n4 < BLOCK_N / 4; ++n4) {                                \
+        acc_t pr[TM][4];                                                      \
+        for (int r = 0; r < TM; ++r) {                                        \
+            const acc4_t t_ = p_s4[(tm + THREADS_M * r) * (PS_LD / 4) + n4];  \
+            pr[r][0] = t_.x;                                                  \
+            pr[r][1] = t_.y;                                                  \
+            pr[r][2] = t_.z;                                                  \
+            pr[r][3] = t_.w;                                                  \
+        }                                                                     \
+        for (int e = 0; e < 4; ++e) {                                         \
+            acc_t b[DV_PER];                                                  \
+            V_ROW(4 * n4 + e, b)                                              \
+            for (int r = 0; r < TM; ++r)                                      \
+                for (int c = 0; c < DV_PER; ++c)                              \
+                    acc[r][c] += (GUARD && pr[r][e] == 0) ? (acc_t)0 : pr[r][e] * b[c]; \
+        }                                                                     \
+    }
 
 /* max that propagates NaN, as numpy's max does */
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
@@ -108,10 +167,13 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     acc_t scale, acc_t softcap, __global const float *alibi,
     __global const mask_t *mask, long m_off, long m_s0, long m_s1, long m_s2, long m_s3,
     __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows) {
-    __local acc_t q_s[BLOCK_M * QS_LD];
-    __local acc_t kv_s[KV_SIZE];
-    __local acc_t p_s[BLOCK_M * PS_LD];
+    __local acc4_t q_s4[V4(BLOCK_M * QS_LD)];
+    __local acc4_t kv_s4[V4(KV_SIZE)];
+    __local acc4_t p_s4[V4(BLOCK_M * PS_LD)];
     __local acc_t red_s[THREADS_N * BLOCK_M];
+    __local acc_t *q_s = (__local acc_t *)q_s4;
+    __local acc_t *kv_s = (__local acc_t *)kv_s4;
+    __local acc_t *p_s = (__local acc_t *)p_s4;
 
     const int lid = get_local_id(0);
     const int tn = lid % THREADS_N;
@@ -144,6 +206,17 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     const long t_end = min(n_tiles, t_begin + per_split);
 
     /* -- load the query block once (zeros for padding rows) */
+#if LOAD_VEC
+    for (int idx = lid; idx < BLOCK_M * (HEAD_DIM / 4); idx += NT) {
+        const int mr = idx / (HEAD_DIM / 4), d4 = idx % (HEAD_DIM / 4), m = m0 + mr;
+        acc4_t x = 0;
+        if (m < rows) {
+            const long h = hk * GROUP + m % GROUP;
+            x = LD4(q, q_off + qb * q_sb + (long)(q_row0 + m / GROUP) * q_ss + h * q_sh + 4 * d4);
+        }
+        q_s4[mr * (QS_LD / 4) + d4] = x;
+    }
+#else
     for (int idx = lid; idx < BLOCK_M * HEAD_DIM; idx += NT) {
         const int mr = idx / HEAD_DIM, dd = idx % HEAD_DIM, m = m0 + mr;
         acc_t x = 0;
@@ -153,6 +226,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         }
         q_s[mr * QS_LD + dd] = x;
     }
+#endif
 
     int row_ok[TM], row_i[TM], row_h[TM];
     long qpos[TM];
@@ -179,6 +253,19 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
+#if LOAD_VEC
+        for (int idx = lid; idx < BLOCK_N * (HEAD_DIM / 4); idx += NT) {
+            const int n = idx / (HEAD_DIM / 4), d4 = idx % (HEAD_DIM / 4);
+            const long j = n0 + n;
+            acc4_t x = 0;
+            if (j < k_len) {
+                long row = k_row0 + j;
+                if (ring && row >= ring) row -= ring;
+                x = LD4(k, k_off + kb * k_sb + row * k_ss + hk * k_sh + 4 * d4);
+            }
+            kv_s4[n * (KS_LD / 4) + d4] = x;
+        }
+#else
         for (int idx = lid; idx < BLOCK_N * HEAD_DIM; idx += NT) {
             const int n = idx / HEAD_DIM, dd = idx % HEAD_DIM;
             const long j = n0 + n;
@@ -190,12 +277,29 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
             }
             kv_s[n * KS_LD + dd] = x;
         }
+#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- S = Q K^T on the micro-tile */
         acc_t s[TM][TN];
         for (int r = 0; r < TM; ++r)
             for (int c = 0; c < TN; ++c) s[r][c] = 0;
+#if D_VEC == 4
+        for (int d4 = 0; d4 < HEAD_DIM / 4; ++d4) {
+            acc4_t a[TM], b[TN];
+            for (int r = 0; r < TM; ++r) a[r] = q_s4[(tm + THREADS_M * r) * (QS_LD / 4) + d4];
+            for (int c = 0; c < TN; ++c) b[c] = kv_s4[(tn + THREADS_N * c) * (KS_LD / 4) + d4];
+            for (int r = 0; r < TM; ++r)
+                for (int c = 0; c < TN; ++c) {
+                    acc_t t = s[r][c];
+                    t += a[r].x * b[c].x;
+                    t += a[r].y * b[c].y;
+                    t += a[r].z * b[c].z;
+                    t += a[r].w * b[c].w;
+                    s[r][c] = t;
+                }
+        }
+#else
         for (int dd = 0; dd < HEAD_DIM; ++dd) {
             acc_t a[TM], b[TN];
             for (int r = 0; r < TM; ++r) a[r] = q_s[(tm + THREADS_M * r) * QS_LD + dd];
@@ -203,6 +307,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
             for (int r = 0; r < TM; ++r)
                 for (int c = 0; c < TN; ++c) s[r][c] += a[r] * b[c];
         }
+#endif
 
         /* -- scale, softcap, ALiBi, mask; invisible keys become -inf */
         acc_t mx[TM];
@@ -260,34 +365,36 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
-        /* -- stage the V tile over the K tile */
+        /* -- stage the V tile over the K tile (padding columns zeroed) */
+#if LOAD_VEC
+        for (int idx = lid; idx < BLOCK_N * (DV_PAD / 4); idx += NT) {
+            const int n = idx / (DV_PAD / 4), d4 = idx % (DV_PAD / 4);
+#else
         for (int idx = lid; idx < BLOCK_N * DV_PAD; idx += NT) {
             const int n = idx / DV_PAD, dd = idx % DV_PAD;
+#endif
             const long j = n0 + n;
+            long row = k_row0 + j;
+            if (ring && row >= ring) row -= ring;
+            const long vbase = v_off + kb * v_sb + row * v_ss + hk * v_sh;
+#if LOAD_VEC
+            acc4_t x = 0;
+            if (j < k_len && 4 * d4 < HEAD_DIM_V) x = LD4(v, vbase + 4 * d4);
+            vstore4(x, 0, kv_s + n * VS_LD + 4 * d4);
+#else
             acc_t x = 0;
-            if (j < k_len && dd < HEAD_DIM_V) {
-                long row = k_row0 + j;
-                if (ring && row >= ring) row -= ring;
-                x = LD(v, v_off + kb * v_sb + row * v_ss + hk * v_sh + dd * v_sd);
-            }
+            if (j < k_len && dd < HEAD_DIM_V) x = LD(v, vbase + dd * v_sd);
             kv_s[n * VS_LD + dd] = x;
+#endif
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
-        /* -- O += P V; on partly visible tiles an invisible key (p == 0) is skipped, never
-         *    multiplied, so NaN or garbage in its v cannot leak */
-        for (int n = 0; n < BLOCK_N; ++n) {
-            acc_t p[TM], b[DV_PER];
-            for (int r = 0; r < TM; ++r) p[r] = p_s[(tm + THREADS_M * r) * PS_LD + n];
-            for (int c = 0; c < DV_PER; ++c) b[c] = kv_s[n * VS_LD + tn + THREADS_N * c];
-            if (full) {
-                for (int r = 0; r < TM; ++r)
-                    for (int c = 0; c < DV_PER; ++c) acc[r][c] += p[r] * b[c];
-            } else {
-                for (int r = 0; r < TM; ++r)
-                    for (int c = 0; c < DV_PER; ++c)
-                        acc[r][c] += p[r] != 0 ? p[r] * b[c] : (acc_t)0;
-            }
+        /* -- O += P V, four keys per step; on partly visible tiles an invisible key (p == 0) is
+         *    skipped, never multiplied, so NaN or garbage in its v cannot leak */
+        if (full) {
+            PV_TILE(0)
+        } else {
+            PV_TILE(1)
         }
     }
 
@@ -310,7 +417,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         const long lidx = ((long)qb * n_heads + row_h[r]) * sq_arr + row;
 #endif
         for (int c = 0; c < DV_PER; ++c) {
-            const int col = tn + THREADS_N * c;
+            const int col = DV_COL(c);
             if (col < HEAD_DIM_V) OUT_ST(out, obase + col, l == 0 ? (acc_t)0 : acc[r][c] / l);
         }
         if (tn == 0) lse[lidx] = l == 0 ? NEG_INF : m_i[r] + log(l);

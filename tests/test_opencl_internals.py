@@ -102,13 +102,20 @@ def test_strided_device_arrays(be):
 
 
 @pytest.mark.parametrize("tiles,dtype", [((8, 8, 2, 4), "float32"), ((4, 16, 4, 4), "float16"),
-                                         ((16, 8, 8, 2), "bfloat16"), ((8, 8, 2, 4), "float64")])
+                                         ((16, 8, 8, 2), "bfloat16"), ((8, 8, 2, 4), "float64"),
+                                         ((64, 64, 8, 16), "float32"), ((32, 32, 8, 8), "float16"),
+                                         ((4, 64, 1, 64), "bfloat16")])
 def test_forced_tilings(tiles, dtype):
+    """Every tiling (the GPU ones too), with the scalar (odd D) and the vector paths (D % 4 == 0,
+    unit strides: vload4) of the kernel."""
     mine = attnlib.get_backend("opencl", tiles=tiles)
     rng = rng_for("tiles", tiles, dtype)
     q, k, v = qkv(rng, 2, 21, 37, 6, 2, 13, 11, dtype)
     check_dense(mine, q, k, v, causal=True, window=(9, None), softcap=3.0)
     check_dense(mine, q, k, v, mask=rng.standard_normal((1, 6, 21, 37)).astype(np.float32))
+    q, k, v = qkv(rng, 1, 70, 75, 4, 2, 32, 48, dtype)
+    check_dense(mine, q, k, v, causal=True)
+    check_dense(mine, q, k[:, ::-1], v[:, ::-1], causal=True)  # negative strides
 
 
 @pytest.mark.parametrize("splits,dtype", [(2, "float32"), (3, "float16"), (7, "float64"),

@@ -51,7 +51,9 @@ def device_tilings(be):
     # the tilings chosen for real devices (CPU prefill, GPU prefill, decode), not the simulator's
     rng = rng_for("og tilings")
     for tiles in ((16, 32, 4, 8), (32, 32, 8, 16), (4, 64, 4, 32)):
-        q, k, v = qkv(rng, 1, 3 if tiles[0] == 4 else 20, 70, 4, 2 if tiles[0] == 4 else 4, 12)
+        decode = tiles[0] == 4
+        # D = 12, Dv = 32: the 4-vector paths (vload4, V_VEC=4 where the tiling allows it)
+        q, k, v = qkv(rng, 1, 3 if decode else 20, 70, 4, 2 if decode else 4, 12, 32)
         check_dense(attnlib.get_backend("opencl", tiles=tiles), q, k, v, causal=True)
 
 

@@ -42,6 +42,22 @@ class DeviceFacts:
     local_mem: int
     fp64: bool
     simulator: bool = False
+    local_budget: int = 0  # __local bytes one work-group may use (see _local_budget)
+
+
+def _local_budget(device: Any) -> int:
+    """NVIDIA's OpenCL reports 48 KiB of local memory, yet static __local arrays up to about
+    200 KiB build and run on Hopper (shared/gpu/README.md): allow 160 KiB from sm_90 on."""
+    reported = int(device.local_mem_size)
+    try:
+        import pyopencl as cl
+
+        if "cl_nv_device_attribute_query" in device.extensions:
+            if device.get_info(cl.device_info.COMPUTE_CAPABILITY_MAJOR_NV) >= 9:
+                return max(reported, 160 * 1024)
+    except Exception:
+        pass
+    return reported
 
 
 def _facts(device: Any) -> DeviceFacts:
@@ -54,6 +70,7 @@ def _facts(device: Any) -> DeviceFacts:
         local_mem=int(device.local_mem_size),
         fp64="cl_khr_fp64" in device.extensions,
         simulator=is_simulator(device),
+        local_budget=_local_budget(device),
     )
 
 

@@ -30,6 +30,9 @@ class FwdConfig(KernelConfig):
     BLOCK_N: int
     THREADS_M: int
     THREADS_N: int
+    D_VEC: int
+    V_VEC: int
+    LOAD_VEC: bool
     STORE_KIND: int
     ACC_KIND: int
     MASK_KIND: int
@@ -45,10 +48,21 @@ class MergeConfig(KernelConfig):
     ACC_KIND: int
 
 
+def vec_widths(d: int, dv: int, threads_n: int) -> tuple[int, int, int]:
+    """(D_VEC, V_VEC, DV_PAD): 4-vector reads along D when D % 4 == 0; 4-wide output chunks
+    when that pads Dv by at most a quarter."""
+    d_vec = 4 if d % 4 == 0 else 1
+    pad4 = -(-dv // (4 * threads_n)) * 4 * threads_n
+    v_vec = 4 if pad4 * 4 <= dv * 5 else 1
+    dv_pad = pad4 if v_vec == 4 else -(-dv // threads_n) * threads_n
+    return d_vec, v_vec, dv_pad
+
+
 def local_bytes(bm: int, bn: int, tn: int, d: int, dv: int, acc_bytes: int) -> int:
     """__local memory of one attn_fwd work-group (mirrors the arrays declared in the kernel)."""
-    dv_pad = -(-dv // tn) * tn
-    return acc_bytes * (bm * (d + 1) + bn * max(d + 1, dv_pad) + bm * (bn + 1) + tn * bm)
+    d_vec, _, dv_pad = vec_widths(d, dv, tn)
+    ld = d + (4 if d_vec == 4 else 1)
+    return acc_bytes * (bm * ld + bn * max(ld, dv_pad) + bm * (bn + 4) + tn * bm + 12)
 
 
 def _next_pow2(n: int) -> int:
@@ -70,14 +84,16 @@ def choose_tiles(
         return (min(_next_pow2(rows), 8), 8, min(_next_pow2(rows), 4), 4)
     if rows <= DECODE_ROWS:
         bm = _next_pow2(rows)
-        cands = [(bm, 32, bm, 8)] if facts.is_cpu else [(bm, 64, bm, 32), (bm, 32, bm, 32)]
+        if facts.is_cpu:
+            cands = [(bm, 32, bm, 8)]
+        else:  # all packed rows in one work-item row, 64 work-items streaming the keys
+            cands = [(bm, 64, 1, 64), (bm, 32, 1, 32), (bm, 16, 1, 16)]
     elif facts.is_cpu:
         cands = [(16, 32, 4, 8), (16, 16, 4, 4)]
     else:
-        cands = [(64, 64, 16, 16), (64, 32, 16, 16), (32, 32, 8, 16), (16, 32, 4, 16),
-                 (16, 16, 4, 8), (8, 8, 2, 4)]
+        cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8), (16, 16, 4, 4), (8, 8, 2, 4)]
     for bm, bn, tm, tn in cands:
-        if local_bytes(bm, bn, tn, d, dv, acc_bytes) <= facts.local_mem:
+        if local_bytes(bm, bn, tn, d, dv, acc_bytes) <= facts.local_budget:
             return bm, bn, tm, tn
     return cands[-1]
 
@@ -147,9 +163,14 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     if call.alibi is not None:
         alibi_buf = upload(ctx, np.ascontiguousarray(call.alibi, np.float32)).buf
 
+    views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
+    d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
+    load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
+                and all(vw.strides[3] == 1 for vw in views))
     cfg = FwdConfig(
         HEAD_DIM=d, HEAD_DIM_V=dv, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
-        THREADS_N=tnh, STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
+        THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
+        STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1,
     )
@@ -161,7 +182,6 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     else:
         dst = [out.data, lse.data]
 
-    views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
     desc_buf = upload(ctx, desc).buf
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
     wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
