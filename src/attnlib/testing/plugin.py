@@ -16,6 +16,9 @@ Backends under test, first that applies:
 3. :func:`attnlib.available_backends` (every backend that can run here).
 
 ``--attnlib-xfail FILE`` adds a file of known gaps (see :mod:`attnlib.testing.xfails`).
+``ATTNLIB_TEST_EXAMPLES=N`` runs N Hypothesis examples per random test instead of 25 (the random
+cases are derandomized, so a run is reproducible). With plugin autoloading disabled
+(``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), load it by hand: ``pytest -p attnlib.testing.plugin``.
 """
 
 from __future__ import annotations
