@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from attnlib.testing._helpers import DTYPES, check_dense, qkv, randn, rng_for
+from attnlib.testing.reference import naive_attention, reference_attention
+from attnlib.testing.tolerance import assert_rule
 
 CAUSALS = [False, True, "bottom_right", "top_left"]
 # (Sq, Sk): Sq < Sk, Sq > Sk, Sq == Sk, decode-like Sq = 1
@@ -198,8 +200,8 @@ def test_return_lse_false_gives_out_only(attnlib_backend):
     q, k, v = qkv(rng, 1, 7, 9, 2, 1, 8)
     out = attnlib.attention(q, k, v, backend=attnlib_backend)
     assert isinstance(out, np.ndarray) and out.shape == (1, 7, 2, 8)
-    ref = check_dense(attnlib_backend, q, k, v)[0]
-    assert np.array_equal(out, ref)
+    # without the lse a backend may take another path: judge it by the rule on its own
+    assert_rule(out, reference_attention(q, k, v)[0], naive_attention(q, k, v)[0])
 
 
 def test_random_data_is_not_trivial():
