@@ -21,10 +21,14 @@ import numpy as np
 
 from ..base import AttnCall, Backend, RopeSpec
 
-BLOCK_M = 128  # packed query rows per task
-BLOCK_N = 128  # keys per tile
+BLOCK_M = 256  # packed query rows per task
+BLOCK_M_MASKED = 128  # ... when causal / window hide part of the keys
+BLOCK_N = 256  # keys per tile
 # decode-sized calls (few tasks) split each task's keys so that every thread has work
 MIN_KEYS_PER_SPLIT = 4 * BLOCK_N
+# packed K / V copies (see _pack) above this size are not made: huge calls copy tiles instead
+PACK_LIMIT_BYTES = 256 * 2**20
+PACK_MIN_REUSE = 4  # ... nor when few query blocks read each key tile (the copy would not pay)
 
 _available: bool | None = None
 # numba's default (workqueue) threading layer must not be entered by two threads at once, and
@@ -79,10 +83,31 @@ def _compact_mask(call: AttnCall, cdt: np.dtype) -> np.ndarray:
     return np.broadcast_to(small, mv.shape)
 
 
-def plan_tasks(call: AttnCall, n_threads: int, block_m: int = BLOCK_M,
-               block_n: int = BLOCK_N) -> tuple[np.ndarray, int]:
-    """Tasks ``(seq, kv head, first packed row, rows, first key, key end, slot)`` and the number
-    of partial-state slots. Decode-sized calls split keys so every thread has work."""
+def _key_range(call: AttnCall, tasks: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per task, the keys ``[lo, hi)`` that some row can see (as the kernel's tile skipping)."""
+    s = tasks[:, 0]
+    qpos_lo = call.q_pos0[s] + tasks[:, 2] // g
+    qpos_hi = call.q_pos0[s] + (tasks[:, 2] + tasks[:, 3] - 1) // g
+    lo, hi = tasks[:, 4].copy(), tasks[:, 5].copy()
+    if call.window_left is not None and call.window_left >= 0:
+        lo = np.maximum(lo, qpos_lo - call.window_left - call.k_pos0[s])
+    bound = []
+    if call.causal_hi is not None:
+        bound.append(call.causal_hi[s])
+    if call.window_right is not None and call.window_right >= 0:
+        bound.append(np.full(len(s), call.window_right))
+    if bound:
+        hi = np.minimum(hi, qpos_hi + np.minimum.reduce(bound) - call.k_pos0[s] + 1)
+    return lo, np.maximum(hi, lo)
+
+
+def plan_tasks(call: AttnCall, n_threads: int, block_m: int | None = None,
+               block_n: int | None = None) -> tuple[np.ndarray, int]:
+    """Tasks ``(seq, kv head, first packed row, rows, first key, key end, slot)`` in natural order
+    and the number of partial-state slots. Decode-sized calls split keys so every thread has
+    work (flash-decoding); slots of one task are consecutive."""
+    block_m = BLOCK_M if block_m is None else block_m
+    block_n = BLOCK_N if block_n is None else block_n
     hq, hkv = call.n_heads, call.n_kv_heads
     g = hq // hkv
     q_len = call.q_len.astype(np.int64)
@@ -110,6 +135,45 @@ def plan_tasks(call: AttnCall, n_threads: int, block_m: int = BLOCK_M,
             split_rows.append((*t[:4], min(j0, k_end), min(j0 + chunk, k_end), slot))
             slot += 1
     return np.array(split_rows, dtype=np.int64), slot
+
+
+def schedule(call: AttnCall, tasks: np.ndarray, block_n: int) -> np.ndarray:
+    """Tasks costliest first (rows x visible key tiles, longest-processing-time order), for the
+    kernel's dynamic schedule; ties keep their natural (cache-friendly) order."""
+    g = call.n_heads // call.n_kv_heads
+    lo, hi = _key_range(call, tasks, g)
+    tiles = -(-(hi - lo) // block_n)
+    costs = tasks[:, 3].astype(np.float64) * (tiles + 1)  # + a fixed per-task cost
+    return np.ascontiguousarray(tasks[np.argsort(-costs, kind="stable")])
+
+
+def _blocks(call: AttnCall) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for a call: big tiles keep BLAS efficient; causal / window calls
+    take shorter query blocks so the tiles cut by the diagonal waste less."""
+    if call.causal_hi is not None or call.window_left is not None or \
+            call.window_right is not None:
+        return BLOCK_M_MASKED, BLOCK_N
+    return BLOCK_M, BLOCK_N
+
+
+def _pack(call, seq, k, v, tasks, cdt, _flash):
+    """Packed contiguous K / V per (kv head, sequence) when key tiles are read by more than one
+    query block and the copies stay small; else empty arrays (tiles are copied per block).
+    Fills ``seq[:, 9]`` with each sequence's offset."""
+    empty = np.zeros((0, 0, 0), cdt)
+    # each key tile is read by (query blocks per sequence and kv head) tasks
+    reuse = tasks.shape[0] >= PACK_MIN_REUSE * call.n_kv_heads * np.count_nonzero(call.q_len)
+    total = int(call.k_len.sum())
+    hkv = call.n_kv_heads
+    nbytes = hkv * total * (k.shape[3] + v.shape[3]) * cdt.itemsize
+    if not reuse or nbytes > PACK_LIMIT_BYTES or total == 0:
+        return empty, empty
+    seq[:, 9] = np.concatenate([[0], np.cumsum(call.k_len)[:-1]])
+    kp = np.empty((hkv, total, k.shape[3]), cdt)
+    vp = np.empty((hkv, total, v.shape[3]), cdt)
+    _flash.pack_kv(k, seq, hkv, int(call.ring), kp)
+    _flash.pack_kv(v, seq, hkv, int(call.ring), vp)
+    return kp, vp
 
 
 class NumbaBackend(Backend):
@@ -163,7 +227,7 @@ class NumbaBackend(Backend):
                         call.k_len, call.q_pos0, call.k_pos0,
                         call.causal_hi if call.causal_hi is not None
                         else np.full(call.n_seq, big)], axis=1).astype(np.int64)
-        seq = np.ascontiguousarray(seq.reshape(-1, 9))
+        seq = np.concatenate([seq.reshape(-1, 9), np.full((call.n_seq, 1), -1)], axis=1)
         wl = big if call.window_left is None or call.window_left < 0 else int(call.window_left)
         wr = big if call.window_right is None or call.window_right < 0 else int(call.window_right)
         softcap = float(call.softcap) if call.softcap is not None else 0.0
@@ -175,14 +239,18 @@ class NumbaBackend(Backend):
         out = np.zeros((bq, sq_arr, hq, d_v), cdt)
         lse = np.full((bq, hq, sq_arr), -np.inf, cdt)
         n_threads = numba.get_num_threads()
-        tasks, n_slots = plan_tasks(call, n_threads)
-        part_o = np.zeros((n_slots, BLOCK_M, d_v), cdt)
-        part_ml = np.zeros((n_slots, BLOCK_M, 2), cdt)
+        block_m, block_n = _blocks(call)
+        tasks, n_slots = plan_tasks(call, n_threads, block_m, block_n)
+        part_o = np.zeros((n_slots, block_m, d_v), cdt)
+        part_ml = np.zeros((n_slots, block_m, 2), cdt)
         if tasks.shape[0]:
             with _launch_lock, _blas_single_thread():
-                _flash.flash_forward(q, k, v, seq, tasks, hq // k.shape[2], float(call.scale),
-                                     wl, wr, softcap, alibi, mask, int(call.ring), BLOCK_M,
-                                     BLOCK_N, n_threads, out, lse, part_o, part_ml)
+                kp, vp = _pack(call, seq, k, v, tasks, cdt, _flash)
+                dealt = schedule(call, tasks, block_n)
+                _flash.flash_forward(q, k, v, kp, vp, seq, dealt, hq // k.shape[2],
+                                     float(call.scale), wl, wr, softcap, alibi, mask,
+                                     int(call.ring), block_m, block_n, n_threads,
+                                     np.zeros(1, np.int64), out, lse, part_o, part_ml)
                 if n_slots:
                     _flash.merge_partials(seq, tasks, hq // k.shape[2], part_o, part_ml,
                                           out, lse)

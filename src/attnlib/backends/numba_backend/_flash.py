@@ -11,10 +11,10 @@ of head ``kvh * G + r % G``), so one K/V tile load serves the whole GQA group, a
     -> O = O * exp(m - m_new) + P @ V_blk (gemm)
 
 Key tiles that causal / window hide from every row of the block are never visited. Only
-``BLOCK_M x BLOCK_N`` score tiles exist: no Sq x Sk buffer. Tasks are dealt round-robin to
-``n_workers`` prange workers; each output row is produced by exactly one task, in a fixed key
-order, so results are bitwise reproducible. Split-key tasks (decode) write partial states
-``(O, m, l)`` that :func:`merge_partials` combines in a fixed order.
+``BLOCK_M x BLOCK_N`` score tiles exist: no Sq x Sk buffer. Tasks are dealt to prange workers
+ahead of time (longest first, to the least loaded worker); each output row is produced by exactly
+one task, in a fixed key order, so results are bitwise reproducible. Split-key tasks (decode)
+write partial states ``(O, m, l)`` that :func:`merge_partials` combines in a fixed order.
 """
 
 from __future__ import annotations
@@ -22,16 +22,32 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 # 'nnan' / 'ninf' stay off: -inf marks hidden keys and NaN must propagate from visible ones.
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 
 LOG2E = 1.4426950408889634
-LN2_HI = 0.693359375
-LN2_LO = -2.12194440e-4
 NEG_INF = -np.inf
 BIG = 1 << 62  # "unbounded" for window sides and causal_hi
+
+
+@intrinsic
+def _fetch_add(typingctx, arr, val):
+    """Atomically ``old = arr[0]; arr[0] += val; return old`` (int64): the shared task counter
+    of the dynamic schedule."""
+    sig = types.int64(arr, val)
+
+    def codegen(context, builder, signature, args):
+        arr_t = signature.args[0]
+        ary = context.make_array(arr_t)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, arr_t, ary,
+                                       [context.get_constant(types.intp, 0)])
+        return builder.atomic_rmw("add", ptr, args[1], "seq_cst")
+
+    return sig, codegen
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -50,44 +66,44 @@ def _col_max(st, n, nr, m_new):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _exp_f32(st, pt, n, nr, mu, l_i, e_bits, e_val):
-    """pt = exp(st - mu[row]), l_i += column sums; vectorisable: 2**x = 2**k * poly(f).
+def _exp2_f32(st, n, nr, mu, l_i, e_bits, e_val):
+    """In place ``st = 2**(st - mu[row])`` (scores in log2 units), ``l_i += column sums``.
 
-    The 2**k factor is built from exponent bits (``e_bits`` is an int32 view of ``e_val``);
-    x < -126 gives 0 and NaN stays NaN. Degree-7 Taylor on |f| <= ln2/2: a few ulp.
+    Vectorisable: ``2**x = 2**k * p(f)``, ``k = rint(x)``, ``f = x - k`` (exact), ``p`` the
+    degree-7 Taylor polynomial of ``exp(f ln2)`` on ``|f| <= 1/2`` (a few ulp). The ``2**k``
+    factor is built from exponent bits (``e_bits`` is an int32 view of ``e_val``); ``x < -126``
+    gives 0 and NaN stays NaN.
     """
     for j in range(n):
         sc = st[j * nr : (j + 1) * nr]
-        pc = pt[j * nr : (j + 1) * nr]
         for r in range(nr):
             x = sc[r] - mu[r]
-            xk = x * np.float32(LOG2E)
-            xc = xk if xk > np.float32(-127.0) else np.float32(-127.0)  # NaN -> -127 (bits)
+            xc = x if x > np.float32(-127.0) else np.float32(-127.0)  # NaN -> -127 (bits)
             fi = np.rint(xc)
-            # Cody-Waite: f = x - k ln2 with ln2 split in two, so |f| <= ln2/2 stays exact
-            f = x - fi * np.float32(LN2_HI) - fi * np.float32(LN2_LO)
-            poly = np.float32(1.0 / 5040.0)
-            poly = poly * f + np.float32(1.0 / 720.0)
-            poly = poly * f + np.float32(1.0 / 120.0)
-            poly = poly * f + np.float32(1.0 / 24.0)
-            poly = poly * f + np.float32(1.0 / 6.0)
-            poly = poly * f + np.float32(0.5)
+            f = x - fi
+            poly = np.float32(1.5252733804059838e-05)
+            poly = poly * f + np.float32(0.00015403530393381606)
+            poly = poly * f + np.float32(0.0013333558146428441)
+            poly = poly * f + np.float32(0.009618129107628477)
+            poly = poly * f + np.float32(0.055504108664821576)
+            poly = poly * f + np.float32(0.2402265069591007)
+            poly = poly * f + np.float32(0.6931471805599453)
             poly = poly * f + np.float32(1.0)
-            poly = poly * f + np.float32(1.0)
-            pc[r] = np.float32(0.0) if xk < np.float32(-126.0) else poly
+            sc[r] = np.float32(0.0) if x < np.float32(-126.0) else poly
             e_bits[r] = (np.int32(fi) + np.int32(127)) << np.int32(23)
         for r in range(nr):
-            y = pc[r] * e_val[r]
-            pc[r] = y
+            y = sc[r] * e_val[r]
+            sc[r] = y
             l_i[r] += y
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _exp_f64(st, pt, n, nr, mu, l_i):
+def _exp_f64(st, n, nr, mu, l_i):
+    """In place ``st = exp(st - mu[row])`` (natural units), ``l_i += column sums``."""
     for j in range(n):
         for r in range(nr):
             y = math.exp(st[j * nr + r] - mu[r])
-            pt[j * nr + r] = y
+            st[j * nr + r] = y
             l_i[r] += y
 
 
@@ -105,9 +121,10 @@ def _load_rows(src, b, row0, nrows, ring, h, dst, width):
 
 @njit(cache=True, fastmath=FASTMATH)
 def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap, alibi, mask,
-                   full):
-    """Score modifiers on the key-major tile ``st[j * nr + r]``: softcap, ALiBi, additive mask,
-    then causal / window; a hidden score becomes -inf (assigned, so NaN k never leaks)."""
+                   full, unit):
+    """Score modifiers on the key-major tile ``st[j * nr + r]`` (scores times ``unit``):
+    softcap, ALiBi, additive mask, then causal / window; a hidden score becomes -inf
+    (assigned, so a NaN in a hidden k never leaks)."""
     use_alibi = alibi.shape[0] > 0
     use_mask = mask.shape[0] > 0
     for j in range(n):
@@ -115,16 +132,16 @@ def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap
         base = j * nr
         if softcap > 0.0:
             for r in range(nr):
-                st[base + r] = softcap * math.tanh(st[base + r] / softcap)
+                st[base + r] = unit * softcap * math.tanh(st[base + r] / (unit * softcap))
         if use_alibi or use_mask:
             for r in range(nr):
                 i = (r0 + r) // g
                 h = kvh * g + (r0 + r) % g
                 if use_alibi:
-                    st[base + r] -= alibi[s, h] * abs(qpos0 + i - kpos)
+                    st[base + r] -= unit * alibi[s, h] * abs(qpos0 + i - kpos)
                 if use_mask:
                     mv = mask[s, h, i, jb + j]
-                    st[base + r] = NEG_INF if mv == NEG_INF else st[base + r] + mv
+                    st[base + r] = NEG_INF if mv == NEG_INF else st[base + r] + unit * mv
         if not full:
             # visible iff kpos - hi <= qpos <= kpos + wl, qpos = qpos0 + (r0 + r) // g
             lo = 0
@@ -139,29 +156,62 @@ def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap
                 st[base + r] = NEG_INF
 
 
+@njit(cache=True)
+def pack_kv(x, seq, hkv, ring, out):
+    """``out[h, seq[s, 9] + j] = x[k_batch, row(j), h]``: each sequence's keys of one kv head
+    made contiguous once, so key tiles are plain slices for BLAS (no copy per query block)."""
+    for t in range(seq.shape[0] * hkv):
+        s = t // hkv
+        h = t % hkv
+        kb = seq[s, 3]
+        off = seq[s, 9]
+        for j in range(seq[s, 5]):
+            r = seq[s, 4] + j
+            if ring > 0 and r >= ring:
+                r -= ring
+            out[h, off + j, :] = x[kb, r, h, :]
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _all_finite(x):
+    for i in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            if not math.isfinite(x[i, d]):
+                return False
+    return True
+
+
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
-def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
-                  block_m, block_n, n_workers, out, lse, part_o, part_ml):
+def flash_forward(q, k, v, kp, vp, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
+                  block_m, block_n, n_workers, counter, out, lse, part_o, part_ml):
     """Run every task; see the module docstring.
 
-    ``seq`` int64 (n_seq, 9): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
-    causal_hi (BIG when not causal). ``tasks`` int64 (n_tasks, 7): seq, kv head, first packed
-    row, packed rows, first key, key end, partial-state slot (-1: write out / lse directly).
-    ``alibi`` (n_seq, Hq) or (0, 0); ``mask`` additive (n_seq, Hq, Sq, Sk) view or (0,0,0,0).
+    ``seq`` int64 (n_seq, 10): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
+    causal_hi (BIG when not causal), offset in ``kp`` / ``vp``. ``kp``, ``vp``: packed keys
+    ``(Hkv, total, D)`` from :func:`pack_kv`, or shape (0, 0, 0) to read tiles from ``k``, ``v``.
+    ``tasks`` int64 (n_tasks, 7): seq, kv head, first packed row, packed rows, first key, key
+    end, partial-state slot (-1: write out / lse directly), costliest first: the ``n_workers``
+    workers claim them in that order through the atomic ``counter`` (dynamic scheduling, so
+    a worker that another process delays takes fewer). ``alibi`` (n_seq, Hq) or (0, 0);
+    ``mask`` additive (n_seq, Hq, Sq, Sk) view or (0, 0, 0, 0).
+
     Scores are kept key-major (``S^T = K Q^T``) so the per-row softmax steps run elementwise
-    across rows and vectorise.
+    across rows and vectorise. float32 scores are in log2 units (q pre-scaled by
+    ``scale * log2(e)``, FlashAttention-2's exp2 trick); float64 in natural units.
     """
     d_qk = q.shape[3]
     d_v = v.shape[3]
-    n_tasks = tasks.shape[0]
     use_mask = mask.shape[0] > 0
+    packed = kp.shape[1] > 0
     f32 = out.itemsize == 4
-    for w in prange(n_workers):
+    unit = LOG2E if f32 else 1.0
+    n_tasks = tasks.shape[0]
+    for _w in prange(n_workers):
         qt = np.zeros(block_m * d_qk, out.dtype)
         kt = np.zeros(block_n * d_qk, out.dtype)
         vt = np.zeros(block_n * d_v, out.dtype)
         st = np.zeros(block_m * block_n, out.dtype)
-        pt = np.zeros(block_m * block_n, out.dtype)
+        sb = np.zeros(block_m * block_n, out.dtype)
         pv = np.zeros(block_m * d_v, out.dtype)
         ot = np.zeros(block_m * d_v, out.dtype)
         m_i = np.empty(block_m, out.dtype)
@@ -171,7 +221,10 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
         alpha = np.empty(block_m, out.dtype)
         e_val = np.zeros(block_m, np.float32)
         e_bits = e_val.view(np.int32)
-        for t in range(w, n_tasks, n_workers):
+        while True:
+            t = _fetch_add(counter, 1)
+            if t >= n_tasks:
+                break
             s = tasks[t, 0]
             kvh = tasks[t, 1]
             r0 = tasks[t, 2]
@@ -179,8 +232,6 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
             slot = tasks[t, 6]
             qb = seq[s, 0]
             qrow0 = seq[s, 1]
-            kb = seq[s, 3]
-            krow0 = seq[s, 4]
             qpos0 = seq[s, 6]
             kpos0 = seq[s, 7]
             hi = min(seq[s, 8], wr)
@@ -189,7 +240,7 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                 i = (r0 + r) // g
                 h = kvh * g + (r0 + r) % g
                 for d in range(d_qk):
-                    qt[r * d_qk + d] = q[qb, qrow0 + i, h, d] * scale
+                    qt[r * d_qk + d] = q[qb, qrow0 + i, h, d] * (scale * unit)
             qpos_lo = qpos0 + r0 // g
             qpos_hi = qpos0 + (r0 + nr - 1) // g
             # -- only key tiles that some row of the block can see (causal / window skipping)
@@ -204,52 +255,55 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                 l_i[r] = 0.0
             ot[: nr * d_v] = 0.0
             qmat = qt[: nr * d_qk].reshape((nr, d_qk))
+            pvmat = pv[: nr * d_v].reshape((nr, d_v))
             for jb in range(j_lo, j_hi, block_n):
                 n = min(block_n, j_hi - jb)
-                _load_rows(k, kb, krow0 + jb, n, ring, kvh, kt, d_qk)
-                _load_rows(v, kb, krow0 + jb, n, ring, kvh, vt, d_v)
+                if packed:
+                    kmat = kp[kvh, seq[s, 9] + jb : seq[s, 9] + jb + n]
+                    vmat = vp[kvh, seq[s, 9] + jb : seq[s, 9] + jb + n]
+                else:
+                    _load_rows(k, seq[s, 3], seq[s, 4] + jb, n, ring, kvh, kt, d_qk)
+                    _load_rows(v, seq[s, 3], seq[s, 4] + jb, n, ring, kvh, vt, d_v)
+                    kmat = kt[: n * d_qk].reshape((n, d_qk))
+                    vmat = vt[: n * d_v].reshape((n, d_v))
                 # -- S^T = K_blk @ Q_blk^T  (BLAS)
-                np.dot(kt[: n * d_qk].reshape((n, d_qk)), qmat.T, st[: n * nr].reshape((n, nr)))
+                smat = st[: n * nr].reshape((n, nr))
+                np.dot(kmat, qmat.T, smat)
                 kpos_lo = kpos0 + jb
                 kpos_hi = kpos_lo + n - 1
                 full = kpos_hi - qpos_lo <= hi and kpos_lo - qpos_hi >= -wl and not use_mask
                 if softcap > 0.0 or alibi.shape[0] > 0 or not full:
                     _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi,
-                                   softcap, alibi, mask, full)
+                                   softcap, alibi, mask, full, unit)
+                # a non-finite v in a partly hidden tile needs the -inf marks after exp
+                clean = full or _all_finite(vmat)
+                if not clean:
+                    sb[: n * nr] = st[: n * nr]
                 # -- online softmax: m_new = max(m, rowmax S), alpha = exp(m - m_new)
                 m_new[:nr] = m_i[:nr]
                 _col_max(st, n, nr, m_new)
                 for r in range(nr):
                     # a row that has seen only hidden keys keeps m = -inf: use 0 as its shift
                     mu[r] = m_new[r] if m_new[r] != NEG_INF else 0.0
-                    alpha[r] = math.exp(m_i[r] - mu[r])
+                    alpha[r] = math.exp((m_i[r] - mu[r]) / unit)
                     l_i[r] *= alpha[r]
                     m_i[r] = m_new[r]
                 if f32:
-                    _exp_f32(st, pt, n, nr, mu, l_i, e_bits, e_val)
+                    _exp2_f32(st, n, nr, mu, l_i, e_bits, e_val)
                 else:
-                    _exp_f64(st, pt, n, nr, mu, l_i)
+                    _exp_f64(st, n, nr, mu, l_i)
                 # -- O = O * alpha + P @ V
-                clean = full
-                if not full:
-                    clean = True
-                    for x in range(n * d_v):
-                        if not math.isfinite(vt[x]):
-                            clean = False
-                            break
                 if clean:
-                    pmat = pt[: n * nr].reshape((n, nr))
-                    vmat = vt[: n * d_v].reshape((n, d_v))
-                    np.dot(pmat.T, vmat, pv[: nr * d_v].reshape((nr, d_v)))
+                    np.dot(smat.T, vmat, pvmat)
                 else:
-                    # a non-finite v in a partly hidden tile: skip hidden keys, never 0 * NaN
+                    # skip the hidden keys: never 0 * NaN
                     pv[: nr * d_v] = 0.0
                     for j in range(n):
                         for r in range(nr):
-                            if st[j * nr + r] != NEG_INF:
-                                pj = pt[j * nr + r]
+                            if sb[j * nr + r] != NEG_INF:
+                                pj = st[j * nr + r]
                                 for d in range(d_v):
-                                    pv[r * d_v + d] += pj * vt[j * d_v + d]
+                                    pv[r * d_v + d] += pj * vmat[j, d]
                 for r in range(nr):
                     a = alpha[r]
                     for d in range(d_v):
@@ -262,7 +316,7 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                 if slot >= 0:
                     for d in range(d_v):
                         part_o[slot, r, d] = ot[r * d_v + d]
-                    part_ml[slot, r, 0] = m_i[r]
+                    part_ml[slot, r, 0] = m_i[r] / unit
                     part_ml[slot, r, 1] = li
                 elif li == 0.0:
                     for d in range(d_v):
@@ -272,7 +326,7 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                     inv = 1.0 / li
                     for d in range(d_v):
                         out[qb, qrow0 + i, h, d] = ot[r * d_v + d] * inv
-                    lse[qb, h, qrow0 + i] = m_i[r] + math.log(li)
+                    lse[qb, h, qrow0 + i] = m_i[r] / unit + math.log(li)
     return 0
 
 
