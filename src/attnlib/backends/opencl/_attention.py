@@ -202,7 +202,8 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         margs = [part_o, i64(n_out_rows * dv), part_l, i64(n_out_rows), i64(sq_arr * hq),
                  i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(dv), i64(n_out_rows),
                  out.data, lse.data]
-        be.launch(ctx, queue, "merge.cl", mcfg, "merge_states", (dv, n_out_rows), None, margs)
+        be.launch(ctx, queue, "merge.cl", mcfg, "merge_states", (min(dv, 32), n_out_rows), None,
+                  margs)
     if host:
         return out.get(), lse.get()
     return out, lse

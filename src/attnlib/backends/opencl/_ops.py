@@ -115,7 +115,8 @@ def merge_states(be: OpenCLBackend, outs: Sequence[Any], lses: Sequence[Any]) ->
     i64, i32 = np.int64, np.int32
     args = [o_buf, i64(n_rows * dv), l_buf, i64(n_rows), i64(h * s), i64(1), i64(s),
             i32(len(outs)), i32(s), i32(h), i32(dv), i64(n_rows), out.data, lse.data]
-    be.launch(queue.context, queue, "merge.cl", cfg, "merge_states", (dv, n_rows), None, args)
+    be.launch(queue.context, queue, "merge.cl", cfg, "merge_states", (min(dv, 32), n_rows), None,
+              args)
     return _finish(host, out, lse)
 
 
