@@ -182,6 +182,10 @@ class OpenCLBackend(Backend):
             if knl is None:
                 prg = self._programs.get(ctx, filename, opts)
                 knl = self._kernels[key] = cl.Kernel(prg, kernel)
+                # typed scalars let pyopencl pack the arguments on its fast path
+                knl.set_scalar_arg_dtypes(
+                    [a.dtype if isinstance(a, np.generic) else None for a in args]
+                )
             knl.set_args(*args)
             cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize)
 
