@@ -1,0 +1,196 @@
+"""numba backend vs PyTorch SDPA on the CPU: the table in bench/RESULTS.md ("numba backend").
+
+    python bench/numba_vs_torch.py                 # prefill + decode + compile times
+    python bench/numba_vs_torch.py --big           # also S=16384, 32 heads, D=128 (memory run)
+    python bench/numba_vs_torch.py --quick         # prefill only, fewer repeats (tuning)
+
+Same process, same data: numba gets the bshd arrays attnlib takes, torch the same values as
+contiguous (B, H, S, D) tensors. Each case alternates the two (numba, torch, numba, ...) so load
+from other processes hits both alike; the median of the repeats is reported. Speed ratio =
+torch time / numba time (> 1: numba faster). FLOPs = 4 * B * H * D * visible pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PREFILL = [(1, 8, 512, 64), (1, 8, 2048, 64), (1, 8, 4096, 64), (1, 8, 2048, 128)]
+DECODE = [(1, 32, 8, L, 128) for L in (4096, 8192, 16384, 32768)]  # B, Hq, Hkv, L, D
+
+
+def _pairs(s: int, causal: bool) -> int:
+    return s * (s + 1) // 2 if causal else s * s
+
+
+def _time_pair(f_a, f_b, reps: int) -> tuple[float, float]:
+    f_a(), f_b()  # warm (compile, caches)
+    ta, tb = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f_a()
+        ta.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        f_b()
+        tb.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def prefill(reps: int) -> list[float]:
+    import torch
+    import torch.nn.functional as F
+
+    import attnlib
+
+    ratios = []
+    print("| B,H,S,D | causal | numba ms | numba GFLOP/s | torch ms | torch GFLOP/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for b, h, s, d in PREFILL:
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3))
+        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v))
+        for causal in (False, True):
+            run_nb = functools.partial(attnlib.attention, q, k, v, causal=causal, backend="numba")
+            run_t = functools.partial(F.scaled_dot_product_attention, tq, tk, tv,
+                                      is_causal=causal)
+
+            err = np.abs(run_nb() - run_t().transpose(1, 2).numpy()).max()
+            t_nb, t_t = _time_pair(run_nb, run_t, reps)
+            fl = 4 * b * h * d * _pairs(s, causal)
+            ratios.append(t_t / t_nb)
+            print(f"| {b},{h},{s},{d} | {'yes' if causal else 'no'} | {t_nb * 1e3:.1f} | "
+                  f"{fl / t_nb / 1e9:.0f} | {t_t * 1e3:.1f} | {fl / t_t / 1e9:.0f} | "
+                  f"{t_t / t_nb:.2f} |" + (f" max diff {err:.1e}" if err > 1e-4 else ""))
+    gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    print(f"\ngeometric-mean speed ratio numba/torch: {gm:.2f} (min {min(ratios):.2f})\n")
+    return ratios
+
+
+def decode(reps: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import attnlib
+
+    print("| B,Hq,Hkv,L,D | numba ms | numba GB/s | torch ms | torch GB/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for b, hq, hkv, L, d in DECODE:
+        rng = np.random.default_rng(1)
+        k, v = (rng.standard_normal((b, L, hkv, d), dtype=np.float32) for _ in range(2))
+        q = rng.standard_normal((b, 1, hq, d), dtype=np.float32)
+        cache = attnlib.KVCache(b, L, hkv, d, dtype="float32", backend="numba")
+        cache.update(k, v, 0)
+        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v))
+
+        run_nb = functools.partial(attnlib.attention_with_kvcache, q, cache, backend="numba")
+        run_t = functools.partial(F.scaled_dot_product_attention, tq, tk, tv, enable_gqa=True)
+
+        t_nb, t_t = _time_pair(run_nb, run_t, reps)
+        nbytes = 2 * b * L * hkv * d * 4
+        print(f"| {b},{hq},{hkv},{L},{d} | {t_nb * 1e3:.2f} | {nbytes / t_nb / 1e9:.1f} | "
+              f"{t_t * 1e3:.2f} | {nbytes / t_t / 1e9:.1f} | {t_t / t_nb:.2f} |")
+    print()
+
+
+_COMPILE_SNIPPET = """
+import time, numpy as np
+t0 = time.perf_counter()
+import attnlib
+q = np.random.default_rng(0).standard_normal((1, 64, 2, 32), dtype=np.float32)
+attnlib.attention(q, q, q, causal=True, backend="numba")
+t1 = time.perf_counter()
+attnlib.attention(q.astype(np.float64), q.astype(np.float64), q.astype(np.float64),
+                  backend="numba")
+print(f"{t1 - t0:.2f} {time.perf_counter() - t1:.2f}")
+"""
+
+
+def compile_times() -> None:
+    """First call in a fresh process, with an empty numba cache and then with a warm one."""
+    import tempfile
+
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label in ("cold cache", "warm cache"):
+            env = dict(os.environ, NUMBA_CACHE_DIR=tmp)
+            out = subprocess.run([sys.executable, "-c", _COMPILE_SNIPPET], env=env,
+                                 capture_output=True, text=True, check=True).stdout.split()
+            res[label] = out
+    for label, (f32, f64) in res.items():
+        print(f"first call, {label}: import + float32 causal {f32} s, then float64 {f64} s")
+    print()
+
+
+_BIG_SNIPPET = """
+import resource, time, numpy as np
+import attnlib
+S, H, D = 16384, 32, 128
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, S, H, D), dtype=np.float32) for _ in range(3))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+attnlib.attention(q[:, :256], k[:, :256], v[:, :256], backend="numba")  # compile/load, small
+t0 = time.perf_counter()
+out = attnlib.attention(q, k, v, causal={causal}, backend="numba")
+t = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(t, base, peak, q.nbytes * 4, bool(np.isfinite(out).all()))
+"""
+
+
+def big(causal: bool) -> None:
+    out = subprocess.run([sys.executable, "-c", _BIG_SNIPPET.format(causal=causal)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    t, base, peak = float(out[0]), int(out[1]) * 1024, int(out[2]) * 1024
+    qkvo = int(out[3])
+    fl = 4 * 32 * 128 * _pairs(16384, causal)
+    print(f"S=16384, H=32, D=128 float32, causal={causal}: {t:.1f} s ({fl / t / 1e9:.0f} GFLOP/s); "
+          f"q+k+v+out = {qkvo / 2**30:.2f} GiB; process peak RSS {peak / 2**30:.2f} GiB "
+          f"(before the call, inputs made: {base / 2**30:.2f} GiB; the call added "
+          f"{(peak - base) / 2**30:.2f} GiB); naive scores would be "
+          f"{16384 * 16384 * 32 * 4 / 1e9:.0f} GB; finite: {out[4]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--big", action="store_true")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    import numba
+    import torch
+
+    cpu = platform.processor() or "?"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                   if ln.startswith("model name"))
+    except Exception:
+        pass
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {cpu}, "
+          f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} at start; "
+          f"numba {numba.__version__} ({numba.get_num_threads()} threads); torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads)\n")
+    reps = 3 if args.quick else args.reps
+    prefill(reps)
+    if not args.quick:
+        decode(reps * 3)
+        compile_times()
+    if args.big:
+        big(False)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"load average {os.getloadavg()[0]:.2f} at the end; max RSS of this process "
+          f"{rss:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
