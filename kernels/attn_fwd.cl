@@ -156,6 +156,31 @@ typedef store_t out_t;
         }                                                                     \
     }
 
+/* Stage BLOCK_N key rows of COLS4 4-vectors from SRC into DST4 (row pitch DST_LD4 vectors). Each
+ * work-item issues up to STAGE loads before their stores, so that many loads are in flight
+ * (memory-level parallelism); columns at or past VALID4 and keys past k_len are stored as 0. */
+#define STAGE 8
+#define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST4, DST_LD4)                 \
+    for (int base_ = 0; base_ < BLOCK_N * (COLS4); base_ += NT * STAGE) {                       \
+        acc4_t tmp_[STAGE];                                                                     \
+        for (int u_ = 0; u_ < STAGE; ++u_) {                                                    \
+            const int idx_ = base_ + u_ * NT + lid;                                             \
+            const int n_ = idx_ / (COLS4), c_ = idx_ % (COLS4);                                 \
+            const long j_ = n0 + n_;                                                            \
+            tmp_[u_] = 0;                                                                       \
+            if (idx_ < BLOCK_N * (COLS4) && j_ < k_len && c_ < (VALID4)) {                      \
+                long row_ = k_row0 + j_;                                                        \
+                if (ring && row_ >= ring) row_ -= ring;                                         \
+                tmp_[u_] = LD4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);      \
+            }                                                                                   \
+        }                                                                                       \
+        for (int u_ = 0; u_ < STAGE; ++u_) {                                                    \
+            const int idx_ = base_ + u_ * NT + lid;                                             \
+            if (idx_ < BLOCK_N * (COLS4)) DST4[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = \
+                tmp_[u_];                                                                       \
+        }                                                                                       \
+    }
+
 /* max that propagates NaN, as numpy's max does */
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 
@@ -254,17 +279,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
 #if LOAD_VEC
-        for (int idx = lid; idx < BLOCK_N * (HEAD_DIM / 4); idx += NT) {
-            const int n = idx / (HEAD_DIM / 4), d4 = idx % (HEAD_DIM / 4);
-            const long j = n0 + n;
-            acc4_t x = 0;
-            if (j < k_len) {
-                long row = k_row0 + j;
-                if (ring && row >= ring) row -= ring;
-                x = LD4(k, k_off + kb * k_sb + row * k_ss + hk * k_sh + 4 * d4);
-            }
-            kv_s4[n * (KS_LD / 4) + d4] = x;
-        }
+        STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, kv_s4, KS_LD / 4)
 #else
         for (int idx = lid; idx < BLOCK_N * HEAD_DIM; idx += NT) {
             const int n = idx / HEAD_DIM, dd = idx % HEAD_DIM;
@@ -367,26 +382,20 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 
         /* -- stage the V tile over the K tile (padding columns zeroed) */
 #if LOAD_VEC
-        for (int idx = lid; idx < BLOCK_N * (DV_PAD / 4); idx += NT) {
-            const int n = idx / (DV_PAD / 4), d4 = idx % (DV_PAD / 4);
+        STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, kv_s4, VS_LD / 4)
 #else
         for (int idx = lid; idx < BLOCK_N * DV_PAD; idx += NT) {
             const int n = idx / DV_PAD, dd = idx % DV_PAD;
-#endif
             const long j = n0 + n;
-            long row = k_row0 + j;
-            if (ring && row >= ring) row -= ring;
-            const long vbase = v_off + kb * v_sb + row * v_ss + hk * v_sh;
-#if LOAD_VEC
-            acc4_t x = 0;
-            if (j < k_len && 4 * d4 < HEAD_DIM_V) x = LD4(v, vbase + 4 * d4);
-            vstore4(x, 0, kv_s + n * VS_LD + 4 * d4);
-#else
             acc_t x = 0;
-            if (j < k_len && dd < HEAD_DIM_V) x = LD(v, vbase + dd * v_sd);
+            if (j < k_len && dd < HEAD_DIM_V) {
+                long row = k_row0 + j;
+                if (ring && row >= ring) row -= ring;
+                x = LD(v, v_off + kb * v_sb + row * v_ss + hk * v_sh + dd * v_sd);
+            }
             kv_s[n * VS_LD + dd] = x;
-#endif
         }
+#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- O += P V, four keys per step; on partly visible tiles an invisible key (p == 0) is
