@@ -11,6 +11,7 @@ keyed by source, options and driver; on top of that one in-memory memo per
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass, fields
@@ -91,13 +92,18 @@ class KernelConfig:
 
     def options(self) -> tuple[str, ...]:
         """The sorted ``-D`` options of this config (the memo and pyopencl's cache key)."""
-        defs = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool):
-                value = int(value)
-            defs.append(f"-D{f.name}={value}")
-        return tuple(sorted(defs))
+        return _options(self)
+
+
+@functools.lru_cache(maxsize=1024)
+def _options(cfg: KernelConfig) -> tuple[str, ...]:
+    defs = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, bool):
+            value = int(value)
+        defs.append(f"-D{f.name}={value}")
+    return tuple(sorted(defs))
 
 
 class ProgramCache:
