@@ -3,6 +3,7 @@
     python bench/numba_vs_torch.py                 # prefill + decode + compile times
     python bench/numba_vs_torch.py --big           # also S=16384, 32 heads, D=128 (memory run)
     python bench/numba_vs_torch.py --quick         # prefill only, fewer repeats (tuning)
+    python bench/numba_vs_torch.py --single        # also: one thread each, CPU time (load-proof)
 
 Same process, same data: numba gets the bshd arrays attnlib takes, torch the same values as
 contiguous (B, H, S, D) tensors. Each case alternates the two (numba, torch, numba, ...) so load
@@ -34,16 +35,19 @@ def _pairs(s: int, causal: bool) -> int:
     return s * (s + 1) // 2 if causal else s * s
 
 
+CLOCK = time.perf_counter  # --single switches to time.process_time (CPU time, one thread)
+
+
 def _time_pair(f_a, f_b, reps: int) -> tuple[float, float]:
     f_a(), f_b()  # warm (compile, caches)
     ta, tb = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         f_a()
-        ta.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        ta.append(CLOCK() - t0)
+        t0 = CLOCK()
         f_b()
-        tb.append(time.perf_counter() - t0)
+        tb.append(CLOCK() - t0)
     return statistics.median(ta), statistics.median(tb)
 
 
@@ -165,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true")
+    ap.add_argument("--single", action="store_true")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     import numba
@@ -185,6 +190,17 @@ def main() -> None:
     if not args.quick:
         decode(reps * 3)
         compile_times()
+    if args.single:
+        # other processes on a shared machine delay one of two threads; one thread each,
+        # timed in CPU time, compares the kernels themselves
+        global CLOCK
+        CLOCK = time.process_time
+        numba.set_num_threads(1)
+        torch.set_num_threads(1)
+        print("one thread each, CPU time (time.process_time):\n")
+        prefill(reps)
+        numba.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(os.cpu_count() or 1)
     if args.big:
         big(False)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
