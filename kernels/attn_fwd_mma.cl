@@ -236,6 +236,20 @@ inline int emu_any(int pred, __local uint *scr) {
 
 #define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
 
+// inf/NaN in a 16-bit value (exponent all ones), in either half of a 32-bit word
+#if IS_BF16
+#define EXP16 0x7f80u
+#define MANT16 0x007fu
+#else
+#define EXP16 0x7c00u
+#define MANT16 0x03ffu
+#endif
+#define NONFINITE16(B) (((B) & EXP16) == EXP16)
+#define NONFINITE2(W) (NONFINITE16(W) || NONFINITE16((W) >> 16))
+inline float nonfinite_value(uint b) {
+  return (b & MANT16) ? NAN : ((b & 0x8000u) ? -INFINITY : INFINITY);
+}
+
 // Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
 inline int row_lo(long i, long base, long dlo, int klen) {
   return (int)clamp(i + base + dlo, 0L, (long)klen);
@@ -262,8 +276,10 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
   __local uint scr_all[WARPS * 256];
   __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
 #endif
+  __local int v_flag;  // = t + 1 when tile t's V held inf/NaN (a new value per tile: no reset)
   const int tid = get_local_id(0), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
+  if (tid == 0) v_flag = 0;
   const int h = get_group_id(1), hk = h / group;
   const int s = tiles[2 * get_group_id(0)], m0 = tiles[2 * get_group_id(0) + 1];
   __global const long *sp = seqs + (long)s * SEQ_FIELDS;
@@ -381,6 +397,30 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
     }
     __local const ushort *sKb = sK + buf * BLOCK_N * LDS;
     __local const ushort *sVb = sV + buf * BLOCK_N * LDS;
+    const int n0 = t * BLOCK_N;
+    const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
+
+    // -- a hidden key must contribute nothing even when its v holds inf/NaN, but the mma would
+    // multiply P = 0 by it.  Only tiles that hide keys from some rows (need_mask) can: there the
+    // non-finite v values are zeroed in local memory for the mma, and added back after PV, read
+    // from global memory, to the rows that see them (rare; costs one scan and one barrier).
+    int v_bad = 0;
+    if (need_mask) {
+      int mine = 0;
+      for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
+        __local ushort *pv = sV + buf * BLOCK_N * LDS + (c / CHUNKS) * LDS + (c % CHUNKS) * 8;
+        const uint4 w = *(__local const uint4 *)pv;
+        if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
+          for (int e = 0; e < 8; e++) {
+            if (NONFINITE16((uint)pv[e])) pv[e] = 0;
+          }
+          mine = 1;
+        }
+      }
+      if (mine) v_flag = t + 1;
+      barrier(CLK_LOCAL_MEM_FENCE);
+      v_bad = v_flag == t + 1;
+    }
 
     // -- S = Q K^T
     float sacc[M_TILES][NT_S][4];
@@ -413,8 +453,6 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
     }
 
     // -- scores in the exp2 domain: softcap, alibi, then the mask
-    const int n0 = t * BLOCK_N;
-    const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
 #if FOLD
     if (need_mask) {
       UNROLL for (int mt = 0; mt < M_TILES; mt++) {
@@ -519,6 +557,26 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
         UNROLL for (int mt = 0; mt < M_TILES; mt++) {
           MMA(o[mt][2 * n2], pa[mt], vf[0], vf[1]);
           MMA(o[mt][2 * n2 + 1], pa[mt], vf[2], vf[3]);
+        }
+      }
+    }
+
+    // -- the inf/NaN zeroed above, for the rows that see their keys (p > 0: inf or NaN stays)
+    if (v_bad) {
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        UNROLL for (int hf = 0; hf < 2; hf++) {
+          const int j_hi = min(rhi[mt][hf], n0 + BLOCK_N - 1);
+          for (int j = max(rlo[mt][hf], n0); j <= j_hi; j++) {
+            long row = krow0 + j;
+            if (ring > 0 && row >= ring) row -= ring;
+            __global const ushort *vr = vh + row * v_sr + 2 * tg;
+            UNROLL for (int nd = 0; nd < NT_O; nd++) {
+              UNROLL for (int e = 0; e < 2; e++) {
+                const uint b = vr[nd * 8 + e];
+                if (NONFINITE16(b)) o[mt][nd][2 * hf + e] += nonfinite_value(b);
+              }
+            }
+          }
         }
       }
     }

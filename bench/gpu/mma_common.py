@@ -115,8 +115,9 @@ def reference(call: AttnCall, work_dtype=np.float64, round_to=None):
                 sel = vis[:, j]
                 pv[sel] += pn[sel, j:j + 1] * vv[j]
             out[qb, qr:qr + ql, h] = rnd(pv)
-            lse[qb, h, qr:qr + ql] = np.where(den[:, 0] > 0, m_use[:, 0] + np.log(den[:, 0]),
-                                              -np.inf)
+            seen = (den[:, 0] > 0) | np.isnan(den[:, 0])
+            with np.errstate(divide="ignore"):
+                lse[qb, h, qr:qr + ql] = np.where(seen, m_use[:, 0] + np.log(den[:, 0]), -np.inf)
     return out, lse
 
 
@@ -126,7 +127,8 @@ def check(call: AttnCall, out, lse, *, rows_mask=None):
     naive, _ = reference(call, np.float32, round_to=call.dtype)
     o = np.asarray(out).astype(np.float64)
     err = float(np.nanmax(np.abs(o - ref))) if o.size else 0.0
-    same_nan = bool(np.array_equal(np.isnan(o), np.isnan(ref)))
+    same_nan = all(bool(np.array_equal(f(o), f(ref))) for f in (np.isnan, np.isposinf,
+                                                                   np.isneginf))
     tol = 2 * float(np.nanmax(np.abs(naive - ref))) + 1e-5
     fin = np.isfinite(ref_lse)
     lse_err = float(np.max(np.abs(lse[fin] - ref_lse[fin]))) if fin.any() else 0.0
@@ -174,4 +176,15 @@ def cases(rng, dtype, head_dim):
     out.append(("ring no wrap, scale<0", seq_call(
         q, k, v, q_batch=[0, 1], q_row0=[0, 0], q_len=[3, 3], k_batch=[1, 0], k_row0=[2, 0],
         k_len=[70, 74], q_pos0=[67, 71], k_pos0=[0, 0], causal=True, ring=ring, scale=-0.2)))
+    # inf/NaN in v (and NaN in k) at keys hidden from some rows of a block and seen by others:
+    # only the rows that see them turn inf/NaN (SPEC: hidden keys contribute nothing)
+    q, k, v = (rand(rng, s, dtype) for s in ((1, 100, 2, d), (1, 100, 1, d), (1, 100, 1, d)))
+    k[:, 99] = np.nan
+    v[:, 99] = np.nan
+    out.append(("causal NaN in last key", dense_call(q, k, v, causal=True)))
+    q, k, v = (rand(rng, s, dtype) for s in ((1, 80, 2, d), (1, 80, 1, d), (1, 80, 1, d)))
+    v[:, 40, :, :3] = np.inf
+    v[:, 41, :, 5] = -np.inf
+    v[:, 50, :, 7] = np.nan
+    out.append(("window inf/NaN in v", dense_call(q, k, v, window=(2, 1))))
     return out
