@@ -31,6 +31,9 @@
 #endif
 // Fold the scale into the exponent (p = 2^(s c - m) as one FMA) when the scores need no other
 // transform and c > 0 (then max(s) c = max(s c)).
+#ifndef HIDDEN_NONFINITE  // 0: skip the inf/NaN-in-hidden-v handling (the version measured first)
+#define HIDDEN_NONFINITE 1
+#endif
 #ifndef RESCALE_THRESH
 #define RESCALE_THRESH 8.0f
 #endif
@@ -405,6 +408,7 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
     // non-finite v values are zeroed in local memory for the mma, and added back after PV, read
     // from global memory, to the rows that see them (rare; costs one scan and one barrier).
     int v_bad = 0;
+#if HIDDEN_NONFINITE
     if (need_mask) {
       int mine = 0;
       for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
@@ -421,6 +425,7 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
       barrier(CLK_LOCAL_MEM_FENCE);
       v_bad = v_flag == t + 1;
     }
+#endif
 
     // -- S = Q K^T
     float sacc[M_TILES][NT_S][4];
