@@ -120,7 +120,14 @@ def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
         prg = _programs.get(key)
         if prg is None:
             src = kernel_path().read_text()
-            prg = cl.Program(ctx, src).build(options=list(options), devices=[device])
+            try:
+                prg = cl.Program(ctx, src).build(options=list(options), devices=[device])
+            except cl.Error as exc:
+                from ...errors import KernelBuildError
+
+                raise KernelBuildError(
+                    f"attn_fwd_mma.cl failed to build for {device.name} with options "
+                    f"{' '.join(options)}: {exc}") from exc
             _programs[key] = prg
     return prg
 
