@@ -190,10 +190,12 @@ class NumbaBackend(Backend):
 
     @classmethod
     def is_available(cls) -> bool:
+        """numba imports, and scipy's BLAS that numba's ``np.dot`` calls is there."""
         global _available
         if _available is None:
             try:
                 import numba  # noqa: F401
+                import scipy.linalg.cython_blas  # noqa: F401
 
                 _available = True
             except Exception:
@@ -207,10 +209,14 @@ class NumbaBackend(Backend):
     def info(self) -> dict:
         import numba
 
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel region has run yet
+            layer = f"not started (config: {numba.config.THREADING_LAYER})"
         return {
             "numba": numba.__version__,
             "threads": numba.get_num_threads(),
-            "threading_layer": numba.config.THREADING_LAYER,
+            "threading_layer": layer,
             "block_m": BLOCK_M,
             "block_n": BLOCK_N,
         }
