@@ -1,7 +1,7 @@
 /* attnlib: tiled attention forward pass with online softmax (FlashAttention-2, Dao 2023, alg. 1).
  *
  * One work-group = one query block of BLOCK_M *packed* rows x one kv head x one key split.
- * Packed row m = i * GROUP + g is query row i of query head hk * GROUP + g (GQA packing: the query
+ * Packed row m = i * group + g is query row i of query head hk * group + g (GQA packing: the query
  * heads that share a kv head share every K/V tile). K and V tiles of BLOCK_N keys are staged in
  * __local memory; work-item (tm, tn) owns a TM x TN micro-tile of scores and a TM x DV_PER tile of
  * the output accumulator (rows tm + THREADS_M*r, columns tn + THREADS_N*c).
@@ -29,8 +29,8 @@
 #if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(THREADS_M) || !defined(THREADS_N)
 #error "BLOCK_M, BLOCK_N, THREADS_M and THREADS_N must be defined"
 #endif
-#if !defined(GROUP) || !defined(STORE_KIND) || !defined(ACC_KIND) || !defined(MASK_KIND)
-#error "GROUP, STORE_KIND, ACC_KIND and MASK_KIND must be defined"
+#if !defined(STORE_KIND) || !defined(ACC_KIND) || !defined(MASK_KIND)
+#error "STORE_KIND, ACC_KIND and MASK_KIND must be defined"
 #endif
 #if !defined(HAS_ALIBI) || !defined(HAS_SOFTCAP) || !defined(SPLIT)
 #error "HAS_ALIBI, HAS_SOFTCAP and SPLIT must be defined"
@@ -191,7 +191,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global const int *desc, int n_seq, int ring, long win_left, long win_right,
     acc_t scale, acc_t softcap, __global const float *alibi,
     __global const mask_t *mask, long m_off, long m_s0, long m_s1, long m_s2, long m_s3,
-    __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows) {
+    __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows,
+    int group) {
     __local acc4_t q_s4[V4(BLOCK_M * QS_LD)];
     __local acc4_t kv_s4[V4(KV_SIZE)];
     __local acc4_t p_s4[V4(BLOCK_M * PS_LD)];
@@ -215,10 +216,10 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     const long causal_hi = d[8] == INT_MAX ? ((long)1 << 40) : (long)d[8];
     const long hi_off = min(causal_hi, win_right); /* visible iff -win_left <= kpos-qpos <= hi_off */
 
-    const int rows = q_len * GROUP;
+    const int rows = q_len * group;
     const int m_last = min(m0 + BLOCK_M, rows) - 1;
-    const long qpos_lo = q_pos0 + m0 / GROUP;
-    const long qpos_hi = q_pos0 + m_last / GROUP;
+    const long qpos_lo = q_pos0 + m0 / group;
+    const long qpos_hi = q_pos0 + m_last / group;
     /* keys some row of the block sees: [j_lo, j_hi); keys every row sees: [f_lo, f_hi) */
     const long j_lo = max(0L, qpos_lo - win_left - k_pos0);
     const long j_hi = min((long)k_len, qpos_hi + hi_off + 1 - k_pos0);
@@ -236,8 +237,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         const int mr = idx / (HEAD_DIM / 4), d4 = idx % (HEAD_DIM / 4), m = m0 + mr;
         acc4_t x = 0;
         if (m < rows) {
-            const long h = hk * GROUP + m % GROUP;
-            x = LD4(q, q_off + qb * q_sb + (long)(q_row0 + m / GROUP) * q_ss + h * q_sh + 4 * d4);
+            const long h = hk * group + m % group;
+            x = LD4(q, q_off + qb * q_sb + (long)(q_row0 + m / group) * q_ss + h * q_sh + 4 * d4);
         }
         q_s4[mr * (QS_LD / 4) + d4] = x;
     }
@@ -246,8 +247,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         const int mr = idx / HEAD_DIM, dd = idx % HEAD_DIM, m = m0 + mr;
         acc_t x = 0;
         if (m < rows) {
-            const long h = hk * GROUP + m % GROUP;
-            x = LD(q, q_off + qb * q_sb + (long)(q_row0 + m / GROUP) * q_ss + h * q_sh + dd * q_sd);
+            const long h = hk * group + m % group;
+            x = LD(q, q_off + qb * q_sb + (long)(q_row0 + m / group) * q_ss + h * q_sh + dd * q_sd);
         }
         q_s[mr * QS_LD + dd] = x;
     }
@@ -259,8 +260,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     for (int r = 0; r < TM; ++r) {
         const int m = m0 + tm + THREADS_M * r;
         row_ok[r] = m < rows;
-        row_i[r] = m / GROUP;
-        row_h[r] = hk * GROUP + m % GROUP;
+        row_i[r] = m / group;
+        row_h[r] = hk * group + m % group;
         qpos[r] = q_pos0 + row_i[r];
 #if HAS_ALIBI
         slope[r] = row_ok[r] ? (acc_t)alibi[(long)seq * n_heads + row_h[r]] : 0;

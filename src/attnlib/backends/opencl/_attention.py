@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 _INT_MAX = 2**31 - 1
 _UNBOUNDED = 1 << 40  # a window side that is None
-#: packed query rows (q_len * GROUP) up to which a call takes the decode tiling
+#: packed query rows (q_len * group) up to which a call takes the decode tiling
 DECODE_ROWS = 8
 
 
@@ -25,7 +25,6 @@ DECODE_ROWS = 8
 class FwdConfig(KernelConfig):
     HEAD_DIM: int
     HEAD_DIM_V: int
-    GROUP: int
     BLOCK_M: int
     BLOCK_N: int
     THREADS_M: int
@@ -74,7 +73,7 @@ def choose_tiles(
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, THREADS_M, THREADS_N) for this device and call.
 
-    ``rows`` is the largest number of packed query rows (q_len * GROUP) of one sequence. Few rows
+    ``rows`` is the largest number of packed query rows (q_len * group) of one sequence. Few rows
     (decoding) take BLOCK_M = rows rounded up to a power of two with one row per work-item and
     wide key tiles; otherwise the largest prefill tiling whose __local arrays fit the device.
     """
@@ -168,7 +167,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
                 and all(vw.strides[3] == 1 for vw in views))
     cfg = FwdConfig(
-        HEAD_DIM=d, HEAD_DIM_V=dv, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
+        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
         THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
@@ -191,7 +190,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         args += [view.buf, i64(view.offset), *(i64(s) for s in view.strides)]
     args += [desc_buf, i32(n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
              f(call.softcap or 1.0), alibi_buf, mask_args[0], *(i64(a) for a in mask_args[1:])]
-    args += [*dst, i32(sq_arr), i32(hq), i64(n_out_rows)]
+    args += [*dst, i32(sq_arr), i32(hq), i64(n_out_rows), i32(group)]
     nt = tmh * tnh
     be.launch(ctx, queue, "attn_fwd.cl", cfg, "attn_fwd", (n_groups * nt, hkv, splits),
               (nt, 1, 1), args)

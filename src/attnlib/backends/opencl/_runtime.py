@@ -59,7 +59,13 @@ def choose_context() -> Any:
     import pyopencl as cl
 
     if os.environ.get("PYOPENCL_CTX"):
-        return cl.create_some_context(interactive=False)
+        try:
+            return cl.create_some_context(interactive=False)
+        except Exception as exc:
+            raise BackendUnavailableError(
+                f"opencl: PYOPENCL_CTX={os.environ['PYOPENCL_CTX']!r} selects no usable device "
+                f"({exc}); unset it to let attnlib choose"
+            ) from exc
     devices = [d for d in list_devices() if not is_simulator(d)]
     gpus = [d for d in devices if d.type & cl.device_type.GPU]
     chosen = (gpus or devices or [None])[0]
