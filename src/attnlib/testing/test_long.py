@@ -61,3 +61,32 @@ def test_long_ring_decode_across_the_wrap(attnlib_backend):
     p.attend(2, new=2)
     p.update(1, 1, 3000)  # a rollback on the wrapped ring
     p.attend(1)
+
+
+@pytest.mark.attnlib_big
+def test_no_sq_by_sk_host_memory(attnlib_backend):
+    """SPEC 1, memory: no Sq x Sk allocation. Sq = Sk = 10007 would need 400 MB of float32
+    scores (800 MB in float64); the host allocations numpy reports (tracemalloc) must stay under
+    the numpy reference's 256 MiB chunk budget plus the inputs and outputs."""
+    import tracemalloc
+
+    import attnlib
+
+    n = 10007
+    rng = rng_for("memory")
+    q, k, v = qkv(rng, 1, n, n, 1, 1, 8)
+    attnlib.attention(q[:, :3], k[:, :3], v[:, :3], backend=attnlib_backend)  # warm-up/compile
+    tracemalloc.start()
+    try:
+        out, lse = attnlib.attention(q, k, v, return_lse=True, backend=attnlib_backend)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 300 * 2**20, f"peak host allocation {peak / 2**20:.0f} MiB for Sq = Sk = {n}"
+    rows = [0, 5003, n - 1]  # rows are independent without a mask: check three by the oracle
+    from attnlib.testing.reference import naive_attention, reference_attention
+    from attnlib.testing.tolerance import check_attention
+
+    ref, ref_lse = reference_attention(q[:, rows], k, v)
+    naive, naive_lse = naive_attention(q[:, rows], k, v)
+    check_attention(out[:, rows], lse[:, :, rows], ref, naive, ref_lse, naive_lse)
