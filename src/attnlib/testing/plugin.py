@@ -53,7 +53,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "attnlib_big: one of the few large conformance cases (1023x1024, S=2048)"
+        "markers",
+        "slow: one of the few large conformance cases (1023x1024, S=2048, Sq = Sk = 10007); "
+        "`attnlib check` deselects them with -m 'not slow'",
     )
 
 

@@ -146,14 +146,14 @@ def test_odd_lengths_113x203(attnlib_backend, dtype, causal):
     check_dense(attnlib_backend, q, k, v, causal=causal)
 
 
-@pytest.mark.attnlib_big
+@pytest.mark.slow
 def test_big_1023x1024(attnlib_backend):
     rng = rng_for("1023x1024")
     q, k, v = qkv(rng, 1, 1023, 1024, 2, 1, 64)
     check_dense(attnlib_backend, q, k, v, causal=True)
 
 
-@pytest.mark.attnlib_big
+@pytest.mark.slow
 def test_big_2048(attnlib_backend):
     rng = rng_for("2048")
     q, k, v = qkv(rng, 1, 2048, 2048, 1, 1, 64, dtype="float16")
