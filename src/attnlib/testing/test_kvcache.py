@@ -299,3 +299,36 @@ def test_kvcache_on_unsupported_dtype_says_so(attnlib_backend):
         lambda: attnlib.KVCache(1, 4, 1, 4, dtype="float64", backend=attnlib_backend))
     if cache is not None:
         assert np.array_equal(np.asarray(cache.lengths), [0])
+
+
+def test_a_refused_call_appends_nothing(attnlib_backend):
+    """attention_with_kvcache validates q, k, v and every option before it writes anything."""
+    import attnlib
+    from attnlib.errors import AttnlibError
+
+    p = Pair(attnlib_backend, 2, 12)
+    p.update(2, 4, 0)
+    before = p.snapshot()
+    k, v = p.kv(2, 2)
+    q = randn(p.rng, (2, 2, HQ, D))
+    bad_calls = [
+        lambda: attnlib.attention_with_kvcache(q.astype(np.float16), p.cache, k, v,
+                                               backend=attnlib_backend),
+        lambda: attnlib.attention_with_kvcache(q[:, :, :3], p.cache, k, v,
+                                               backend=attnlib_backend),
+        lambda: attnlib.attention_with_kvcache(q, p.cache, k, v, softcap=-1.0,
+                                               backend=attnlib_backend),
+        lambda: attnlib.attention_with_kvcache(q, p.cache, k, v, window=(1,),
+                                               backend=attnlib_backend),
+        lambda: attnlib.attention_with_kvcache(q, p.cache, k, v, scale=float("nan"),
+                                               backend=attnlib_backend),
+        lambda: attnlib.attention_with_kvcache(q, p.cache, k, v, alibi_slopes=np.ones(
+            3, np.float32), backend=attnlib_backend),
+        lambda: attnlib.attention_with_kvcache(randn(p.rng, (2, 9, HQ, D)), p.cache, k, v,
+                                               backend=attnlib_backend),  # Sq > length
+    ]
+    for call in bad_calls:
+        with pytest.raises(AttnlibError):
+            call()
+        assert p.snapshot() == before
+    p.attend(2, new=2)
