@@ -87,6 +87,29 @@ typedef double store_t;
 #error "unknown STORE_KIND"
 #endif
 
+/* K/V tiles in __local: 16-bit storage is staged raw (half or bfloat16 bits: half the __local
+ * memory and load registers) and widened when read; other storage is staged as acc_t. */
+#if STORE_KIND == 1 || STORE_KIND == 2
+typedef ushort kv_t;
+typedef ushort4 kv4_t;
+#define G_RAW(p, i) (((__global const ushort *)(p))[i])
+#define G_RAW4(p, i) vload4(0, ((__global const ushort *)(p)) + (i))
+#if STORE_KIND == 1
+#define KV(p, i) ((acc_t)vload_half((size_t)(i), (__local const half *)(p)))
+#define KV4(p, i4) vload_half4((size_t)(i4), (__local const half *)(p))
+#else
+#define KV(p, i) ((acc_t)as_float((uint)(p)[i] << 16))
+#define KV4(p, i4) as_float4(convert_uint4(vload4((size_t)(i4), (p))) << 16)
+#endif
+#else
+typedef acc_t kv_t;
+typedef acc4_t kv4_t;
+#define G_RAW(p, i) LD(p, i)
+#define G_RAW4(p, i) LD4(p, i)
+#define KV(p, i) ((p)[i])
+#define KV4(p, i4) (((__local const acc4_t *)(p))[i4])
+#endif
+
 #if MASK_KIND == 2
 typedef acc_t mask_t;
 #else
@@ -125,7 +148,7 @@ typedef store_t out_t;
 #if V_VEC == 4
 #define V_ROW(n, b)                                                           \
     for (int c4 = 0; c4 < DV_PER / 4; ++c4) {                                 \
-        const acc4_t t_ = kv_s4[(n) * (VS_LD / 4) + c4 * THREADS_N + tn];      \
+        const acc4_t t_ = KV4(kv_s, (n) * (VS_LD / 4) + c4 * THREADS_N + tn);   \
         b[4 * c4] = t_.x;                                                     \
         b[4 * c4 + 1] = t_.y;                                                 \
         b[4 * c4 + 2] = t_.z;                                                 \
@@ -133,7 +156,7 @@ typedef store_t out_t;
     }
 #else
 #define V_ROW(n, b)                                                           \
-    for (int c = 0; c < DV_PER; ++c) b[c] = kv_s[(n) * VS_LD + tn + THREADS_N * c];
+    for (int c = 0; c < DV_PER; ++c) b[c] = KV(kv_s, (n) * VS_LD + tn + THREADS_N * c);
 #endif
 
 /* acc += P V over the staged tile; GUARD=1 skips keys with p == 0 */
@@ -162,7 +185,7 @@ typedef store_t out_t;
 #define STAGE 8
 #define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST4, DST_LD4)                 \
     for (int base_ = 0; base_ < BLOCK_N * (COLS4); base_ += NT * STAGE) {                       \
-        acc4_t tmp_[STAGE];                                                                     \
+        kv4_t tmp_[STAGE];                                                                      \
         for (int u_ = 0; u_ < STAGE; ++u_) {                                                    \
             const int idx_ = base_ + u_ * NT + lid;                                             \
             const int n_ = idx_ / (COLS4), c_ = idx_ % (COLS4);                                 \
@@ -171,7 +194,7 @@ typedef store_t out_t;
             if (idx_ < BLOCK_N * (COLS4) && j_ < k_len && c_ < (VALID4)) {                      \
                 long row_ = k_row0 + j_;                                                        \
                 if (ring && row_ >= ring) row_ -= ring;                                         \
-                tmp_[u_] = LD4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);      \
+                tmp_[u_] = G_RAW4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);   \
             }                                                                                   \
         }                                                                                       \
         for (int u_ = 0; u_ < STAGE; ++u_) {                                                    \
@@ -194,11 +217,11 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows,
     int group) {
     __local acc4_t q_s4[V4(BLOCK_M * QS_LD)];
-    __local acc4_t kv_s4[V4(KV_SIZE)];
+    __local kv4_t kv_s4[V4(KV_SIZE)];
     __local acc4_t p_s4[V4(BLOCK_M * PS_LD)];
     __local acc_t red_s[THREADS_N * BLOCK_M];
     __local acc_t *q_s = (__local acc_t *)q_s4;
-    __local acc_t *kv_s = (__local acc_t *)kv_s4;
+    __local kv_t *kv_s = (__local kv_t *)kv_s4;
     __local acc_t *p_s = (__local acc_t *)p_s4;
 
     const int lid = get_local_id(0);
@@ -214,7 +237,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     const int qb = d[0], q_row0 = d[1], q_len = d[2], kb = d[3], k_row0 = d[4], k_len = d[5];
     const long q_pos0 = d[6], k_pos0 = d[7];
     const long causal_hi = d[8] == INT_MAX ? ((long)1 << 40) : (long)d[8];
-    const long hi_off = min(causal_hi, win_right); /* visible iff -win_left <= kpos-qpos <= hi_off */
+    /* key visible iff -win_left <= kpos - qpos <= hi_off */
+    const long hi_off = min(causal_hi, win_right);
 
     const int rows = q_len * group;
     const int m_last = min(m0 + BLOCK_M, rows) - 1;
@@ -285,11 +309,11 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int idx = lid; idx < BLOCK_N * HEAD_DIM; idx += NT) {
             const int n = idx / HEAD_DIM, dd = idx % HEAD_DIM;
             const long j = n0 + n;
-            acc_t x = 0;
+            kv_t x = 0;
             if (j < k_len) {
                 long row = k_row0 + j;
                 if (ring && row >= ring) row -= ring;
-                x = LD(k, k_off + kb * k_sb + row * k_ss + hk * k_sh + dd * k_sd);
+                x = G_RAW(k, k_off + kb * k_sb + row * k_ss + hk * k_sh + dd * k_sd);
             }
             kv_s[n * KS_LD + dd] = x;
         }
@@ -304,7 +328,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int d4 = 0; d4 < HEAD_DIM / 4; ++d4) {
             acc4_t a[TM], b[TN];
             for (int r = 0; r < TM; ++r) a[r] = q_s4[(tm + THREADS_M * r) * (QS_LD / 4) + d4];
-            for (int c = 0; c < TN; ++c) b[c] = kv_s4[(tn + THREADS_N * c) * (KS_LD / 4) + d4];
+            for (int c = 0; c < TN; ++c) b[c] = KV4(kv_s, (tn + THREADS_N * c) * (KS_LD / 4) + d4);
             for (int r = 0; r < TM; ++r)
                 for (int c = 0; c < TN; ++c) {
                     acc_t t = s[r][c];
@@ -319,7 +343,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int dd = 0; dd < HEAD_DIM; ++dd) {
             acc_t a[TM], b[TN];
             for (int r = 0; r < TM; ++r) a[r] = q_s[(tm + THREADS_M * r) * QS_LD + dd];
-            for (int c = 0; c < TN; ++c) b[c] = kv_s[(tn + THREADS_N * c) * KS_LD + dd];
+            for (int c = 0; c < TN; ++c) b[c] = KV(kv_s, (tn + THREADS_N * c) * KS_LD + dd);
             for (int r = 0; r < TM; ++r)
                 for (int c = 0; c < TN; ++c) s[r][c] += a[r] * b[c];
         }
@@ -388,11 +412,11 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int idx = lid; idx < BLOCK_N * DV_PAD; idx += NT) {
             const int n = idx / DV_PAD, dd = idx % DV_PAD;
             const long j = n0 + n;
-            acc_t x = 0;
+            kv_t x = 0;
             if (j < k_len && dd < HEAD_DIM_V) {
                 long row = k_row0 + j;
                 if (ring && row >= ring) row -= ring;
-                x = LD(v, v_off + kb * v_sb + row * v_ss + hk * v_sh + dd * v_sd);
+                x = G_RAW(v, v_off + kb * v_sb + row * v_ss + hk * v_sh + dd * v_sd);
             }
             kv_s[n * VS_LD + dd] = x;
         }

@@ -57,11 +57,14 @@ def vec_widths(d: int, dv: int, threads_n: int) -> tuple[int, int, int]:
     return d_vec, v_vec, dv_pad
 
 
-def local_bytes(bm: int, bn: int, tn: int, d: int, dv: int, acc_bytes: int) -> int:
-    """__local memory of one attn_fwd work-group (mirrors the arrays declared in the kernel)."""
+def local_bytes(bm: int, bn: int, tn: int, d: int, dv: int, acc_bytes: int,
+                kv_bytes: int) -> int:
+    """__local memory of one attn_fwd work-group (mirrors the arrays declared in the kernel);
+    K/V tiles hold ``kv_bytes`` per element (2: 16-bit storage staged raw)."""
     d_vec, _, dv_pad = vec_widths(d, dv, tn)
     ld = d + (4 if d_vec == 4 else 1)
-    return acc_bytes * (bm * ld + bn * max(ld, dv_pad) + bm * (bn + 4) + tn * bm + 12)
+    return (acc_bytes * (bm * ld + bm * (bn + 4) + tn * bm + 12)
+            + kv_bytes * (bn * max(ld, dv_pad) + 4))
 
 
 def _next_pow2(n: int) -> int:
@@ -69,7 +72,7 @@ def _next_pow2(n: int) -> int:
 
 
 def choose_tiles(
-    facts: Any, rows: int, d: int, dv: int, acc_bytes: int, override: tuple | None
+    facts: Any, rows: int, d: int, dv: int, acc_bytes: int, kv_bytes: int, override: tuple | None
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, THREADS_M, THREADS_N) for this device and call.
 
@@ -92,7 +95,7 @@ def choose_tiles(
     else:
         cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8), (16, 16, 4, 4), (8, 8, 2, 4)]
     for bm, bn, tm, tn in cands:
-        if local_bytes(bm, bn, tn, d, dv, acc_bytes) <= facts.local_budget:
+        if local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget:
             return bm, bn, tm, tn
     return cands[-1]
 
@@ -132,7 +135,8 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
 
         if _nvidia_mma.applicable(be.device, call):
             return _nvidia_mma.run(ctx, queue, be.device, call)
-    tiles = choose_tiles(be.facts, int(rows.max()), d, dv, acc.itemsize, be.tiles)
+    kv_bytes = 2 if dtype.itemsize == 2 else acc.itemsize
+    tiles = choose_tiles(be.facts, int(rows.max()), d, dv, acc.itemsize, kv_bytes, be.tiles)
     bm, bn, tmh, tnh = tiles
     n_blocks = -(-rows // bm)
     seq_of = np.repeat(np.arange(n_seq), n_blocks)
