@@ -101,11 +101,12 @@ def choose_tiles(
 
 
 def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | None) -> int:
-    """Key splits per block (flash-decoding): enough work-groups to fill every compute unit a few
-    times over, each split keeping at least two key tiles."""
+    """Key splits per block (flash-decoding): enough work-groups to fill every compute unit
+    several times over, each split keeping at least two key tiles."""
     if override is not None:
         return max(1, int(override))
-    target = facts.compute_units * (1 if facts.is_cpu else 4)
+    # GPUs: ~8 work-groups per compute unit keep enough loads in flight to stream the cache
+    target = facts.compute_units * (1 if facts.is_cpu else 8)
     if n_groups >= target or key_tiles < 4:
         return 1
     return max(1, min(-(-target // n_groups), key_tiles // 2))
