@@ -207,13 +207,14 @@ def flash_forward(q, k, v, kp, vp, seq, tasks, g, scale, wl, wr, softcap, alibi,
     unit = LOG2E if f32 else 1.0
     n_tasks = tasks.shape[0]
     for _w in prange(n_workers):
-        qt = np.zeros(block_m * d_qk, out.dtype)
-        kt = np.zeros(block_n * d_qk, out.dtype)
-        vt = np.zeros(block_n * d_v, out.dtype)
-        st = np.zeros(block_m * block_n, out.dtype)
-        sb = np.zeros(block_m * block_n, out.dtype)
-        pv = np.zeros(block_m * d_v, out.dtype)
-        ot = np.zeros(block_m * d_v, out.dtype)
+        # scratch: every element is written before it is read (only [:rows] slices are used)
+        qt = np.empty(block_m * d_qk, out.dtype)
+        kt = np.empty(block_n * d_qk, out.dtype)
+        vt = np.empty(block_n * d_v, out.dtype)
+        st = np.empty(block_m * block_n, out.dtype)
+        sb = np.empty(block_m * block_n, out.dtype)
+        pv = np.empty(block_m * d_v, out.dtype)
+        ot = np.empty(block_m * d_v, out.dtype)
         m_i = np.empty(block_m, out.dtype)
         m_new = np.empty(block_m, out.dtype)
         mu = np.empty(block_m, out.dtype)
