@@ -57,6 +57,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "slow: one of the few large conformance cases (1023x1024, S=2048, Sq = Sk = 10007); "
         "`attnlib check` deselects them with -m 'not slow'",
     )
+    if config.getoption("--attnlib-backend", default=None) or os.environ.get(ENV_VAR, "").strip():
+        backends_under_test(config)  # a bad name is a usage error now, not one per test module
 
 
 def _split(values: list[str]) -> list[str]:
@@ -67,20 +69,26 @@ def _split(values: list[str]) -> list[str]:
 
 
 def _resolve(spec: str) -> str:
-    """Turn ``module:Class`` into a registered backend name; plain names pass through."""
-    if ":" not in spec:
-        return spec
+    """Turn ``module:Class`` into a registered backend name; known plain names pass through (an
+    unavailable one stays: its cases then fail, never skip)."""
     import importlib
 
     import attnlib
+    from attnlib import registry
+
+    if ":" not in spec:
+        if spec not in registry.known_backends():
+            raise pytest.UsageError(
+                f"--attnlib-backend / ${ENV_VAR}: unknown backend {spec!r}; known: "
+                f"{', '.join(registry.known_backends())}, or give module:Class"
+            )
+        return spec
 
     module_name, _, attr = spec.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise pytest.UsageError(f"--attnlib-backend {spec!r}: cannot import it ({err})") from err
-    from attnlib import registry
-
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name or name in ("base", "auto"):
         name = spec
