@@ -252,3 +252,42 @@ def test_known_gaps_file(tmp_path):
     f = tmp_path / "gaps.txt"
     f.write_text("# backend  match  reason\nmy_backend  test_alibi  ALiBi not yet built  # soon\n")
     assert read_gaps(str(f)) == [Gap("my_backend", "test_alibi", "ALiBi not yet built")]
+
+
+NO_FP64 = """
+from attnlib.backends.numpy_backend import NumpyBackend
+
+
+class NoFp64(NumpyBackend):
+    name = "no_fp64"
+
+    def supports_dtype(self, dtype):
+        return "no cl_khr_fp64 here" if dtype.name == "float64" else None
+
+
+class NoFp16(NumpyBackend):
+    name = "no_fp16"
+
+    def supports_dtype(self, dtype):
+        return "no half" if dtype.name == "float16" else None
+"""
+
+
+def test_suite_accepts_unsupported_float64_and_nothing_else(tmp_path):
+    """The suite lets a backend refuse float64 with UnsupportedError (the SPEC allows it) and
+    fails one that refuses float16 (the SPEC does not): no silent skip either way."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "mypkg_dt.py").write_text(NO_FP64)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    env.pop("ATTNLIB_TEST_BACKENDS", None)
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+            "attnlib.testing", "-k", "test_dtypes_and_layouts or test_varlen_dtypes"]
+    ok = subprocess.run(base + ["--attnlib-backend", "mypkg_dt:NoFp64"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "12 passed" in ok.stdout, ok.stdout[-2000:] + ok.stderr[-2000:]
+    bad = subprocess.run(base + ["--attnlib-backend", "mypkg_dt:NoFp16"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "3 failed" in bad.stdout, bad.stdout[-2000:]
