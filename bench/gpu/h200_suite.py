@@ -66,27 +66,34 @@ def _torch_times(q, k, v, causal: bool, reps: int) -> dict:
     return out
 
 
-def prefill(dtype: str, reps: int, with_torch: bool, rows: list) -> None:
+def prefill(dtype: str, reps: int, with_torch: bool, rows: list, portable: bool = False) -> None:
+    """``portable=True`` keeps float16/bfloat16 off the tensor-core kernel (``use_mma=False``)."""
+    import ml_dtypes
     import torch
 
-    np_dtype = {"float32": np.float32, "float16": np.float16}[dtype]
-    t_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
+    np_dtype = {"float32": np.float32, "float16": np.float16,
+                "bfloat16": ml_dtypes.bfloat16}[dtype]
+    t_dtype = {"float32": torch.float32, "float16": torch.float16,
+               "bfloat16": torch.bfloat16}[dtype]
+    be = attnlib.get_backend("opencl", use_mma=False) if portable else "opencl"
     for b, h, s, d in PREFILL:
-        if dtype == "float32" and h * s > 16 * 8192:
-            continue  # the fp32 issue names the first three shapes only
+        if (dtype == "float32" or portable) and h * s > 16 * 8192:
+            continue  # the fp32 / portable figures use the first three shapes only
         rng = np.random.default_rng(0)
         host = [rng.standard_normal((b, s, h, d), dtype=np.float32).astype(np_dtype)
                 for _ in range(3)]
         dev = [attnlib.to_device(x, backend="opencl") for x in host]
         for causal in (False, True):
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
-            out = attnlib.attention(*dev, causal=causal, backend="opencl")
+            out = attnlib.attention(*dev, causal=causal, backend=be)
             sync = out.queue.finish
+
             def run(c=causal, x=dev):
-                return attnlib.attention(*x, causal=c, backend="opencl")
+                return attnlib.attention(*x, causal=c, backend=be)
 
             t = _median_time(run, sync, warm=2, reps=reps)
-            row = {"kind": "prefill", "dtype": dtype, "shape": [b, h, s, d], "causal": causal,
+            row = {"kind": "prefill", "dtype": dtype, "path": "portable" if portable else "auto",
+                   "shape": [b, h, s, d], "causal": causal,
                    "opencl_s": t, "opencl_tflops": flops / t / 1e12}
             if with_torch:
                 tq = [torch.from_numpy(x.astype(np.float32)).to("cuda", t_dtype)
@@ -139,16 +146,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--only", choices=["prefill32", "prefill16", "decode"], action="append")
+    ap.add_argument("--only", action="append",
+                    choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "decode"])
     args = ap.parse_args(argv)
     be = attnlib.get_backend("opencl")
     print("opencl backend:", be.info(), flush=True)
     rows: list = []
-    parts = args.only or ["prefill32", "prefill16", "decode"]
+    parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "decode"]
     if "prefill32" in parts:
         prefill("float32", args.reps, not args.no_torch, rows)
+    if "prefill16p" in parts:
+        prefill("float16", args.reps, not args.no_torch, rows, portable=True)
     if "prefill16" in parts:
         prefill("float16", args.reps, not args.no_torch, rows)
+    if "prefillbf16" in parts:
+        prefill("bfloat16", args.reps, not args.no_torch, rows)
     if "decode" in parts:
         decode(args.reps, not args.no_torch, rows)
     if args.json:
