@@ -19,6 +19,8 @@
  * dim (HEAD_DIM % 4 == 0); V_VEC=4 gives each work-item output columns in 4-wide chunks
  * interleaved across work-items, read as 4-vectors; LOAD_VEC=1 loads global rows with vload4
  * (unit stride along the head dims). P is always read 4 keys at a time (BLOCK_N % 4 == 0).
+ * PREFETCH=1 (decode tilings) keeps whole tiles in registers so that global loads overlap compute:
+ * V of tile t is loaded while S is computed, K of tile t+1 while P V is.
  */
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -35,8 +37,11 @@
 #if !defined(HAS_ALIBI) || !defined(HAS_SOFTCAP) || !defined(SPLIT)
 #error "HAS_ALIBI, HAS_SOFTCAP and SPLIT must be defined"
 #endif
-#if !defined(D_VEC) || !defined(V_VEC) || !defined(LOAD_VEC)
-#error "D_VEC, V_VEC and LOAD_VEC must be defined"
+#if !defined(D_VEC) || !defined(V_VEC) || !defined(LOAD_VEC) || !defined(PREFETCH)
+#error "D_VEC, V_VEC, LOAD_VEC and PREFETCH must be defined"
+#endif
+#if PREFETCH && !LOAD_VEC
+#error "PREFETCH needs LOAD_VEC"
 #endif
 #if (BLOCK_M % THREADS_M) || (BLOCK_N % THREADS_N) || (BLOCK_N % 4)
 #error "BLOCK_M, BLOCK_N must be multiples of THREADS_M, THREADS_N; BLOCK_N of 4"
@@ -204,6 +209,30 @@ typedef store_t out_t;
         }                                                                                       \
     }
 
+/* Whole-tile register staging for PREFETCH: LOAD_REGS issues every load of a tile of keys from
+ * N0 on, STORE_REGS writes them to __local later (after a barrier). */
+#define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
+#define K_PER CEIL_DIV(BLOCK_N * (HEAD_DIM / 4), NT)
+#define V_PER CEIL_DIV(BLOCK_N * (DV_PAD / 4), NT)
+#define LOAD_REGS(REGS, PER, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, N0)                    \
+    for (int u_ = 0; u_ < (PER); ++u_) {                                                        \
+        const int idx_ = u_ * NT + lid;                                                         \
+        const int n_ = idx_ / (COLS4), c_ = idx_ % (COLS4);                                     \
+        const long j_ = (N0) + n_;                                                              \
+        REGS[u_] = 0;                                                                           \
+        if (idx_ < BLOCK_N * (COLS4) && j_ < k_len && c_ < (VALID4)) {                          \
+            long row_ = k_row0 + j_;                                                            \
+            if (ring && row_ >= ring) row_ -= ring;                                             \
+            REGS[u_] = G_RAW4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);       \
+        }                                                                                       \
+    }
+#define STORE_REGS(REGS, PER, COLS4, DST_LD4)                                                   \
+    for (int u_ = 0; u_ < (PER); ++u_) {                                                        \
+        const int idx_ = u_ * NT + lid;                                                         \
+        if (idx_ < BLOCK_N * (COLS4))                                                           \
+            kv_s4[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = REGS[u_];                    \
+    }
+
 /* max that propagates NaN, as numpy's max does */
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 
@@ -297,13 +326,22 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int c = 0; c < DV_PER; ++c) acc[r][c] = 0;
     }
 
+#if PREFETCH
+    kv4_t k_reg[K_PER], v_reg[V_PER];
+    if (t_begin < t_end) {
+        LOAD_REGS(k_reg, K_PER, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
+                  n_first + t_begin * BLOCK_N)
+    }
+#endif
     for (long t = t_begin; t < t_end; ++t) {
         const long n0 = n_first + t * BLOCK_N;
         const int full = MASK_KIND == 0 && n0 >= f_lo && n0 + BLOCK_N <= f_hi;
 
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
-#if LOAD_VEC
+#if PREFETCH
+        STORE_REGS(k_reg, K_PER, HEAD_DIM / 4, KS_LD / 4)
+#elif LOAD_VEC
         STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, kv_s4, KS_LD / 4)
 #else
         for (int idx = lid; idx < BLOCK_N * HEAD_DIM; idx += NT) {
@@ -319,6 +357,9 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         }
 #endif
         barrier(CLK_LOCAL_MEM_FENCE);
+#if PREFETCH /* V of this tile in flight while S is computed */
+        LOAD_REGS(v_reg, V_PER, v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, n0)
+#endif
 
         /* -- S = Q K^T on the micro-tile */
         acc_t s[TM][TN];
@@ -406,7 +447,13 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- stage the V tile over the K tile (padding columns zeroed) */
-#if LOAD_VEC
+#if PREFETCH /* and K of the next tile in flight while P V is */
+        STORE_REGS(v_reg, V_PER, DV_PAD / 4, VS_LD / 4)
+        if (t + 1 < t_end) {
+            LOAD_REGS(k_reg, K_PER, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
+                      n0 + BLOCK_N)
+        }
+#elif LOAD_VEC
         STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, kv_s4, VS_LD / 4)
 #else
         for (int idx = lid; idx < BLOCK_N * DV_PAD; idx += NT) {

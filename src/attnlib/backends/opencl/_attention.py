@@ -32,6 +32,7 @@ class FwdConfig(KernelConfig):
     D_VEC: int
     V_VEC: int
     LOAD_VEC: bool
+    PREFETCH: bool
     STORE_KIND: int
     ACC_KIND: int
     MASK_KIND: int
@@ -171,9 +172,13 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
     load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
                 and all(vw.strides[3] == 1 for vw in views))
+    # decode tilings (one work-item row) hold whole K/V tiles in registers to overlap loads with
+    # compute: at most 128 registers of staged tile per work-item
+    per = -(-bn * max(d, dv_pad) // (4 * tmh * tnh))
+    prefetch = load_vec and tmh == 1 and per * kv_bytes <= 128  # 4 elements: kv_bytes regs
     cfg = FwdConfig(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
-        THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
+        THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec, PREFETCH=prefetch,
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1,
