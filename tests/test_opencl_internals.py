@@ -184,3 +184,17 @@ def test_float64_refused_without_fp64(monkeypatch):
     q = np.ones((1, 2, 1, 4))
     with pytest.raises(attnlib.UnsupportedError, match="cl_khr_fp64"):
         attnlib.attention(q, q, q, backend=mine)
+
+
+def test_device_memory_errors_are_memoryerror(be):
+    with pytest.raises(MemoryError, match="KV cache"):
+        be.cache_alloc((1, 1 << 20, 1024, 1024), np.dtype(np.float32))  # 4 TiB
+
+
+def test_head_dims_beyond_local_memory_are_unsupported(monkeypatch):
+    mine = OpenCLBackend()
+    monkeypatch.setattr(mine, "facts", mine.facts.__class__(**{**vars(mine.facts),
+                                                               "local_budget": 4096}))
+    q = np.ones((1, 20, 1, 64), np.float32)
+    with pytest.raises(attnlib.UnsupportedError, match="__local memory"):
+        attnlib.attention(q, q, q, backend=mine)

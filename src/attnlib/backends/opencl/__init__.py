@@ -19,8 +19,9 @@ to compile (the message holds the options and the build log).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,6 +73,23 @@ def _facts(device: Any) -> DeviceFacts:
         simulator=is_simulator(device),
         local_budget=_local_budget(device),
     )
+
+
+_OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_MEMORY",
+              "INVALID_BUFFER_SIZE")
+
+
+@contextlib.contextmanager
+def device_errors(what: str) -> Iterator[None]:
+    """Device allocation failures become MemoryError (SPEC section 6), never a raw driver error."""
+    import pyopencl as cl
+
+    try:
+        yield
+    except cl.Error as exc:
+        if isinstance(exc, cl.MemoryError) or any(c in str(exc) for c in _OOM_CODES):
+            raise MemoryError(f"opencl: {what} does not fit the device: {exc}") from exc
+        raise
 
 
 class OpenCLBackend(Backend):
@@ -191,18 +209,26 @@ class OpenCLBackend(Backend):
 
     # ---- primitives ---------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[Any, Any]:
-        return _attention.attention(self, call)
+        with device_errors("attention"):
+            return _attention.attention(self, call)
 
     def softmax(self, x: Any, axis: int, log: bool) -> Any:
-        return _ops.softmax(self, x, axis, log)
+        with device_errors("softmax"):
+            return _ops.softmax(self, x, axis, log)
 
     def merge_states(self, outs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
-        return _ops.merge_states(self, outs, lses)
+        with device_errors("merge_states"):
+            return _ops.merge_states(self, outs, lses)
 
     def rope(self, x: Any, positions: np.ndarray, spec: RopeSpec) -> Any:
-        return _ops.rope(self, x, positions, spec)
+        with device_errors("rope"):
+            return _ops.rope(self, x, positions, spec)
 
     def cache_alloc(self, shape: tuple[int, int, int, int], dtype: np.dtype) -> Any:
+        with device_errors(f"a KV cache of shape {tuple(shape)} {np.dtype(dtype)}"):
+            return self._cache_alloc(shape, dtype)
+
+    def _cache_alloc(self, shape: tuple[int, int, int, int], dtype: np.dtype) -> Any:
         import pyopencl.array as cla
 
         buf = cla.empty(self.queue, tuple(shape), np.dtype(dtype))
@@ -217,7 +243,8 @@ class OpenCLBackend(Backend):
 
     def cache_write(self, buf: Any, src: Any, rows: np.ndarray, start_pos: np.ndarray,
                     rope: RopeSpec | None) -> None:
-        _ops.cache_write(self, buf, src, rows, start_pos, rope)
+        with device_errors("the KV-cache append"):
+            _ops.cache_write(self, buf, src, rows, start_pos, rope)
 
     def cache_read(self, buf: Any) -> np.ndarray:
         return buf.get()

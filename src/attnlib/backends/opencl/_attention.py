@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...errors import UnsupportedError
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
 from ._runtime import KernelConfig
 
@@ -98,7 +99,13 @@ def choose_tiles(
     for bm, bn, tm, tn in cands:
         if local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget:
             return bm, bn, tm, tn
-    return cands[-1]
+    bm, bn, tm, tn = cands[-1]
+    need = local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes)
+    raise UnsupportedError(
+        f"opencl: head dims D={d}, Dv={dv} need {need} bytes of __local memory even with the "
+        f"smallest tiling; device {facts.name!r} allows {facts.local_budget}. Use the numba or "
+        "numpy backend for these head dims"
+    )
 
 
 def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | None) -> int:
