@@ -195,15 +195,19 @@ class OpenCLBackend(Backend):
 
         opts = cfg.options()
         key = (ctx.int_ptr, filename, opts, kernel)
+        knl = self._kernels.get(key)
+        if knl is None:
+            prg = self._programs.get(ctx, filename, opts)  # builds under its own lock
+            with self._launch_lock:
+                knl = self._kernels.get(key)
+                if knl is None:
+                    knl = cl.Kernel(prg, kernel)
+                    # typed scalars let pyopencl pack the arguments on its fast path
+                    knl.set_scalar_arg_dtypes(
+                        [a.dtype if isinstance(a, np.generic) else None for a in args]
+                    )
+                    self._kernels[key] = knl
         with self._launch_lock:
-            knl = self._kernels.get(key)
-            if knl is None:
-                prg = self._programs.get(ctx, filename, opts)
-                knl = self._kernels[key] = cl.Kernel(prg, kernel)
-                # typed scalars let pyopencl pack the arguments on its fast path
-                knl.set_scalar_arg_dtypes(
-                    [a.dtype if isinstance(a, np.generic) else None for a in args]
-                )
             knl.set_args(*args)
             cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize)
 
