@@ -152,6 +152,31 @@ print(t, base, peak, q.nbytes * 4, bool(np.isfinite(out).all()))
 """
 
 
+_BIG_TORCH_SNIPPET = """
+import resource, time, numpy as np, torch
+S, H, D = 16384, 32, 128
+rng = np.random.default_rng(0)
+q, k, v = (torch.from_numpy(rng.standard_normal((1, H, S, D), dtype=np.float32))
+           for _ in range(3))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+torch.nn.functional.scaled_dot_product_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256])
+t0 = time.perf_counter()
+out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal={causal})
+t = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(t, base, peak)
+"""
+
+
+def big_torch(causal: bool) -> None:
+    out = subprocess.run([sys.executable, "-c", _BIG_TORCH_SNIPPET.format(causal=causal)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    t, base, peak = float(out[0]), int(out[1]) * 1024, int(out[2]) * 1024
+    fl = 4 * 32 * 128 * _pairs(16384, causal)
+    print(f"torch SDPA, same shape: {t:.1f} s ({fl / t / 1e9:.0f} GFLOP/s); process peak RSS "
+          f"{peak / 2**30:.2f} GiB ({base / 2**30:.2f} GiB before the call)")
+
+
 def big(causal: bool) -> None:
     out = subprocess.run([sys.executable, "-c", _BIG_SNIPPET.format(causal=causal)],
                          capture_output=True, text=True, check=True).stdout.split()
@@ -170,6 +195,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--single", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     import numba
@@ -189,7 +215,8 @@ def main() -> None:
     prefill(reps)
     if not args.quick:
         decode(reps * 3)
-        compile_times()
+        if not args.no_compile:
+            compile_times()
     if args.single:
         # other processes on a shared machine delay one of two threads; one thread each,
         # timed in CPU time, compares the kernels themselves
@@ -203,6 +230,7 @@ def main() -> None:
         torch.set_num_threads(os.cpu_count() or 1)
     if args.big:
         big(False)
+        big_torch(False)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"load average {os.getloadavg()[0]:.2f} at the end; max RSS of this process "
           f"{rss:.2f} GiB")
