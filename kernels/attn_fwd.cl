@@ -3,13 +3,13 @@
  * One work-group = one query block of BLOCK_M *packed* rows x one kv head x one key split.
  * Packed row m = i * group + g is query row i of query head hk * group + g (GQA packing: the query
  * heads that share a kv head share every K/V tile). K and V tiles of BLOCK_N keys are staged in
- * __local memory; work-item (tm, tn) owns a TM x TN micro-tile of scores and a TM x DV_PER tile of
- * the output accumulator (rows tm + THREADS_M*r, columns tn + THREADS_N*c).
+ * __local memory; work-item (tm, tn) owns a TM x TN micro-tile of scores (rows tm + THREADS_M*r,
+ * keys tn + THREADS_N*c) and a TM x DV_PER tile of the output accumulator (columns DV_COL(c)).
  *
  * Sequences are described by desc[9 * s + 0..8] = q_batch, q_row0, q_len, k_batch, k_row0, k_len,
  * q_pos0, k_pos0, causal_hi (INT_MAX = not causal); desc[9 * n_seq + 2 * t + 0..1] = (sequence,
  * first packed row) of work-group column t. With SPLIT=1 the keys of a block are cut into
- * get_num_groups(2) splits (flash-decoding) and each writes a partial state (out, lse) in ACC_T,
+ * get_num_groups(2) splits (flash-decoding) and each writes a partial state (out, lse) in acc_t,
  * merged by merge.cl.
  *
  * Storage kinds: 0 float, 1 half (vload_half, no cl_khr_fp16 needed), 2 bfloat16 (ushort,
