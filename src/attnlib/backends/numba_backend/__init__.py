@@ -34,8 +34,8 @@ PACK_LIMIT_BYTES = 256 * 2**20
 PACK_MIN_REUSE = 4  # ... nor when few query blocks read each key tile (the copy would not pay)
 
 _available: bool | None = None
-# numba's default (workqueue) threading layer must not be entered by two threads at once, and
-# the BLAS thread limit below is process-wide: one kernel launch at a time.
+# numba's workqueue threading layer (its fallback without OpenMP / TBB) must not be entered by
+# two threads at once, and the BLAS thread limit below is process-wide: one launch at a time.
 _launch_lock = threading.Lock()
 
 
