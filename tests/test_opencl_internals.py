@@ -200,13 +200,6 @@ def test_head_dims_beyond_local_memory_are_unsupported(monkeypatch):
         attnlib.attention(q, q, q, backend=mine)
 
 
-@pytest.mark.xfail(
-    reason="front door: _spec.to_bshd / _api._from_bshd call x.transpose(0, 2, 1, 3); "
-    "pyopencl's Array.transpose takes one tuple, so layout='bhsd' with device arrays raises "
-    "TypeError (x.transpose((0, 2, 1, 3)) works for numpy and pyopencl alike)",
-    raises=TypeError,
-    strict=False,
-)
 def test_bhsd_layout_with_device_arrays(be):
     q = rng_for("bhsd device").standard_normal((1, 2, 5, 8)).astype(np.float32)
     dq = attnlib.to_device(q, backend=be)

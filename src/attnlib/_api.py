@@ -45,12 +45,24 @@ def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None) ->
     return be
 
 
-def _from_bshd(x: Any, layout: str) -> Any:
+def _device_contiguous(x: Any, be: Backend) -> Any:
+    """A C-contiguous copy of a strided 4-D device view, made on the device through the
+    backend's strided ``cache_write`` copy (``buf[b, s] = src[b, s]``), never via the host."""
+    b = x.shape[0]
+    buf = be.cache_alloc(tuple(x.shape), np.dtype(x.dtype))
+    if x.size:
+        be.cache_write(buf, x, np.arange(b, dtype=np.int64), np.zeros(b, dtype=np.int64), None)
+    return buf
+
+
+def _from_bshd(x: Any, layout: str, be: Backend) -> Any:
+    """bshd -> the caller's layout, as a contiguous array (what PyTorch users expect)."""
     if layout == "bshd":
         return x
+    xt = x.transpose((0, 2, 1, 3))
     if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-    return x.transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(xt)
+    return _device_contiguous(xt, be)
 
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, softcap=None,
@@ -91,7 +103,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, soft
                             need_lse=return_lse)
     be = pick_backend(backend, (q, k, v), call.dtype)
     out, lse = _run(be, call)
-    out = _from_bshd(out, layout)
+    out = _from_bshd(out, layout, be)
     return (out, lse) if return_lse else out
 
 
@@ -189,8 +201,10 @@ def merge_states(outs, lses, *, layout="bshd", backend=None):
         if tuple(lse.shape) != (b, h, sq):
             raise ShapeError(f"lses[{i}] has shape {tuple(lse.shape)}; expected {(b, h, sq)}")
     be = pick_backend(backend, list(outs) + list(lses), dt)
+    if layout == "bhsd":
+        outs = [o if isinstance(o, np.ndarray) else _device_contiguous(o, be) for o in outs]
     out, lse = be.merge_states(outs, lses)
-    return _from_bshd(out, layout), lse
+    return _from_bshd(out, layout, be), lse
 
 
 class RoPE:
@@ -253,7 +267,7 @@ def rope(x, positions, *, theta=10000.0, interleaved=False, rotary_dim=None, lay
     spec = RoPE(theta, interleaved, rotary_dim).spec(xb.shape[3])
     pos = check_positions(positions, xb.shape[0], xb.shape[1])
     be = pick_backend(backend, (x,), dt)
-    return _from_bshd(be.rope(xb, pos, spec), layout)
+    return _from_bshd(be.rope(xb, pos, spec), layout, be)
 
 
 def to_device(x, *, backend=None):

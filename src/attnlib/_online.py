@@ -110,5 +110,5 @@ class OnlineAttention:
         else:
             out, lse = self._state
             out = out.astype(self._dtype)
-        out = _from_bshd(out, self._layout)
+        out = _from_bshd(out, self._layout, self._backend)
         return (out, lse) if return_lse else out

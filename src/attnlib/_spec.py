@@ -81,7 +81,7 @@ def same_dtype(arrays: dict[str, Any]) -> np.dtype:
 
 
 def to_bshd(x: Any, layout: str) -> Any:
-    return x if layout == "bshd" else x.transpose(0, 2, 1, 3)
+    return x if layout == "bshd" else x.transpose((0, 2, 1, 3))
 
 
 # ---- scalars and options ------------------------------------------------------------------------
