@@ -184,39 +184,18 @@ typedef store_t out_t;
         }                                                                     \
     }
 
-/* Stage BLOCK_N key rows of COLS4 4-vectors from SRC into DST4 (row pitch DST_LD4 vectors). Each
- * work-item issues up to STAGE loads before their stores, so that many loads are in flight
- * (memory-level parallelism); columns at or past VALID4 and keys past k_len are stored as 0. */
-#define STAGE 8
-#define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST4, DST_LD4)                 \
-    for (int base_ = 0; base_ < BLOCK_N * (COLS4); base_ += NT * STAGE) {                       \
-        kv4_t tmp_[STAGE];                                                                      \
-        for (int u_ = 0; u_ < STAGE; ++u_) {                                                    \
-            const int idx_ = base_ + u_ * NT + lid;                                             \
-            const int n_ = idx_ / (COLS4), c_ = idx_ % (COLS4);                                 \
-            const long j_ = n0 + n_;                                                            \
-            tmp_[u_] = 0;                                                                       \
-            if (idx_ < BLOCK_N * (COLS4) && j_ < k_len && c_ < (VALID4)) {                      \
-                long row_ = k_row0 + j_;                                                        \
-                if (ring && row_ >= ring) row_ -= ring;                                         \
-                tmp_[u_] = G_RAW4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);   \
-            }                                                                                   \
-        }                                                                                       \
-        for (int u_ = 0; u_ < STAGE; ++u_) {                                                    \
-            const int idx_ = base_ + u_ * NT + lid;                                             \
-            if (idx_ < BLOCK_N * (COLS4)) DST4[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = \
-                tmp_[u_];                                                                       \
-        }                                                                                       \
-    }
-
-/* Whole-tile register staging for PREFETCH: LOAD_REGS issues every load of a tile of keys from
- * N0 on, STORE_REGS writes them to __local later (after a barrier). */
+/* Tile staging from global to __local. LOAD_REGS issues the loads of chunks BASE + u * NT + lid
+ * (u < PER) of a tile of keys from N0 on into registers, STORE_REGS writes them to __local; chunk
+ * idx is key idx / COLS4, 4-vector idx % COLS4. Columns at or past VALID4 and keys past k_len are
+ * 0. Issuing several loads before their stores keeps many in flight (memory-level parallelism):
+ * STAGE_TILE does it STAGE chunks at a time; PREFETCH holds a whole tile (K_PER / V_PER chunks). */
 #define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
 #define K_PER CEIL_DIV(BLOCK_N * (HEAD_DIM / 4), NT)
 #define V_PER CEIL_DIV(BLOCK_N * (DV_PAD / 4), NT)
-#define LOAD_REGS(REGS, PER, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, N0)                    \
+#define STAGE 8
+#define LOAD_REGS(REGS, PER, BASE, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, N0)              \
     for (int u_ = 0; u_ < (PER); ++u_) {                                                        \
-        const int idx_ = u_ * NT + lid;                                                         \
+        const int idx_ = (BASE) + u_ * NT + lid;                                                \
         const int n_ = idx_ / (COLS4), c_ = idx_ % (COLS4);                                     \
         const long j_ = (N0) + n_;                                                              \
         REGS[u_] = 0;                                                                           \
@@ -226,11 +205,17 @@ typedef store_t out_t;
             REGS[u_] = G_RAW4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);       \
         }                                                                                       \
     }
-#define STORE_REGS(REGS, PER, COLS4, DST_LD4)                                                   \
+#define STORE_REGS(REGS, PER, BASE, COLS4, DST_LD4)                                             \
     for (int u_ = 0; u_ < (PER); ++u_) {                                                        \
-        const int idx_ = u_ * NT + lid;                                                         \
+        const int idx_ = (BASE) + u_ * NT + lid;                                                \
         if (idx_ < BLOCK_N * (COLS4))                                                           \
             kv_s4[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = REGS[u_];                    \
+    }
+#define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4)                        \
+    for (int base_ = 0; base_ < BLOCK_N * (COLS4); base_ += NT * STAGE) {                       \
+        kv4_t tmp_[STAGE];                                                                      \
+        LOAD_REGS(tmp_, STAGE, base_, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, n0)          \
+        STORE_REGS(tmp_, STAGE, base_, COLS4, DST_LD4)                                          \
     }
 
 /* max that propagates NaN, as numpy's max does */
@@ -329,7 +314,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 #if PREFETCH
     kv4_t k_reg[K_PER], v_reg[V_PER];
     if (t_begin < t_end) {
-        LOAD_REGS(k_reg, K_PER, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
+        LOAD_REGS(k_reg, K_PER, 0, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
                   n_first + t_begin * BLOCK_N)
     }
 #endif
@@ -340,9 +325,9 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
 #if PREFETCH
-        STORE_REGS(k_reg, K_PER, HEAD_DIM / 4, KS_LD / 4)
+        STORE_REGS(k_reg, K_PER, 0, HEAD_DIM / 4, KS_LD / 4)
 #elif LOAD_VEC
-        STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, kv_s4, KS_LD / 4)
+        STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, KS_LD / 4)
 #else
         for (int idx = lid; idx < BLOCK_N * HEAD_DIM; idx += NT) {
             const int n = idx / HEAD_DIM, dd = idx % HEAD_DIM;
@@ -358,7 +343,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 #endif
         barrier(CLK_LOCAL_MEM_FENCE);
 #if PREFETCH /* V of this tile in flight while S is computed */
-        LOAD_REGS(v_reg, V_PER, v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, n0)
+        LOAD_REGS(v_reg, V_PER, 0, v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, n0)
 #endif
 
         /* -- S = Q K^T on the micro-tile */
@@ -448,13 +433,13 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 
         /* -- stage the V tile over the K tile (padding columns zeroed) */
 #if PREFETCH /* and K of the next tile in flight while P V is */
-        STORE_REGS(v_reg, V_PER, DV_PAD / 4, VS_LD / 4)
+        STORE_REGS(v_reg, V_PER, 0, DV_PAD / 4, VS_LD / 4)
         if (t + 1 < t_end) {
-            LOAD_REGS(k_reg, K_PER, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
+            LOAD_REGS(k_reg, K_PER, 0, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
                       n0 + BLOCK_N)
         }
 #elif LOAD_VEC
-        STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, kv_s4, VS_LD / 4)
+        STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, VS_LD / 4)
 #else
         for (int idx = lid; idx < BLOCK_N * DV_PAD; idx += NT) {
             const int n = idx / DV_PAD, dd = idx % DV_PAD;
