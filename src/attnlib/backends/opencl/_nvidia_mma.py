@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from ..base import AttnCall
+from . import _pool
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "build_options"]
 
@@ -191,7 +192,6 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     ``events``, when given, receives the kernel's event (for timing).
     """
     import pyopencl as cl
-    import pyopencl.array as cla
 
     d = call.head_dim
     config = tuple(config or DEFAULT_CONFIGS[d])
@@ -205,20 +205,18 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
 
     seqs, tiles = _tables(call, block_m, block_n)
-    out = cla.empty(queue, out_shape, dtype)
-    lse = cla.empty(queue, lse_shape, np.float32)
+    out = _pool.empty(queue, out_shape, dtype)
+    lse = _pool.empty(queue, lse_shape, np.float32)
     if tiles.shape[0] and hq:
         opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                              alibi=call.alibi is not None, scale_pos=call.scale > 0,
                              use_ptx=use_ptx) + tuple(extra_options)
         knl = cl.Kernel(get_program(ctx, device, opts), "attn_fwd_mma")
-        mf = cl.mem_flags
-        seq_buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=seqs)
-        tile_buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=tiles)
+        seq_buf = _pool.upload(queue, seqs, out)
+        tile_buf = _pool.upload(queue, tiles, out)
         slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
                   if call.alibi is not None else np.zeros(1, np.float32))
-        alibi_buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR,
-                              hostbuf=np.ascontiguousarray(slopes, np.float32))
+        alibi_buf = _pool.upload(queue, np.ascontiguousarray(slopes, np.float32), out)
         (qb, qo, qs, _kq), (kb, ko, ks, _kk), (vb, vo, vs, _kv) = (
             _view(ctx, call.q), _view(ctx, call.k), _view(ctx, call.v))
         if call.softcap is not None:
