@@ -76,7 +76,9 @@ def cmd_check(args) -> int:
 
     backends = args.backend or ",".join(registry.available_backends())
     argv = ["--pyargs", "attnlib.testing", "-q", "-p", "no:cacheprovider",
-            f"--attnlib-backend={backends}", "-m", "not slow", "-x"]
+            f"--attnlib-backend={backends}", "-m", "not slow", "-x",
+            # attnlib is imported before pytest starts, so its asserts cannot be rewritten
+            "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     print(f"attnlib check: conformance suite on {backends}", flush=True)
     return int(pytest.main(argv))
 
