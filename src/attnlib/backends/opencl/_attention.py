@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import UnsupportedError
+from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
 from ._runtime import KernelConfig
 
@@ -121,8 +122,6 @@ def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | Non
 
 
 def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
-    import pyopencl as cl
-    import pyopencl.array as cla
 
     queue = be.queue_for(call.q, call.k, call.v)
     ctx = queue.context
@@ -131,8 +130,8 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     bq, sq_arr, hq, d = call.q.shape
     hkv, dv = call.n_kv_heads, call.head_dim_v
     group = hq // hkv
-    out = cla.empty(queue, (bq, sq_arr, hq, dv), dtype)
-    lse = cla.empty(queue, (bq, hq, sq_arr), acc)
+    out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
+    lse = _pool.empty(queue, (bq, hq, sq_arr), acc)
     host = not is_cl_array(call.q)
     n_seq = call.n_seq
     if out.size == 0 or n_seq == 0:
@@ -173,7 +172,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         mask_args = [mdev.buf, mdev.offset, *strides]
     alibi_buf = dummy_buffer(ctx)
     if call.alibi is not None:
-        alibi_buf = upload(ctx, np.ascontiguousarray(call.alibi, np.float32)).buf
+        alibi_buf = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
 
     views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
     d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
@@ -192,13 +191,13 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     )
     n_out_rows = bq * sq_arr * hq
     if splits > 1:
-        part_o = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, splits * n_out_rows * dv * acc.itemsize)
-        part_l = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, splits * n_out_rows * acc.itemsize)
+        part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
+        part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
         dst = [part_o, part_l]
     else:
         dst = [out.data, lse.data]
 
-    desc_buf = upload(ctx, desc).buf
+    desc_buf = _pool.upload(queue, desc, out)
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
     wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
     i64, i32, f = np.int64, np.int32, acc.type

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
 from ._attention import MergeConfig
 from ._runtime import KernelConfig
@@ -39,7 +40,6 @@ def _finish(host: bool, *arrays: Any) -> Any:
 
 
 def softmax(be: OpenCLBackend, x: Any, axis: int, log: bool) -> Any:
-    import pyopencl.array as cla
 
     queue = be.queue_for(x)
     host = not is_cl_array(x)
@@ -54,7 +54,7 @@ def softmax(be: OpenCLBackend, x: Any, axis: int, log: bool) -> Any:
     outer = int(np.prod(shape[:axis], dtype=np.int64))
     inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
     out_shape = shape[:axis] + shape[axis + 1 :] if log else shape
-    out = cla.empty(queue, out_shape, acc if log else dtype)
+    out = _pool.empty(queue, out_shape, acc if log else dtype)
     n_rows = outer * inner
     if out.size == 0:
         return _finish(host, out)
@@ -82,7 +82,7 @@ def _stack_device(queue: Any, arrays: Sequence[Any], dtype: np.dtype) -> Any:
     ctx = queue.context
     if all(is_cl_array(a) and a.flags.c_contiguous for a in arrays):
         nbytes = arrays[0].nbytes
-        buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max(1, nbytes * len(arrays)))
+        buf = _pool.scratch(queue, nbytes * len(arrays))
         for i, a in enumerate(arrays):
             if nbytes:
                 cl.enqueue_copy(queue, buf, a.base_data, src_offset=a.offset,
@@ -93,15 +93,14 @@ def _stack_device(queue: Any, arrays: Sequence[Any], dtype: np.dtype) -> Any:
 
 
 def merge_states(be: OpenCLBackend, outs: Sequence[Any], lses: Sequence[Any]) -> tuple[Any, Any]:
-    import pyopencl.array as cla
 
     queue = be.queue_for(*outs, *lses)
     host = not is_cl_array(outs[0])
     dtype = np.dtype(outs[0].dtype)
     acc = acc_dtype(dtype)
     b, s, h, dv = outs[0].shape
-    out = cla.empty(queue, (b, s, h, dv), dtype)
-    lse = cla.empty(queue, (b, h, s), acc)
+    out = _pool.empty(queue, (b, s, h, dv), dtype)
+    lse = _pool.empty(queue, (b, h, s), acc)
     n_rows = b * s * h
     if out.size == 0:
         if lse.size:
@@ -138,7 +137,7 @@ def _rope_copy(be: OpenCLBackend, queue: Any, src: Any, dst: Any, dst_rows: np.n
     dtype = np.dtype(dst.dtype)
     acc = acc_dtype(dtype)
     rotate = spec is not None and spec.rotary_dim > 0
-    cs = upload(ctx, _cos_sin(positions, spec, acc)).buf if rotate else dummy_buffer(ctx)
+    cs = _pool.upload(queue, _cos_sin(positions, spec, acc), dst) if rotate else dummy_buffer(ctx)
     cfg = RopeConfig(STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
                      ROTATE=rotate, INTERLEAVED=bool(spec and spec.interleaved))
     view = device_view(ctx, src)
@@ -147,19 +146,18 @@ def _rope_copy(be: OpenCLBackend, queue: Any, src: Any, dst: Any, dst_rows: np.n
     i64, i32 = np.int64, np.int32
     y_strides = [st // item for st in dst.strides[:3]]
     args = [view.buf, i64(view.offset), *(i64(st) for st in view.strides), cs,
-            upload(ctx, table).buf, i32(s), i32(h), i32(d),
+            _pool.upload(queue, table, dst), i32(s), i32(h), i32(d),
             i32(spec.rotary_dim if rotate else 0), i32(cap), dst.data,
             *(i64(st) for st in y_strides)]
     be.launch(ctx, queue, "rope.cl", cfg, "rope_copy", (d, h, bsz * s), None, args)
 
 
 def rope(be: OpenCLBackend, x: Any, positions: np.ndarray, spec: RopeSpec) -> Any:
-    import pyopencl.array as cla
 
     queue = be.queue_for(x)
     host = not is_cl_array(x)
     bsz, s, h, d = x.shape
-    out = cla.empty(queue, (bsz, s, h, d), x.dtype)
+    out = _pool.empty(queue, (bsz, s, h, d), x.dtype)
     pos = np.broadcast_to(np.asarray(positions, np.int64), (bsz, s))
     _rope_copy(be, queue, x, out, np.arange(bsz), np.zeros(bsz, np.int64), max(s, 1), pos, spec)
     return _finish(host, out)
