@@ -156,22 +156,32 @@ def test_kvcache_decode_with_splits_and_device_arrays(ring):
     assert np.array_equal(caches["numpy"].lengths, caches["opencl"].lengths)
 
 
-def test_threads_share_one_backend(be):
+@pytest.mark.parametrize("device_arrays", [False, True])
+def test_threads_share_one_backend(device_arrays):
+    """Eight threads on one backend (split-KV on, pooled outputs with device arrays) give the
+    serial results bitwise."""
+    mine = attnlib.get_backend("opencl", num_splits=3)
     rng = rng_for("threads")
-    cases = [qkv(rng, 1, 9 + i, 30 + 3 * i, 2, 1, 8 + 8 * (i % 3)) for i in range(6)]
-    serial = [attnlib.attention(*c, causal=True, backend=be) for c in cases]
+    cases = [qkv(rng, 1, 1 + i % 3 * 5, 30 + 7 * i, 4, 2, 8 + 8 * (i % 3)) for i in range(6)]
+    if device_arrays:
+        cases = [tuple(mine.to_device(a) for a in c) for c in cases]
+
+    def run(c):
+        return mine.to_numpy(attnlib.attention(*c, causal=True, backend=mine))
+
+    serial = [run(c) for c in cases]
     results: dict[int, list] = {}
 
     def worker(t: int) -> None:
-        results[t] = [attnlib.attention(*c, causal=True, backend=be) for c in cases]
+        results[t] = [run(c) for _ in range(3) for c in cases]
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for t in range(4):
-        for got, want in zip(results[t], serial):
+    for t in range(8):
+        for got, want in zip(results[t], serial * 3):
             assert np.array_equal(got, want), "threaded calls must match serial ones bitwise"
 
 
