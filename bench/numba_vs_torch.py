@@ -4,6 +4,7 @@
     python bench/numba_vs_torch.py --big           # also S=16384, 32 heads, D=128 (memory run)
     python bench/numba_vs_torch.py --quick         # prefill only, fewer repeats (tuning)
     python bench/numba_vs_torch.py --single        # also: one thread each, CPU time (load-proof)
+    python bench/numba_vs_torch.py --single --prefill-only   # the two prefill tables only
 
 Same process, same data: numba gets the bshd arrays attnlib takes, torch the same values as
 contiguous (B, H, S, D) tensors. Each case alternates the two (numba, torch, numba, ...) so load
@@ -196,6 +197,7 @@ def main() -> None:
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--single", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
+    ap.add_argument("--prefill-only", action="store_true", help="skip decode and compile times")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     import numba
@@ -213,7 +215,7 @@ def main() -> None:
           f"{torch.__version__} ({torch.get_num_threads()} threads)\n")
     reps = 3 if args.quick else args.reps
     prefill(reps)
-    if not args.quick:
+    if not (args.quick or args.prefill_only):
         decode(reps * 3)
         if not args.no_compile:
             compile_times()

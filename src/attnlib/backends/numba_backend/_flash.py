@@ -65,34 +65,48 @@ def _col_max(st, n, nr, m_new):
             m_new[r] = x if x > a else a
 
 
+@intrinsic
+def _bits_to_f32(typingctx, bits):
+    """The float32 whose bit pattern is the int32 ``bits`` (a register bitcast, vectorisable)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return sig, codegen
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _pow2(x):
+    """``2**x`` for float32 ``x <= 0`` in registers (vectorisable when inlined in a loop):
+    ``2**x = 2**k * p(f)``, ``k = rint(x)``, ``f = x - k`` (exact), ``p`` the degree-7 Taylor
+    polynomial of ``exp(f ln2)`` on ``|f| <= 1/2`` (a few ulp); the ``2**k`` factor is built
+    from exponent bits by a register bitcast. ``x < -126`` gives 0 (also -inf); NaN stays NaN.
+    """
+    xc = x if x > np.float32(-127.0) else np.float32(-127.0)  # NaN -> -127 (bits)
+    fi = np.rint(xc)
+    f = x - fi
+    poly = np.float32(1.5252733804059838e-05)
+    poly = poly * f + np.float32(0.00015403530393381606)
+    poly = poly * f + np.float32(0.0013333558146428441)
+    poly = poly * f + np.float32(0.009618129107628477)
+    poly = poly * f + np.float32(0.055504108664821576)
+    poly = poly * f + np.float32(0.2402265069591007)
+    poly = poly * f + np.float32(0.6931471805599453)
+    poly = poly * f + np.float32(1.0)
+    y = poly * _bits_to_f32((np.int32(fi) + np.int32(127)) << np.int32(23))
+    return np.float32(0.0) if x < np.float32(-126.0) else y
+
+
 @njit(cache=True, fastmath=FASTMATH)
 def _exp2_f32(st, n, nr, mu, l_i, e_bits, e_val):
-    """In place ``st = 2**(st - mu[row])`` (scores in log2 units), ``l_i += column sums``.
-
-    Vectorisable: ``2**x = 2**k * p(f)``, ``k = rint(x)``, ``f = x - k`` (exact), ``p`` the
-    degree-7 Taylor polynomial of ``exp(f ln2)`` on ``|f| <= 1/2`` (a few ulp). The ``2**k``
-    factor is built from exponent bits (``e_bits`` is an int32 view of ``e_val``); ``x < -126``
-    gives 0 and NaN stays NaN.
-    """
+    """In place ``st = 2**(st - mu[row])`` (scores in log2 units, :func:`_pow2`), ``l_i +=
+    column sums``, in one vectorised pass over the tile. ``e_bits`` / ``e_val`` (scratch of
+    the earlier two-pass version, which stored the ``2**k`` bits to memory) are unused."""
     for j in range(n):
         sc = st[j * nr : (j + 1) * nr]
         for r in range(nr):
-            x = sc[r] - mu[r]
-            xc = x if x > np.float32(-127.0) else np.float32(-127.0)  # NaN -> -127 (bits)
-            fi = np.rint(xc)
-            f = x - fi
-            poly = np.float32(1.5252733804059838e-05)
-            poly = poly * f + np.float32(0.00015403530393381606)
-            poly = poly * f + np.float32(0.0013333558146428441)
-            poly = poly * f + np.float32(0.009618129107628477)
-            poly = poly * f + np.float32(0.055504108664821576)
-            poly = poly * f + np.float32(0.2402265069591007)
-            poly = poly * f + np.float32(0.6931471805599453)
-            poly = poly * f + np.float32(1.0)
-            sc[r] = np.float32(0.0) if x < np.float32(-126.0) else poly
-            e_bits[r] = (np.int32(fi) + np.int32(127)) << np.int32(23)
-        for r in range(nr):
-            y = sc[r] * e_val[r]
+            y = _pow2(sc[r] - mu[r])
             sc[r] = y
             l_i[r] += y
 
@@ -286,7 +300,13 @@ def flash_forward(q, k, v, kp, vp, seq, tasks, g, scale, wl, wr, softcap, alibi,
                 for r in range(nr):
                     # a row that has seen only hidden keys keeps m = -inf: use 0 as its shift
                     mu[r] = m_new[r] if m_new[r] != NEG_INF else 0.0
-                    alpha[r] = math.exp((m_i[r] - mu[r]) / unit)
+                if f32:
+                    for r in range(nr):
+                        alpha[r] = _pow2(m_i[r] - mu[r])  # vectorised, unlike math.exp
+                else:
+                    for r in range(nr):
+                        alpha[r] = math.exp(m_i[r] - mu[r])
+                for r in range(nr):
                     l_i[r] *= alpha[r]
                     m_i[r] = m_new[r]
                 if f32:
