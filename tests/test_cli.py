@@ -18,8 +18,8 @@ def test_info_lists_backends_devices_and_default():
     assert res.returncode == 0, res.stderr
     text = res.stdout
     assert f"attnlib {attnlib.__version__}" in text
-    for name in attnlib.available_backends():
-        assert f"{name}" in text and "available" in text
+    for name in ("numpy", "numba", "opencl"):  # the built-ins (test plug-ins live in-process)
+        assert f"  {name}" in text
     assert "default here:" in text
     assert "OpenCL devices:" in text
 
