@@ -50,47 +50,7 @@
 #error "D_VEC=4 needs HEAD_DIM % 4 == 0; LOAD_VEC needs D_VEC=4 and HEAD_DIM_V % 4 == 0"
 #endif
 
-#if ACC_KIND == 1 || STORE_KIND == 3
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-#endif
-#if ACC_KIND == 1
-typedef double acc_t;
-typedef double4 acc4_t;
-#else
-typedef float acc_t;
-typedef float4 acc4_t;
-#endif
-
-#if STORE_KIND == 0
-typedef float store_t;
-#define LD(p, i) ((acc_t)(p)[i])
-#define LD4(p, i) vload4(0, (p) + (i))
-#define ST(p, i, x) ((p)[i] = (float)(x))
-#elif STORE_KIND == 1
-typedef half store_t;
-#define LD(p, i) ((acc_t)vload_half((size_t)(i), (p)))
-#define LD4(p, i) vload_half4(0, (p) + (i))
-#define ST(p, i, x) vstore_half_rte((float)(x), (size_t)(i), (p))
-#elif STORE_KIND == 2
-typedef ushort store_t;
-#define LD(p, i) ((acc_t)as_float((uint)(p)[i] << 16))
-#define LD4(p, i) as_float4(convert_uint4(vload4(0, (p) + (i))) << 16)
-#define ST(p, i, x) ((p)[i] = bf16_rne((float)(x)))
-/* float -> bfloat16, round to nearest even; NaN stays a (quiet) NaN */
-inline ushort bf16_rne(float f) {
-    uint u = as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (ushort)(u >> 16);
-}
-#elif STORE_KIND == 3
-typedef double store_t;
-#define LD(p, i) ((acc_t)(p)[i])
-#define LD4(p, i) vload4(0, (p) + (i))
-#define ST(p, i, x) ((p)[i] = (double)(x))
-#else
-#error "unknown STORE_KIND"
-#endif
+#include "storage.h"
 
 /* K/V tiles in __local: 16-bit storage is staged raw (half or bfloat16 bits: half the __local
  * memory and load registers) and widened when read; other storage is staged as acc_t. */
@@ -148,7 +108,6 @@ typedef store_t out_t;
 #define PS_LD (BLOCK_N + 4)
 #define KV_SIZE ((BLOCK_N * KS_LD) > (BLOCK_N * VS_LD) ? (BLOCK_N * KS_LD) : (BLOCK_N * VS_LD))
 #define V4(n) (((n) + 3) / 4)
-#define NEG_INF (-(acc_t)INFINITY)
 
 #if V_VEC == 4
 #define V_ROW(n, b)                                                           \

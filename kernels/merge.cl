@@ -16,56 +16,8 @@
 #error "IN_KIND, STORE_KIND and ACC_KIND must be defined"
 #endif
 
-#if ACC_KIND == 1 || STORE_KIND == 3 || IN_KIND == 3
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-#endif
-#if ACC_KIND == 1
-typedef double acc_t;
-#else
-typedef float acc_t;
-#endif
+#include "storage.h"
 
-/* float -> bfloat16, round to nearest even; NaN stays a (quiet) NaN */
-inline ushort bf16_rne(float f) {
-    uint u = as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (ushort)(u >> 16);
-}
-
-#if IN_KIND == 0
-typedef float in_t;
-#define LD_IN(p, i) ((acc_t)(p)[i])
-#elif IN_KIND == 1
-typedef half in_t;
-#define LD_IN(p, i) ((acc_t)vload_half((size_t)(i), (p)))
-#elif IN_KIND == 2
-typedef ushort in_t;
-#define LD_IN(p, i) ((acc_t)as_float((uint)(p)[i] << 16))
-#elif IN_KIND == 3
-typedef double in_t;
-#define LD_IN(p, i) ((acc_t)(p)[i])
-#else
-#error "unknown IN_KIND"
-#endif
-
-#if STORE_KIND == 0
-typedef float store_t;
-#define ST(p, i, x) ((p)[i] = (float)(x))
-#elif STORE_KIND == 1
-typedef half store_t;
-#define ST(p, i, x) vstore_half_rte((float)(x), (size_t)(i), (p))
-#elif STORE_KIND == 2
-typedef ushort store_t;
-#define ST(p, i, x) ((p)[i] = bf16_rne((float)(x)))
-#elif STORE_KIND == 3
-typedef double store_t;
-#define ST(p, i, x) ((p)[i] = (double)(x))
-#else
-#error "unknown STORE_KIND"
-#endif
-
-#define NEG_INF (-(acc_t)INFINITY)
 
 /* weights of the first W_CACHE states are kept in registers, later ones are recomputed */
 #define W_CACHE 8

@@ -11,42 +11,7 @@
 #error "STORE_KIND, ACC_KIND, ROTATE and INTERLEAVED must be defined"
 #endif
 
-#if ACC_KIND == 1 || STORE_KIND == 3
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-#endif
-#if ACC_KIND == 1
-typedef double acc_t;
-#else
-typedef float acc_t;
-#endif
-
-/* float -> bfloat16, round to nearest even; NaN stays a (quiet) NaN */
-inline ushort bf16_rne(float f) {
-    uint u = as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (ushort)(u >> 16);
-}
-
-#if STORE_KIND == 0
-typedef float store_t;
-#define LD(p, i) ((acc_t)(p)[i])
-#define ST(p, i, x) ((p)[i] = (float)(x))
-#elif STORE_KIND == 1
-typedef half store_t;
-#define LD(p, i) ((acc_t)vload_half((size_t)(i), (p)))
-#define ST(p, i, x) vstore_half_rte((float)(x), (size_t)(i), (p))
-#elif STORE_KIND == 2
-typedef ushort store_t;
-#define LD(p, i) ((acc_t)as_float((uint)(p)[i] << 16))
-#define ST(p, i, x) ((p)[i] = bf16_rne((float)(x)))
-#elif STORE_KIND == 3
-typedef double store_t;
-#define LD(p, i) ((acc_t)(p)[i])
-#define ST(p, i, x) ((p)[i] = (double)(x))
-#else
-#error "unknown STORE_KIND"
-#endif
+#include "storage.h"
 
 __kernel void rope_copy(__global const store_t *x, long x_off, long x_sb, long x_ss, long x_sh,
                         long x_sd, __global const acc_t *cs, __global const int *dst, int S,

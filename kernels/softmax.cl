@@ -13,42 +13,7 @@
 #error "WG must be a power of two"
 #endif
 
-#if ACC_KIND == 1 || STORE_KIND == 3
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-#endif
-#if ACC_KIND == 1
-typedef double acc_t;
-#else
-typedef float acc_t;
-#endif
-
-/* float -> bfloat16, round to nearest even; NaN stays a (quiet) NaN */
-inline ushort bf16_rne(float f) {
-    uint u = as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (ushort)(u >> 16);
-}
-
-#if STORE_KIND == 0
-typedef float store_t;
-#define LD(p, i) ((acc_t)(p)[i])
-#define ST(p, i, x) ((p)[i] = (float)(x))
-#elif STORE_KIND == 1
-typedef half store_t;
-#define LD(p, i) ((acc_t)vload_half((size_t)(i), (p)))
-#define ST(p, i, x) vstore_half_rte((float)(x), (size_t)(i), (p))
-#elif STORE_KIND == 2
-typedef ushort store_t;
-#define LD(p, i) ((acc_t)as_float((uint)(p)[i] << 16))
-#define ST(p, i, x) ((p)[i] = bf16_rne((float)(x)))
-#elif STORE_KIND == 3
-typedef double store_t;
-#define LD(p, i) ((acc_t)(p)[i])
-#define ST(p, i, x) ((p)[i] = (double)(x))
-#else
-#error "unknown STORE_KIND"
-#endif
+#include "storage.h"
 
 #if LOG
 typedef acc_t out_t;
@@ -56,7 +21,6 @@ typedef acc_t out_t;
 typedef store_t out_t;
 #endif
 
-#define NEG_INF (-(acc_t)INFINITY)
 
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import threading
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -77,8 +78,7 @@ def choose_context() -> Any:
     return cl.Context([chosen])
 
 
-def kernel_source(filename: str) -> str:
-    """The text of ``kernels/<filename>``: the installed wheel's attnlib/kernels, else the repo."""
+def _read_kernel_file(filename: str) -> str:
     try:
         res = resources.files("attnlib").joinpath("kernels", filename)
         if res.is_file():
@@ -87,6 +87,17 @@ def kernel_source(filename: str) -> str:
         pass
     path = Path(__file__).resolve().parents[4] / "kernels" / filename
     return path.read_text(encoding="utf-8")
+
+
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.MULTILINE)
+
+
+def kernel_source(filename: str) -> str:
+    """The text of ``kernels/<filename>`` (the installed wheel's attnlib/kernels, else the repo),
+    with its ``#include "x.h"`` lines replaced by kernels/x.h: the program's source then holds
+    everything it depends on, so pyopencl's cache key covers the headers too and no ``-I`` path
+    has to survive every vendor's compiler."""
+    return _INCLUDE.sub(lambda m: kernel_source(m.group(1)), _read_kernel_file(filename))
 
 
 @dataclass(frozen=True)
