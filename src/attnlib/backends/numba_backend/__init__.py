@@ -14,7 +14,9 @@ compiles for a few tens of seconds, later processes load the cache.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,14 +31,39 @@ BLOCK_M_SHORT = 128
 BLOCK_N_SHORT = 128
 # decode-sized calls (few tasks) split each task's keys so that every thread has work
 MIN_KEYS_PER_SPLIT = 4 * BLOCK_N
-# packed K / V copies (see _pack) above this size are not made: huge calls copy tiles instead
-PACK_LIMIT_BYTES = 256 * 2**20
-PACK_MIN_REUSE = 4  # ... nor when few query blocks read each key tile (the copy would not pay)
 
 _available: bool | None = None
-# numba's workqueue threading layer (its fallback without OpenMP / TBB) must not be entered by
-# two threads at once, and the BLAS thread limit below is process-wide: one launch at a time.
+# the BLAS thread limit below is process-wide, and the helper pool is shared: one launch at a time
 _launch_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _run_tasks(kernel, args: tuple, n_tasks: int, n_threads: int) -> None:
+    """Run ``kernel(*args, counter, done, *rest)`` on this thread and ``n_threads - 1`` helper
+    threads (the kernel releases the GIL); they claim tasks through ``counter``. Returns when
+    ``done`` says every task is finished: a helper that has not started yet (on a loaded
+    machine the OS may not schedule it for a few ms) finds no task left and is not waited for,
+    unlike a fork-join parallel region, whose join waits for every thread."""
+    global _pool, _pool_size
+    counter = np.zeros(1, np.int64)
+    done = np.zeros(1, np.int64)
+    pre, post = args
+    futures = []
+    if n_threads > 1 and n_tasks > 1:
+        if _pool is None or _pool_size != n_threads - 1:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="attnlib-numba")
+            _pool_size = n_threads - 1
+        futures = [_pool.submit(kernel, *pre, counter, done, *post)
+                   for _ in range(min(n_threads, n_tasks) - 1)]
+    kernel(*pre, counter, done, *post)
+    while done[0] < n_tasks:  # a helper is finishing its last task
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        time.sleep(2e-5)
 
 
 def _blas_single_thread():
@@ -162,24 +189,13 @@ def _blocks(call: AttnCall) -> tuple[int, int]:
     return BLOCK_M, BLOCK_N
 
 
-def _pack(call, seq, k, v, tasks, cdt, _flash):
-    """Packed contiguous K / V per (kv head, sequence) when key tiles are read by more than one
-    query block and the copies stay small; else empty arrays (tiles are copied per block).
-    Fills ``seq[:, 9]`` with each sequence's offset."""
-    empty = np.zeros((0, 0, 0), cdt)
-    # each key tile is read by (query blocks per sequence and kv head) tasks
-    reuse = tasks.shape[0] >= PACK_MIN_REUSE * call.n_kv_heads * np.count_nonzero(call.q_len)
-    total = int(call.k_len.sum())
-    hkv = call.n_kv_heads
-    nbytes = hkv * total * (k.shape[3] + v.shape[3]) * cdt.itemsize
-    if not reuse or nbytes > PACK_LIMIT_BYTES or total == 0:
-        return empty, empty
-    seq[:, 9] = np.concatenate([[0], np.cumsum(call.k_len)[:-1]])
-    kp = np.empty((hkv, total, k.shape[3]), cdt)
-    vp = np.empty((hkv, total, v.shape[3]), cdt)
-    _flash.pack_kv(k, seq, hkv, int(call.ring), kp)
-    _flash.pack_kv(v, seq, hkv, int(call.ring), vp)
-    return kp, vp
+def _gemm_address(cdt: np.dtype) -> int:
+    """The address of scipy's BLAS ``sgemm`` / ``dgemm`` (the library numba's ``np.dot`` uses):
+    the kernel calls it directly, with leading dimensions, so K / V tiles are read in place."""
+    from numba.extending import get_cython_function_address
+
+    name = "sgemm" if cdt == np.float32 else "dgemm"
+    return get_cython_function_address("scipy.linalg.cython_blas", name)
 
 
 class NumbaBackend(Backend):
@@ -239,7 +255,7 @@ class NumbaBackend(Backend):
                         call.k_len, call.q_pos0, call.k_pos0,
                         call.causal_hi if call.causal_hi is not None
                         else np.full(call.n_seq, big)], axis=1).astype(np.int64)
-        seq = np.concatenate([seq.reshape(-1, 9), np.full((call.n_seq, 1), -1)], axis=1)
+        seq = np.ascontiguousarray(seq.reshape(-1, 9))
         wl = big if call.window_left is None or call.window_left < 0 else int(call.window_left)
         wr = big if call.window_right is None or call.window_right < 0 else int(call.window_right)
         softcap = float(call.softcap) if call.softcap is not None else 0.0
@@ -257,12 +273,11 @@ class NumbaBackend(Backend):
         part_ml = np.zeros((n_slots, block_m, 2), cdt)
         if tasks.shape[0]:
             with _launch_lock, _blas_single_thread():
-                kp, vp = _pack(call, seq, k, v, tasks, cdt, _flash)
                 dealt = schedule(call, tasks, block_n)
-                _flash.flash_forward(q, k, v, kp, vp, seq, dealt, hq // k.shape[2],
-                                     float(call.scale), wl, wr, softcap, alibi, mask,
-                                     int(call.ring), block_m, block_n, n_threads,
-                                     np.zeros(1, np.int64), out, lse, part_o, part_ml)
+                pre = (q, k, v, seq, dealt, hq // k.shape[2], float(call.scale), wl, wr,
+                       softcap, alibi, mask, int(call.ring), block_m, block_n)
+                post = (out, lse, part_o, part_ml, _gemm_address(cdt))
+                _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads)
                 if n_slots:
                     _flash.merge_partials(seq, tasks, hq // k.shape[2], part_o, part_ml,
                                           out, lse)

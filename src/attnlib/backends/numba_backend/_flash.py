@@ -11,10 +11,11 @@ of head ``kvh * G + r % G``), so one K/V tile load serves the whole GQA group, a
     -> O = O * exp(m - m_new) + P @ V_blk (gemm)
 
 Key tiles that causal / window hide from every row of the block are never visited. Only
-``BLOCK_M x BLOCK_N`` score tiles exist: no Sq x Sk buffer. Tasks are dealt to prange workers
-ahead of time (longest first, to the least loaded worker); each output row is produced by exactly
-one task, in a fixed key order, so results are bitwise reproducible. Split-key tasks (decode)
-write partial states ``(O, m, l)`` that :func:`merge_partials` combines in a fixed order.
+``BLOCK_M x BLOCK_N`` score tiles exist: no Sq x Sk buffer. Threads (the caller and helpers,
+each running :func:`flash_forward` without the GIL) claim tasks costliest first through an atomic
+counter; each output row is produced by exactly one task, in a fixed key order, so results are
+bitwise reproducible. Split-key tasks (decode) write partial states ``(O, m, l)`` that
+:func:`merge_partials` combines in a fixed order.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
+from llvmlite import ir
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -48,6 +50,45 @@ def _fetch_add(typingctx, arr, val):
         return builder.atomic_rmw("add", ptr, args[1], "seq_cst")
 
     return sig, codegen
+
+
+@intrinsic
+def _call_blas(typingctx, fn, ta, tb, m, n, kk, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Call the Fortran ``?gemm`` at address ``fn`` with the 13 argument addresses (all passed
+    by reference, Fortran style). The address is a run-time argument, not a constant baked into
+    the code, so the compiled kernel stays cacheable across processes."""
+    sig = types.void(fn, ta, tb, m, n, kk, alpha, a, lda, b, ldb, beta, c, ldc)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p] * 13)
+        fptr = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(fptr, [builder.inttoptr(x, i8p) for x in args[1:]])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _gemm(fn, trans_a, trans_b, m, n, kk, alpha, a, lda, b, ldb, beta, c, ldc, bi, bf):
+    """Column-major ``C (m x n) = alpha op(A) op(B) + beta C`` through BLAS, on addresses and
+    leading dimensions, so tiles are used in place (no copy to a contiguous tile first).
+    ``bi`` int32 (8,) and ``bf`` (2,) of the compute dtype are the by-reference scratch."""
+    bi[0] = m
+    bi[1] = n
+    bi[2] = kk
+    bi[3] = lda
+    bi[4] = ldb
+    bi[5] = ldc
+    bi[6] = 84 if trans_a else 78  # 'T' / 'N' (the low byte of the int32)
+    bi[7] = 84 if trans_b else 78
+    bf[0] = alpha
+    bf[1] = beta
+    pi = np.int64(bi.ctypes.data)  # int64 (uint64 + int64 would type as float64)
+    pf = np.int64(bf.ctypes.data)
+    sz = bf.itemsize
+    _call_blas(fn, pi + 24, pi + 28, pi, pi + 4, pi + 8, pf, a, pi + 12, b, pi + 16, pf + sz,
+               c, pi + 20)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -170,22 +211,6 @@ def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap
                 st[base + r] = NEG_INF
 
 
-@njit(cache=True)
-def pack_kv(x, seq, hkv, ring, out):
-    """``out[h, seq[s, 9] + j] = x[k_batch, row(j), h]``: each sequence's keys of one kv head
-    made contiguous once, so key tiles are plain slices for BLAS (no copy per query block)."""
-    for t in range(seq.shape[0] * hkv):
-        s = t // hkv
-        h = t % hkv
-        kb = seq[s, 3]
-        off = seq[s, 9]
-        for j in range(seq[s, 5]):
-            r = seq[s, 4] + j
-            if ring > 0 and r >= ring:
-                r -= ring
-            out[h, off + j, :] = x[kb, r, h, :]
-
-
 @njit(cache=True, fastmath=FASTMATH)
 def _all_finite(x):
     for i in range(x.shape[0]):
@@ -195,19 +220,22 @@ def _all_finite(x):
     return True
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
-def flash_forward(q, k, v, kp, vp, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
-                  block_m, block_n, n_workers, counter, out, lse, part_o, part_ml):
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
+                  block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn):
     """Run every task; see the module docstring.
 
-    ``seq`` int64 (n_seq, 10): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
-    causal_hi (BIG when not causal), offset in ``kp`` / ``vp``. ``kp``, ``vp``: packed keys
-    ``(Hkv, total, D)`` from :func:`pack_kv`, or shape (0, 0, 0) to read tiles from ``k``, ``v``.
+    ``seq`` int64 (n_seq, 9): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
+    causal_hi (BIG when not causal). Key / value tiles are read in place by BLAS
+    (leading dimension ``Hkv * D``: no copy), except a tile that wraps around a ring buffer,
+    which is copied first. ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
+    dtype's), called through :func:`_gemm`.
     ``tasks`` int64 (n_tasks, 7): seq, kv head, first packed row, packed rows, first key, key
-    end, partial-state slot (-1: write out / lse directly), costliest first: the ``n_workers``
-    workers claim them in that order through the atomic ``counter`` (dynamic scheduling, so
-    a worker that another process delays takes fewer). ``alibi`` (n_seq, Hq) or (0, 0);
-    ``mask`` additive (n_seq, Hq, Sq, Sk) view or (0, 0, 0, 0).
+    end, partial-state slot (-1: write out / lse directly), costliest first: every thread
+    running this function claims them in that order through the atomic ``counter[0]``
+    (dynamic scheduling: a thread that another process delays takes fewer) and counts finished
+    ones in ``done[0]``, which the caller waits for (never for a thread that found no task).
+    ``alibi`` (n_seq, Hq) or (0, 0); ``mask`` additive (n_seq, Hq, Sq, Sk) view or (0, 0, 0, 0).
 
     Scores are kept key-major (``S^T = K Q^T``) so the per-row softmax steps run elementwise
     across rows and vectorise. float32 scores are in log2 units (q pre-scaled by
@@ -216,138 +244,158 @@ def flash_forward(q, k, v, kp, vp, seq, tasks, g, scale, wl, wr, softcap, alibi,
     d_qk = q.shape[3]
     d_v = v.shape[3]
     use_mask = mask.shape[0] > 0
-    packed = kp.shape[1] > 0
+    isz = out.itemsize
+    # k, v are C-contiguous: rows of one kv head are Hkv * D elements apart. (Offsets come from
+    # the shape, not from .strides, which numpy leaves arbitrary along axes of length 1.)
+    hkv = k.shape[2]
+    k_ld = hkv * d_qk
+    v_ld = hkv * d_v
     f32 = out.itemsize == 4
     unit = LOG2E if f32 else 1.0
     n_tasks = tasks.shape[0]
-    for _w in prange(n_workers):
-        # scratch: every element is written before it is read (only [:rows] slices are used)
-        qt = np.empty(block_m * d_qk, out.dtype)
-        kt = np.empty(block_n * d_qk, out.dtype)
-        vt = np.empty(block_n * d_v, out.dtype)
-        st = np.empty(block_m * block_n, out.dtype)
-        sb = np.empty(block_m * block_n, out.dtype)
-        pv = np.empty(block_m * d_v, out.dtype)
-        ot = np.empty(block_m * d_v, out.dtype)
-        m_i = np.empty(block_m, out.dtype)
-        m_new = np.empty(block_m, out.dtype)
-        mu = np.empty(block_m, out.dtype)
-        l_i = np.empty(block_m, out.dtype)
-        alpha = np.empty(block_m, out.dtype)
-        e_val = np.zeros(block_m, np.float32)
-        e_bits = e_val.view(np.int32)
-        while True:
-            t = _fetch_add(counter, 1)
-            if t >= n_tasks:
-                break
-            s = tasks[t, 0]
-            kvh = tasks[t, 1]
-            r0 = tasks[t, 2]
-            nr = tasks[t, 3]
-            slot = tasks[t, 6]
-            qb = seq[s, 0]
-            qrow0 = seq[s, 1]
-            qpos0 = seq[s, 6]
-            kpos0 = seq[s, 7]
-            hi = min(seq[s, 8], wr)
-            # -- load the query block, pre-scaled; packed row r = i * G + head-in-group
-            for r in range(nr):
-                i = (r0 + r) // g
-                h = kvh * g + (r0 + r) % g
-                for d in range(d_qk):
-                    qt[r * d_qk + d] = q[qb, qrow0 + i, h, d] * (scale * unit)
-            qpos_lo = qpos0 + r0 // g
-            qpos_hi = qpos0 + (r0 + nr - 1) // g
-            # -- only key tiles that some row of the block can see (causal / window skipping)
-            j_lo = tasks[t, 4]
-            if wl < BIG:
-                j_lo = max(j_lo, qpos_lo - wl - kpos0)
-            j_hi = tasks[t, 5]
-            if hi < BIG:
-                j_hi = min(j_hi, qpos_hi + hi - kpos0 + 1)
-            for r in range(nr):
-                m_i[r] = NEG_INF
-                l_i[r] = 0.0
-            ot[: nr * d_v] = 0.0
-            qmat = qt[: nr * d_qk].reshape((nr, d_qk))
-            pvmat = pv[: nr * d_v].reshape((nr, d_v))
-            for jb in range(j_lo, j_hi, block_n):
-                n = min(block_n, j_hi - jb)
-                if packed:
-                    kmat = kp[kvh, seq[s, 9] + jb : seq[s, 9] + jb + n]
-                    vmat = vp[kvh, seq[s, 9] + jb : seq[s, 9] + jb + n]
-                else:
-                    _load_rows(k, seq[s, 3], seq[s, 4] + jb, n, ring, kvh, kt, d_qk)
-                    _load_rows(v, seq[s, 3], seq[s, 4] + jb, n, ring, kvh, vt, d_v)
-                    kmat = kt[: n * d_qk].reshape((n, d_qk))
-                    vmat = vt[: n * d_v].reshape((n, d_v))
-                # -- S^T = K_blk @ Q_blk^T  (BLAS)
-                smat = st[: n * nr].reshape((n, nr))
-                np.dot(kmat, qmat.T, smat)
-                kpos_lo = kpos0 + jb
-                kpos_hi = kpos_lo + n - 1
-                full = kpos_hi - qpos_lo <= hi and kpos_lo - qpos_hi >= -wl and not use_mask
-                if softcap > 0.0 or alibi.shape[0] > 0 or not full:
-                    _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi,
-                                   softcap, alibi, mask, full, unit)
+    # scratch: every element is written before it is read (only [:rows] slices are used)
+    qt = np.empty(block_m * d_qk, out.dtype)
+    kt = np.empty(block_n * d_qk, out.dtype)
+    vt = np.empty(block_n * d_v, out.dtype)
+    st = np.empty(block_m * block_n, out.dtype)
+    sb = np.empty(block_m * block_n, out.dtype)
+    bi = np.zeros(8, np.int32)
+    bf = np.zeros(2, out.dtype)
+    ot = np.empty(block_m * d_v, out.dtype)
+    m_i = np.empty(block_m, out.dtype)
+    m_new = np.empty(block_m, out.dtype)
+    mu = np.empty(block_m, out.dtype)
+    l_i = np.empty(block_m, out.dtype)
+    alpha = np.empty(block_m, out.dtype)
+    e_val = np.zeros(block_m, np.float32)
+    e_bits = e_val.view(np.int32)
+    qt_addr = np.int64(qt.ctypes.data)  # BLAS operands by address (int64, not uint64)
+    st_addr = np.int64(st.ctypes.data)
+    ot_addr = np.int64(ot.ctypes.data)
+    while True:
+        t = _fetch_add(counter, 1)
+        if t >= n_tasks:
+            break
+        s = tasks[t, 0]
+        kvh = tasks[t, 1]
+        r0 = tasks[t, 2]
+        nr = tasks[t, 3]
+        slot = tasks[t, 6]
+        qb = seq[s, 0]
+        qrow0 = seq[s, 1]
+        qpos0 = seq[s, 6]
+        kpos0 = seq[s, 7]
+        hi = min(seq[s, 8], wr)
+        # -- load the query block, pre-scaled; packed row r = i * G + head-in-group
+        for r in range(nr):
+            i = (r0 + r) // g
+            h = kvh * g + (r0 + r) % g
+            for d in range(d_qk):
+                qt[r * d_qk + d] = q[qb, qrow0 + i, h, d] * (scale * unit)
+        qpos_lo = qpos0 + r0 // g
+        qpos_hi = qpos0 + (r0 + nr - 1) // g
+        # -- only key tiles that some row of the block can see (causal / window skipping)
+        j_lo = tasks[t, 4]
+        if wl < BIG:
+            j_lo = max(j_lo, qpos_lo - wl - kpos0)
+        j_hi = tasks[t, 5]
+        if hi < BIG:
+            j_hi = min(j_hi, qpos_hi + hi - kpos0 + 1)
+        for r in range(nr):
+            m_i[r] = NEG_INF
+            l_i[r] = 0.0
+        ot[: nr * d_v] = 0.0
+        kb = seq[s, 3]
+        for jb in range(j_lo, j_hi, block_n):
+            n = min(block_n, j_hi - jb)
+            row = seq[s, 4] + jb
+            if ring > 0 and row >= ring:
+                row -= ring
+            copied = ring > 0 and row + n > ring  # the tile wraps: copy it
+            if copied:
+                _load_rows(k, kb, row, n, ring, kvh, kt, d_qk)
+                _load_rows(v, kb, row, n, ring, kvh, vt, d_v)
+                k_addr, k_lead = np.int64(kt.ctypes.data), d_qk
+                v_addr, v_lead = np.int64(vt.ctypes.data), d_v
+            else:
+                first = (kb * k.shape[1] + row) * hkv + kvh  # (batch, row, head) index
+                k_addr = np.int64(k.ctypes.data) + first * d_qk * isz
+                v_addr = np.int64(v.ctypes.data) + first * d_v * isz
+                k_lead, v_lead = k_ld, v_ld
+            # -- S^T (n x nr, row-major) = K_blk @ Q_blk^T: BLAS column-major
+            #    S (nr x n) = Q^T' K^T', i.e. gemm('T', 'N'), K read in place
+            _gemm(gemm_fn, True, False, nr, n, d_qk, 1.0, qt_addr, d_qk, k_addr, k_lead, 0.0,
+                  st_addr, nr, bi, bf)
+            kpos_lo = kpos0 + jb
+            kpos_hi = kpos_lo + n - 1
+            full = kpos_hi - qpos_lo <= hi and kpos_lo - qpos_hi >= -wl and not use_mask
+            if softcap > 0.0 or alibi.shape[0] > 0 or not full:
+                _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi,
+                               softcap, alibi, mask, full, unit)
+            clean = full
+            if not full:
                 # a non-finite v in a partly hidden tile needs the -inf marks after exp
-                clean = full or _all_finite(vmat)
+                if not copied:
+                    _load_rows(v, kb, row, n, ring, kvh, vt, d_v)
+                clean = _all_finite(vt[: n * d_v].reshape((n, d_v)))
                 if not clean:
                     sb[: n * nr] = st[: n * nr]
-                # -- online softmax: m_new = max(m, rowmax S), alpha = exp(m - m_new)
-                m_new[:nr] = m_i[:nr]
-                _col_max(st, n, nr, m_new)
-                for r in range(nr):
-                    # a row that has seen only hidden keys keeps m = -inf: use 0 as its shift
-                    mu[r] = m_new[r] if m_new[r] != NEG_INF else 0.0
-                if f32:
-                    for r in range(nr):
-                        alpha[r] = _pow2(m_i[r] - mu[r])  # vectorised, unlike math.exp
-                else:
-                    for r in range(nr):
-                        alpha[r] = math.exp(m_i[r] - mu[r])
-                for r in range(nr):
-                    l_i[r] *= alpha[r]
-                    m_i[r] = m_new[r]
-                if f32:
-                    _exp2_f32(st, n, nr, mu, l_i, e_bits, e_val)
-                else:
-                    _exp_f64(st, n, nr, mu, l_i)
-                # -- O = O * alpha + P @ V
-                if clean:
-                    np.dot(smat.T, vmat, pvmat)
-                else:
-                    # skip the hidden keys: never 0 * NaN
-                    pv[: nr * d_v] = 0.0
-                    for j in range(n):
-                        for r in range(nr):
-                            if sb[j * nr + r] != NEG_INF:
-                                pj = st[j * nr + r]
-                                for d in range(d_v):
-                                    pv[r * d_v + d] += pj * vmat[j, d]
-                for r in range(nr):
-                    a = alpha[r]
-                    for d in range(d_v):
-                        ot[r * d_v + d] = ot[r * d_v + d] * a + pv[r * d_v + d]
-            # -- epilogue: out = O / l, lse = m + log(l); a row that saw nothing: 0, -inf
+            # -- online softmax: m_new = max(m, rowmax S), alpha = exp(m - m_new)
+            m_new[:nr] = m_i[:nr]
+            _col_max(st, n, nr, m_new)
             for r in range(nr):
-                i = (r0 + r) // g
-                h = kvh * g + (r0 + r) % g
-                li = l_i[r]
-                if slot >= 0:
-                    for d in range(d_v):
-                        part_o[slot, r, d] = ot[r * d_v + d]
-                    part_ml[slot, r, 0] = m_i[r] / unit
-                    part_ml[slot, r, 1] = li
-                elif li == 0.0:
-                    for d in range(d_v):
-                        out[qb, qrow0 + i, h, d] = 0.0
-                    lse[qb, h, qrow0 + i] = NEG_INF
-                else:
-                    inv = 1.0 / li
-                    for d in range(d_v):
-                        out[qb, qrow0 + i, h, d] = ot[r * d_v + d] * inv
-                    lse[qb, h, qrow0 + i] = m_i[r] / unit + math.log(li)
+                # a row that has seen only hidden keys keeps m = -inf: use 0 as its shift
+                mu[r] = m_new[r] if m_new[r] != NEG_INF else 0.0
+            if f32:
+                for r in range(nr):
+                    alpha[r] = _pow2(m_i[r] - mu[r])  # vectorised, unlike math.exp
+            else:
+                for r in range(nr):
+                    alpha[r] = math.exp(m_i[r] - mu[r])
+            for r in range(nr):
+                l_i[r] *= alpha[r]
+                m_i[r] = m_new[r]
+            if f32:
+                _exp2_f32(st, n, nr, mu, l_i, e_bits, e_val)
+            else:
+                _exp_f64(st, n, nr, mu, l_i)
+            # -- O = O * alpha + P @ V: rescale, then accumulate (gemm with beta = 1)
+            for r in range(nr):
+                a = alpha[r]
+                for d in range(d_v):
+                    ot[r * d_v + d] *= a
+            if clean:
+                # column-major O^T (d_v x nr) += V^T' P: gemm('N', 'T'), V in place
+                _gemm(gemm_fn, False, True, d_v, nr, n, 1.0, v_addr, v_lead, st_addr, nr, 1.0,
+                      ot_addr, d_v, bi, bf)
+            else:
+                # skip the hidden keys: never 0 * NaN
+                for j in range(n):
+                    for r in range(nr):
+                        if sb[j * nr + r] != NEG_INF:
+                            pj = st[j * nr + r]
+                            for d in range(d_v):
+                                ot[r * d_v + d] += pj * vt[j * d_v + d]
+        # -- epilogue: out = O / l, lse = m + log(l); a row that saw nothing: 0, -inf
+        for r in range(nr):
+            i = (r0 + r) // g
+            h = kvh * g + (r0 + r) % g
+            li = l_i[r]
+            if slot >= 0:
+                for d in range(d_v):
+                    part_o[slot, r, d] = ot[r * d_v + d]
+                part_ml[slot, r, 0] = m_i[r] / unit
+                part_ml[slot, r, 1] = li
+            elif li == 0.0:
+                for d in range(d_v):
+                    out[qb, qrow0 + i, h, d] = 0.0
+                lse[qb, h, qrow0 + i] = NEG_INF
+            else:
+                inv = 1.0 / li
+                for d in range(d_v):
+                    out[qb, qrow0 + i, h, d] = ot[r * d_v + d] * inv
+                lse[qb, h, qrow0 + i] = m_i[r] / unit + math.log(li)
+        _fetch_add(done, 1)  # the caller waits for this count, not for idle workers
     return 0
 
 
