@@ -13,6 +13,7 @@ compiles for a few tens of seconds, later processes load the cache.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -37,6 +38,17 @@ _available: bool | None = None
 _launch_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: start a fresh pool when needed (the
+    work itself would still be done, by the calling thread alone)."""
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _run_tasks(kernel, args: tuple, n_tasks: int, n_threads: int) -> None:
