@@ -164,3 +164,35 @@ def test_softmax_and_merge_against_reference():
     ref, ref_lse = attnlib.attention(q, k, v, return_lse=True, backend="numpy")
     np.testing.assert_allclose(out, ref, atol=2e-6)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_cache_reads_only_held_rows_and_matches_reference(ring, dtype):
+    """16-bit caches are widened only where the call reads (``_narrow_keys``): batch_idx
+    subsets, partly filled buffers and a ring read across its wrap give the reference's result."""
+    import attnlib
+    from attnlib.backends.numba_backend import _narrow_keys
+
+    rng = np.random.default_rng(11)
+    caches = {be: attnlib.KVCache(4, 64, 2, 16, dtype=dtype, ring=ring, backend=be)
+              for be in ("numba", "numpy")}
+    npdt = caches["numpy"].dtype
+    steps = [(30, [2, 0]), (20, [2, 0]), (25 if ring else 10, [0, 2]), (1, [2, 0])]
+    for n, rows in steps:
+        k, v = (rng.standard_normal((2, n, 2, 16)).astype(npdt) for _ in range(2))
+        q = rng.standard_normal((2, 1, 4, 16)).astype(npdt)
+        got, want = (attnlib.attention_with_kvcache(q, c, k, v, batch_idx=np.array(rows))
+                     for c in caches.values())
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=2e-3)
+    # the narrowing itself: a short prefix of two cache rows is all that is handed on
+    from attnlib.backends.base import AttnCall
+
+    c = caches["numba"]
+    one = np.ones(1, np.int64)
+    call = AttnCall(q=q[:1], k=c.k, v=c.v, q_batch=0 * one, q_row0=0 * one, q_len=one,
+                    k_batch=2 * one, k_row0=0 * one, k_len=5 * one, q_pos0=4 * one,
+                    k_pos0=0 * one, causal_hi=None, scale=0.25, ring=64 if ring else 0)
+    small = _narrow_keys(call)
+    assert small.k.shape == (1, 5, 2, 16) and small.k_batch.tolist() == [0]
+    np.testing.assert_array_equal(small.k[0], c.k[2, :5])

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,25 @@ def _readonly_c(x: Any, dtype: np.dtype) -> np.ndarray:
     x = x.view()
     x.flags.writeable = False
     return x
+
+
+def _narrow_keys(call: AttnCall) -> AttnCall:
+    """The call over only the key rows it reads, when k and v must be converted anyway
+    (float16/bfloat16 are widened to float32): a decode call over a KV cache then widens the
+    held tokens of its own sequences, not the whole pre-allocated buffer. Rows are only cut
+    where no sequence wraps round a ring, so the addressing stays ``k_row0 + j``."""
+    if call.n_seq == 0:
+        return call
+    k = np.asarray(call.k)
+    end = int((call.k_row0 + call.k_len).max())
+    if call.ring and end > call.ring:
+        end = k.shape[1]  # a wrapped ring reads across the end of the buffer: keep every row
+    batches, inv = np.unique(call.k_batch, return_inverse=True)
+    if end >= k.shape[1] and batches.size == k.shape[0]:
+        return call
+    wrapped = call.ring and end == k.shape[1]
+    return replace(call, k=k[batches, :end], v=np.asarray(call.v)[batches, :end],
+                   k_batch=inv.astype(np.int64), ring=call.ring if wrapped else 0)
 
 
 def _compact_mask(call: AttnCall, cdt: np.dtype) -> np.ndarray:
@@ -257,6 +277,8 @@ class NumbaBackend(Backend):
 
         dtype = call.dtype
         cdt = _ops.compute_dtype(dtype)
+        if dtype != cdt:
+            call = _narrow_keys(call)
         q = _readonly_c(call.q, cdt)
         k = _readonly_c(call.k, cdt)
         v = _readonly_c(call.v, cdt)
