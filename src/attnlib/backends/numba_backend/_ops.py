@@ -97,22 +97,9 @@ def merge_states(outs: list[np.ndarray], lses: list[np.ndarray]) -> tuple[np.nda
 
 
 def rope(x: np.ndarray, positions: np.ndarray, spec) -> np.ndarray:
-    """Rotate ``x (B, S, H, D)`` at ``positions (B, S)``; angles in float64 on the host, the
-    rotation in float64 too (one rounding to x's dtype at the end)."""
-    r = spec.rotary_dim
-    half = r // 2
-    inv_freq = spec.theta ** (-np.arange(half, dtype=np.float64) * 2.0 / r)
-    ang = np.asarray(positions, np.float64)[..., None] * inv_freq  # (B, S, half)
-    cos = np.cos(ang)[:, :, None, :]
-    sin = np.sin(ang)[:, :, None, :]
-    xf = np.asarray(x, dtype=np.float64)
-    out = np.array(xf, copy=True, order="C")
-    if spec.interleaved:
-        a, b = xf[..., 0:r:2], xf[..., 1:r:2]
-        out[..., 0:r:2] = a * cos - b * sin
-        out[..., 1:r:2] = a * sin + b * cos
-    else:
-        a, b = xf[..., :half], xf[..., half:r]
-        out[..., :half] = a * cos - b * sin
-        out[..., half:r] = a * sin + b * cos
+    """Rotate ``x (B, S, H, D)`` at ``positions (B, S)``: the reference's float64 rotation (RoPE
+    is memory-bound and tiny beside attention), one rounding to x's dtype at the end."""
+    from ..numpy_backend import rope_reference
+
+    out = rope_reference(np.asarray(x, dtype=np.float64), np.asarray(positions), spec)
     return np.ascontiguousarray(out.astype(x.dtype, copy=False))
