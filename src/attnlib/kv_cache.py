@@ -258,7 +258,13 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
         softcap=_spec.check_softcap(softcap), alibi=_spec.check_alibi(alibi_slopes, b, hq),
         ring=cache.max_seq_len if cache.ring else 0, need_lse=return_lse,
     )
-    pick_backend(be, (q,), cache.dtype)
+    # the cache's backend was chosen, and its dtype checked, at construction: only q's array kind
+    # is left to check (the decode hot path skips the full backend resolution)
+    if _spec.is_device_array(q) and not be.owns(q):
+        raise ArgumentError(
+            f"q is a {type(q).__module__}.{type(q).__name__} array, which the cache's backend "
+            f"{be.name!r} cannot read"
+        )
     # -- everything is checked: only now touch the cache
     if write is not None:
         cache._commit(write, rope_spec)
