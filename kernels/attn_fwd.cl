@@ -180,6 +180,21 @@ typedef store_t out_t;
 /* max that propagates NaN, as numpy's max does */
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 
+/* -- stage one key tile of K or V (WIDTH columns, the first VALID of them real) into kv_s with
+ * scalar loads; keys past k_len and padding columns are zero. Ring rows wrap at `ring`. */
+#define STAGE_TILE_SCALAR(src, off, sb, ss, sh, sd, WIDTH, VALID, LD_S)                      \
+    for (int idx = lid; idx < BLOCK_N * (WIDTH); idx += NT) {                                  \
+        const int n = idx / (WIDTH), dd = idx % (WIDTH);                                       \
+        const long j = n0 + n;                                                                 \
+        kv_t x = 0;                                                                            \
+        if (j < k_len && dd < (VALID)) {                                                       \
+            long row = k_row0 + j;                                                             \
+            if (ring && row >= ring) row -= ring;                                              \
+            x = G_RAW(src, (off) + kb * (sb) + row * (ss) + hk * (sh) + dd * (sd));            \
+        }                                                                                      \
+        kv_s[n * (LD_S) + dd] = x;                                                             \
+    }
+
 __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global const store_t *q, long q_off, long q_sb, long q_ss, long q_sh, long q_sd,
     __global const store_t *k, long k_off, long k_sb, long k_ss, long k_sh, long k_sd,
@@ -288,17 +303,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 #elif LOAD_VEC
         STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, KS_LD / 4)
 #else
-        for (int idx = lid; idx < BLOCK_N * HEAD_DIM; idx += NT) {
-            const int n = idx / HEAD_DIM, dd = idx % HEAD_DIM;
-            const long j = n0 + n;
-            kv_t x = 0;
-            if (j < k_len) {
-                long row = k_row0 + j;
-                if (ring && row >= ring) row -= ring;
-                x = G_RAW(k, k_off + kb * k_sb + row * k_ss + hk * k_sh + dd * k_sd);
-            }
-            kv_s[n * KS_LD + dd] = x;
-        }
+        STAGE_TILE_SCALAR(k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)
 #endif
         barrier(CLK_LOCAL_MEM_FENCE);
 #if PREFETCH /* V of this tile in flight while S is computed */
@@ -400,17 +405,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 #elif LOAD_VEC
         STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, VS_LD / 4)
 #else
-        for (int idx = lid; idx < BLOCK_N * DV_PAD; idx += NT) {
-            const int n = idx / DV_PAD, dd = idx % DV_PAD;
-            const long j = n0 + n;
-            kv_t x = 0;
-            if (j < k_len && dd < HEAD_DIM_V) {
-                long row = k_row0 + j;
-                if (ring && row >= ring) row -= ring;
-                x = G_RAW(v, v_off + kb * v_sb + row * v_ss + hk * v_sh + dd * v_sd);
-            }
-            kv_s[n * VS_LD + dd] = x;
-        }
+        STAGE_TILE_SCALAR(v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)
 #endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
