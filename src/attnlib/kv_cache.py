@@ -9,7 +9,7 @@ exactly those ``>= e - max_seq_len``, so ``_lo = max(_lo, e - max_seq_len)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -19,6 +19,11 @@ from .backends.base import AttnCall, RopeSpec
 from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
 
 __all__ = ["KVCache", "attention_with_kvcache"]
+
+
+def _first(bad: np.ndarray) -> int:
+    """Index of the first offending row, for the error message."""
+    return int(np.flatnonzero(bad)[0])
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,7 @@ class KVCache:
         cur, lo = self._len[rows], self._lo[rows]
         gap = start > cur
         if gap.any():
-            i = int(np.flatnonzero(gap)[0])
+            i = _first(gap)
             raise ArgumentError(
                 f"start_pos={int(start[i])} for cache row {int(rows[i])} leaves a gap: that row "
                 f"holds {int(cur[i])} tokens, so start_pos must be <= {int(cur[i])}"
@@ -166,7 +171,7 @@ class KVCache:
         if not self.ring:
             over = end > cap
             if over.any():
-                i = int(np.flatnonzero(over)[0])
+                i = _first(over)
                 raise CacheOverflowError(
                     f"writing {n_new} tokens at start_pos={int(start[i])} into cache row "
                     f"{int(rows[i])} needs {int(end[i])} slots > max_seq_len={cap} (ring=False); "
@@ -180,7 +185,7 @@ class KVCache:
             )
         stale = start < lo
         if stale.any():
-            i = int(np.flatnonzero(stale)[0])
+            i = _first(stale)
             raise ArgumentError(
                 f"start_pos={int(start[i])} for cache row {int(rows[i])} rewrites a position no "
                 f"longer held (this ring holds positions {int(lo[i])}..{int(cur[i]) - 1})"
@@ -242,7 +247,7 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
         rows, new_len, lo = write.rows, write.new_len, np.minimum(write.new_lo, write.new_len)
     short = new_len < sq
     if short.any():
-        i = int(np.flatnonzero(short)[0])
+        i = _first(short)
         raise ShapeError(
             f"q has Sq={sq} rows but cache row {int(rows[i])} holds only {int(new_len[i])} "
             "tokens; Sq must be <= each sequence's length"
@@ -270,7 +275,7 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
         cache._commit(write, rope_spec)
     if rope_spec is not None:
         positions = (new_len - sq)[:, None] + np.arange(sq, dtype=np.int64)[None, :]
-        call = _with_q(call, be.rope(q, positions, rope_spec))
+        call = replace(call, q=be.rope(q, positions, rope_spec))
     if sq == 0 or b == 0:
         out = np.zeros((b, sq, hq, cache.head_dim_v), cache.dtype)
         lse = np.full((b, hq, sq), -np.inf, np.float64 if cache.dtype == np.float64 else np.float32)
@@ -278,8 +283,3 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
         out, lse = be.attention(call)
     return (out, lse) if return_lse else out
 
-
-def _with_q(call: AttnCall, q) -> AttnCall:
-    from dataclasses import replace
-
-    return replace(call, q=q)

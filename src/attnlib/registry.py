@@ -110,7 +110,8 @@ def _load_class(name: str) -> type[Backend] | None:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        _registered.pop(name, None) if name not in _BUILTINS else None
+        if name not in _BUILTINS:
+            _registered.pop(name, None)
         return None
     _classes[name] = cls
     return cls
