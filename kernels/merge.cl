@@ -5,67 +5,90 @@
  * lse_i[i * l_stride + b * l_sb + s * l_ss + h * l_sh]. Then
  *   lse = log sum_i exp(lse_i),  out = sum_i exp(lse_i - lse) out_i,
  * computed around m = max_i lse_i; states with lse = -inf are skipped (their out is never read), so
- * merging only empty states gives (0, -inf). Work-item (c0, r) computes the row's weights once and
- * writes columns c0, c0 + get_global_size(0), ...; the loop order over states is fixed, so results
- * are deterministic.
+ * merging only empty states gives (0, -inf).
+ *
+ * One work-group of WG work-items per row. Each state's weight exp(lse_i - m) is computed once per
+ * row into __local (CHUNK states at a time) and shared by every column; the max and the sum of the
+ * weights are reduced in __local in a fixed tree order, and work-item c accumulates columns c,
+ * c + WG, ... over the states in index order, so results are deterministic. (The version before
+ * ran one work-item per 32 columns and recomputed exp for every state past 8 per column: 85 us for
+ * a 64-state flash-decoding merge of 32 rows on an H200, bench/RESULTS.md.)
  *
  * IN_KIND: storage kind of the partial outs (0 float, 1 half, 2 bfloat16, 3 double); STORE_KIND:
- * that of the merged out; ACC_KIND: 0 float, 1 double (also the type of every lse).
+ * that of the merged out; ACC_KIND: 0 float, 1 double (also the type of every lse). WG: a power of
+ * two, the work-group size.
  */
-#if !defined(IN_KIND) || !defined(STORE_KIND) || !defined(ACC_KIND)
-#error "IN_KIND, STORE_KIND and ACC_KIND must be defined"
+#if !defined(IN_KIND) || !defined(STORE_KIND) || !defined(ACC_KIND) || !defined(WG)
+#error "IN_KIND, STORE_KIND, ACC_KIND and WG must be defined"
 #endif
 
 #include "storage.h"
 
+#define CHUNK 256
 
-/* weights of the first W_CACHE states are kept in registers, later ones are recomputed */
-#define W_CACHE 8
+inline acc_t nan_max2(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 
-__kernel void merge_states(__global const in_t *outs, long o_stride, __global const acc_t *lses,
-                           long l_stride, long l_sb, long l_ss, long l_sh, int n_states, int S,
-                           int H, int DV, long n_rows, __global store_t *out,
-                           __global acc_t *lse_out) {
-    const long r = get_global_id(1);
-    if (r >= n_rows) return;
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
+    __global const in_t *outs, long o_stride, __global const acc_t *lses, long l_stride,
+    long l_sb, long l_ss, long l_sh, int n_states, int S, int H, int DV, long n_rows,
+    __global store_t *out, __global acc_t *lse_out) {
+    __local acc_t red[WG];
+    __local acc_t w_s[CHUNK];
+    const long r = get_group_id(1);
+    const int lid = get_local_id(0);
     const long b = r / ((long)S * H), s = (r / H) % S, h = r % H;
     const long loff = b * l_sb + s * l_ss + h * l_sh;
-    const int c0 = get_global_id(0), c_step = get_global_size(0);
 
-    /* -- m = max_i lse_i (NaN propagates) */
+    /* -- m = max_i lse_i (NaN propagates), tree-reduced */
     acc_t m = NEG_INF;
-    for (int i = 0; i < n_states; ++i) {
-        const acc_t li = lses[i * l_stride + loff];
-        m = (li > m || isnan(li)) ? li : m;
+    for (int i = lid; i < n_states; i += WG) m = nan_max2(m, lses[i * l_stride + loff]);
+    red[lid] = m;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int w = WG / 2; w > 0; w /= 2) {
+        if (lid < w) red[lid] = nan_max2(red[lid], red[lid + w]);
+        barrier(CLK_LOCAL_MEM_FENCE);
     }
-    if (m == NEG_INF) {
-        for (int c = c0; c < DV; c += c_step) ST(out, r * DV + c, (acc_t)0);
-        if (c0 == 0) lse_out[(b * H + h) * S + s] = NEG_INF;
+    m = red[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (m == NEG_INF) { /* every state empty (uniform across the work-group) */
+        for (int c = lid; c < DV; c += WG) ST(out, r * DV + c, (acc_t)0);
+        if (lid == 0) lse_out[(b * H + h) * S + s] = NEG_INF;
         return;
     }
-    /* -- weights exp(lse_i - m) once per row; empty states (w = 0) are skipped, never read */
-    acc_t w[W_CACHE];
+    /* -- sum of the weights exp(lse_i - m); empty states weigh 0 */
     acc_t sum = 0;
-    for (int i = 0; i < n_states; ++i) {
+    for (int i = lid; i < n_states; i += WG) {
         const acc_t li = lses[i * l_stride + loff];
-        const acc_t wi = li == NEG_INF ? (acc_t)0 : exp(li - m);
-        if (i < W_CACHE) w[i] = wi;
-        sum += wi;
+        sum += li == NEG_INF ? (acc_t)0 : exp(li - m);
     }
-    /* -- out = sum_i w_i out_i / sum, columns c0, c0 + c_step, ... (coalesced across items) */
-    for (int c = c0; c < DV; c += c_step) {
+    red[lid] = sum;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int w = WG / 2; w > 0; w /= 2) {
+        if (lid < w) red[lid] += red[lid + w];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    sum = red[0];
+
+    /* -- out = sum_i w_i out_i / sum: columns c0 + lid, CHUNK states' weights at a time */
+    for (int c0 = 0; c0 < DV; c0 += WG) {
+        const int c = c0 + lid;
         acc_t o = 0;
-        for (int i = 0; i < n_states; ++i) {
-            acc_t wi;
-            if (i < W_CACHE) {
-                wi = w[i];
-            } else {
-                const acc_t li = lses[i * l_stride + loff];
-                wi = li == NEG_INF ? (acc_t)0 : exp(li - m);
+        for (int i0 = 0; i0 < n_states; i0 += CHUNK) {
+            const int n = min(CHUNK, n_states - i0);
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (int i = lid; i < n; i += WG) {
+                const acc_t li = lses[(i0 + i) * l_stride + loff];
+                w_s[i] = li == NEG_INF ? (acc_t)0 : exp(li - m);
             }
-            if (wi != 0) o += wi * LD_IN(outs, i * o_stride + r * DV + c);
+            barrier(CLK_LOCAL_MEM_FENCE);
+            if (c < DV) {
+                for (int i = 0; i < n; ++i) {
+                    const acc_t wi = w_s[i]; /* empty states are skipped, their out never read */
+                    if (wi != 0) o += wi * LD_IN(outs, (i0 + i) * o_stride + r * DV + c);
+                }
+            }
         }
-        ST(out, r * DV + c, o / sum);
+        if (c < DV) ST(out, r * DV + c, o / sum);
     }
-    if (c0 == 0) lse_out[(b * H + h) * S + s] = m + log(sum);
+    if (lid == 0) lse_out[(b * H + h) * S + s] = m + log(sum);
 }

@@ -49,8 +49,8 @@ def test_kernel_build_error_names_options_and_log(be):
 
 
 def test_config_options_are_sorted_defines():
-    cfg = _attention.MergeConfig(IN_KIND=1, STORE_KIND=0, ACC_KIND=0)
-    assert cfg.options() == ("-DACC_KIND=0", "-DIN_KIND=1", "-DSTORE_KIND=0")
+    cfg = _attention.MergeConfig(IN_KIND=1, STORE_KIND=0, ACC_KIND=0, WG=64)
+    assert cfg.options() == ("-DACC_KIND=0", "-DIN_KIND=1", "-DSTORE_KIND=0", "-DWG=64")
 
 
 def test_arrays_in_arrays_out_without_host_copies(be, monkeypatch):

@@ -222,12 +222,35 @@ def _blocks(call: AttnCall) -> tuple[int, int]:
 
 
 def _gemm_address(cdt: np.dtype) -> int:
-    """The address of scipy's BLAS ``sgemm`` / ``dgemm`` (the library numba's ``np.dot`` uses):
-    the kernel calls it directly, with leading dimensions, so K / V tiles are read in place."""
-    from numba.extending import get_cython_function_address
+    """The address of the BLAS ``sgemm`` / ``dgemm`` the kernel calls directly, with leading
+    dimensions, so K / V tiles are read in place: MKL's (sequential) when the ``mkl`` package
+    loads, else scipy's OpenBLAS (the library numba's ``np.dot`` uses); see :mod:`._blas`."""
+    from . import _blas
 
-    name = "sgemm" if cdt == np.float32 else "dgemm"
-    return get_cython_function_address("scipy.linalg.cython_blas", name)
+    return _blas.gemm(cdt)[0]
+
+
+def _jit_kernels(cdt: np.dtype, block_m: int, block_n: int, d_qk: int, d_v: int,
+                 hkv: int) -> np.ndarray:
+    """int64 (4,): MKL JIT kernels for a full tile read in place (see ``flash_forward``):
+    ``S^T = gemm('T', 'N', block_m, block_n, d_qk, Q (ld d_qk), K (ld Hkv d_qk), 0, ld block_m)``
+    and ``O^T += gemm('N', 'T', d_v, block_m, block_n, V (ld Hkv d_v), P (ld block_m), 1,
+    ld d_v)``; zeros (plain gemm) without MKL, for float64, or where MKL has no JIT code."""
+    from . import _blas
+
+    jit = np.zeros(4, np.int64)
+    if cdt == np.float32:
+        jit[0:2] = _blas.jit_sgemm(True, False, block_m, block_n, d_qk, d_qk, hkv * d_qk, 0.0,
+                                   block_m)
+        jit[2:4] = _blas.jit_sgemm(False, True, d_v, block_m, block_n, hkv * d_v, block_m,
+                                   1.0, d_v)
+    return jit
+
+
+def _blas_name() -> str:
+    from . import _blas
+
+    return _blas.describe()
 
 
 class NumbaBackend(Backend):
@@ -267,6 +290,7 @@ class NumbaBackend(Backend):
             "threading_layer": layer,
             "block_m": BLOCK_M,
             "block_n": BLOCK_N,
+            "blas": _blas_name(),
         }
 
     # ---- attention ----------------------------------------------------------------------------
@@ -310,7 +334,8 @@ class NumbaBackend(Backend):
                 dealt = schedule(call, tasks, block_n)
                 pre = (q, k, v, seq, dealt, hq // k.shape[2], float(call.scale), wl, wr,
                        softcap, alibi, mask, int(call.ring), block_m, block_n)
-                post = (out, lse, part_o, part_ml, _gemm_address(cdt))
+                post = (out, lse, part_o, part_ml, _gemm_address(cdt),
+                        _jit_kernels(cdt, block_m, block_n, q.shape[3], d_v, k.shape[2]))
                 _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads)
                 if n_slots:
                     _flash.merge_partials(seq, tasks, hq // k.shape[2], part_o, part_ml,

@@ -69,6 +69,21 @@ def _call_blas(typingctx, fn, ta, tb, m, n, kk, alpha, a, lda, b, ldb, beta, c, 
     return sig, codegen
 
 
+@intrinsic
+def _call_jit(typingctx, fn, jitter, a, b, c):
+    """Call an MKL JIT gemm kernel ``fn(jitter, a, b, c)`` (all addresses, int64)."""
+    sig = types.void(fn, jitter, a, b, c)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p] * 4)
+        fptr = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(fptr, [builder.inttoptr(x, i8p) for x in args[1:]])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True)
 def _gemm(fn, trans_a, trans_b, m, n, kk, alpha, a, lda, b, ldb, beta, c, ldc, bi, bf):
     """Column-major ``C (m x n) = alpha op(A) op(B) + beta C`` through BLAS, on addresses and
@@ -222,14 +237,16 @@ def _all_finite(x):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
-                  block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn):
+                  block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit):
     """Run every task; see the module docstring.
 
     ``seq`` int64 (n_seq, 9): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
     causal_hi (BIG when not causal). Key / value tiles are read in place by BLAS
     (leading dimension ``Hkv * D``: no copy), except a tile that wraps around a ring buffer,
     which is copied first. ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
-    dtype's), called through :func:`_gemm`.
+    dtype's), called through :func:`_gemm`. ``jit`` int64 (4,): MKL JIT kernels (address,
+    jitter) specialised to the full tile's ``Q K^T`` and ``P V`` shapes (0: none), used for full
+    ``block_m x block_n`` tiles read in place.
     ``tasks`` int64 (n_tasks, 7): seq, kv head, first packed row, packed rows, first key, key
     end, partial-state slot (-1: write out / lse directly), costliest first: every thread
     running this function claims them in that order through the atomic ``counter[0]``
@@ -324,8 +341,12 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                 k_lead, v_lead = k_ld, v_ld
             # -- S^T (n x nr, row-major) = K_blk @ Q_blk^T: BLAS column-major
             #    S (nr x n) = Q^T' K^T', i.e. gemm('T', 'N'), K read in place
-            _gemm(gemm_fn, True, False, nr, n, d_qk, 1.0, qt_addr, d_qk, k_addr, k_lead, 0.0,
-                  st_addr, nr, bi, bf)
+            full_tile = nr == block_m and n == block_n and not copied
+            if full_tile and jit[0] != 0:
+                _call_jit(jit[0], jit[1], qt_addr, k_addr, st_addr)
+            else:
+                _gemm(gemm_fn, True, False, nr, n, d_qk, 1.0, qt_addr, d_qk, k_addr, k_lead,
+                      0.0, st_addr, nr, bi, bf)
             kpos_lo = kpos0 + jb
             kpos_hi = kpos_lo + n - 1
             full = kpos_hi - qpos_lo <= hi and kpos_lo - qpos_hi >= -wl and not use_mask
@@ -366,8 +387,11 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                     ot[r * d_v + d] *= a
             if clean:
                 # column-major O^T (d_v x nr) += V^T' P: gemm('N', 'T'), V in place
-                _gemm(gemm_fn, False, True, d_v, nr, n, 1.0, v_addr, v_lead, st_addr, nr, 1.0,
-                      ot_addr, d_v, bi, bf)
+                if full_tile and jit[2] != 0:
+                    _call_jit(jit[2], jit[3], v_addr, st_addr, ot_addr)
+                else:
+                    _gemm(gemm_fn, False, True, d_v, nr, n, 1.0, v_addr, v_lead, st_addr, nr,
+                          1.0, ot_addr, d_v, bi, bf)
             else:
                 # skip the hidden keys: never 0 * NaN
                 for j in range(n):

@@ -190,7 +190,8 @@ class OpenCLBackend(Backend):
         return self.queue
 
     def launch(self, ctx: Any, queue: Any, filename: str, cfg: KernelConfig, kernel: str,
-               gsize: tuple, lsize: tuple | None, args: Sequence[Any]) -> None:
+               gsize: tuple, lsize: tuple | None, args: Sequence[Any]) -> Any:
+        """Enqueue ``kernel`` of ``filename`` built with ``cfg``; returns its event."""
         import pyopencl as cl
 
         opts = cfg.options()
@@ -209,7 +210,7 @@ class OpenCLBackend(Backend):
                     self._kernels[key] = knl
         with self._launch_lock:
             knl.set_args(*args)
-            cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize)
+            return cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize)
 
     # ---- primitives ---------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[Any, Any]:

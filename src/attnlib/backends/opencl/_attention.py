@@ -48,6 +48,13 @@ class MergeConfig(KernelConfig):
     IN_KIND: int
     STORE_KIND: int
     ACC_KIND: int
+    WG: int
+
+
+def merge_wg(dv: int) -> int:
+    """Work-group size of merge.cl (one work-group per row): Dv rounded up to a power of two,
+    32..128."""
+    return min(128, max(32, _next_pow2(dv)))
 
 
 def vec_widths(d: int, dv: int, threads_n: int) -> tuple[int, int, int]:
@@ -179,9 +186,10 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
                 and all(vw.strides[3] == 1 for vw in views))
     # decode tilings (one work-item row) hold whole K/V tiles in registers to overlap loads with
-    # compute: at most 128 registers of staged tile per work-item
+    # compute: at most 32 registers per staged tile per work-item (K and V: 64). At 64 + 64 the
+    # H200 build used 255 registers and spilled 1.9 KB per work-item (bench/RESULTS.md).
     per = -(-bn * max(d, dv_pad) // (4 * tmh * tnh))
-    prefetch = load_vec and tmh == 1 and per * kv_bytes <= 128  # 4 elements: kv_bytes regs
+    prefetch = load_vec and tmh == 1 and per * kv_bytes <= 32  # 4 elements: kv_bytes regs
     cfg = FwdConfig(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
         THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec, PREFETCH=prefetch,
@@ -212,12 +220,13 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
               (nt, 1, 1), args)
 
     if splits > 1:
+        wg = merge_wg(dv)
         mcfg = MergeConfig(IN_KIND=store_kind(acc), STORE_KIND=store_kind(dtype),
-                           ACC_KIND=int(acc == np.float64))
+                           ACC_KIND=int(acc == np.float64), WG=wg)
         margs = [part_o, i64(n_out_rows * dv), part_l, i64(n_out_rows), i64(sq_arr * hq),
                  i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(dv), i64(n_out_rows),
                  out.data, lse.data]
-        be.launch(ctx, queue, "merge.cl", mcfg, "merge_states", (min(dv, 32), n_out_rows), None,
+        be.launch(ctx, queue, "merge.cl", mcfg, "merge_states", (wg, n_out_rows), (wg, 1),
                   margs)
     if host:
         return out.get(), lse.get()

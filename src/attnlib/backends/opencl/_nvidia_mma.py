@@ -43,6 +43,11 @@ _DTYPES = (np.dtype(np.float16), _BF16)
 
 _lock = threading.Lock()
 _programs: dict[tuple, Any] = {}
+#: one kernel object per program, made once: a fresh ``cl.Kernel`` makes pyopencl generate and
+#: look up its argument invoker again (about 1 ms per call on the H200 host, bench/RESULTS.md).
+#: clSetKernelArg on a shared kernel object is not thread-safe: set + enqueue under _launch_lock.
+_kernels: dict[tuple, Any] = {}
+_launch_lock = threading.Lock()
 
 
 def _is_cl_array(x: Any) -> bool:
@@ -133,6 +138,24 @@ def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
     return prg
 
 
+def _kernel(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
+    """The kernel object of the program built with ``options`` (made once, typed scalars)."""
+    import pyopencl as cl
+
+    key = (ctx.int_ptr, device.int_ptr, options)
+    knl = _kernels.get(key)
+    if knl is None:
+        prg = get_program(ctx, device, options)
+        with _lock:
+            knl = _kernels.get(key)
+            if knl is None:
+                knl = cl.Kernel(prg, "attn_fwd_mma")
+                i64, i32, f32 = np.int64, np.int32, np.float32
+                knl.set_scalar_arg_dtypes([None] * 8 + [i64] * 12 + [i32] * 4 + [f32] * 2)
+                _kernels[key] = knl
+    return knl
+
+
 def _tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-sequence fields for the kernel and the work list of (sequence, first row) tiles,
     heaviest first (causal blocks near the diagonal see more keys and should start early)."""
@@ -211,7 +234,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                              alibi=call.alibi is not None, scale_pos=call.scale > 0,
                              use_ptx=use_ptx) + tuple(extra_options)
-        knl = cl.Kernel(get_program(ctx, device, opts), "attn_fwd_mma")
+        knl = _kernel(ctx, device, opts)
         seq_buf = _pool.upload(queue, seqs, out)
         tile_buf = _pool.upload(queue, tiles, out)
         slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
@@ -224,14 +247,15 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         else:
             qk_scale, cap = call.scale * _LOG2E, 0.0
         i64, i32 = np.int64, np.int32
-        knl.set_args(
-            qb, kb, vb, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf,
-            i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
-            i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
-            np.float32(qk_scale), np.float32(cap))
         threads = 32 * warps
-        evt = cl.enqueue_nd_range_kernel(queue, knl, (tiles.shape[0] * threads, hq),
-                                         (threads, 1), wait_for=wait_for)
+        with _launch_lock:
+            knl.set_args(
+                qb, kb, vb, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf,
+                i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
+                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
+                np.float32(qk_scale), np.float32(cap))
+            evt = cl.enqueue_nd_range_kernel(queue, knl, (tiles.shape[0] * threads, hq),
+                                             (threads, 1), wait_for=wait_for)
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:

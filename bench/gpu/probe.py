@@ -1,0 +1,169 @@
+"""Where a call's time goes on the device: kernel events vs host enqueue vs wall clock.
+
+For one decode call (B=1, 8192 tokens, 32 q heads / 8 kv heads, D=128, fp16) and one fp16
+prefill call (4,16,2048,64): the sum of the kernels' own profiled durations, the host time to
+enqueue one call (N calls back to back, then one finish), the wall time of call + finish, a
+cProfile of the host side, and the compiler's register/spill report (-cl-nv-verbose) of the
+decode kernel.
+
+    python bench/gpu/probe.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+
+import numpy as np
+import pyopencl as cl
+
+import attnlib
+from attnlib.backends.opencl import OpenCLBackend, _nvidia_mma
+from attnlib.backends.opencl._runtime import kernel_source
+
+EVENTS: list = []
+_launch = OpenCLBackend.launch
+_mma_run = _nvidia_mma.run
+
+
+def _launch_rec(self, *a, **kw):
+    evt = _launch(self, *a, **kw)
+    EVENTS.append(evt)
+    return evt
+
+
+def _mma_rec(*a, **kw):
+    kw.setdefault("events", EVENTS)
+    return _mma_run(*a, **kw)
+
+
+OpenCLBackend.launch = _launch_rec
+_nvidia_mma.run = _mma_rec
+
+
+def measure(name, fn, queue, n=50):
+    for _ in range(5):
+        fn()
+    queue.finish()
+    EVENTS.clear()
+    walls = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        queue.finish()
+        walls.append(time.perf_counter() - t0)
+    per_call = len(EVENTS) // n
+    kern = [sum((e.profile.end - e.profile.start) * 1e-9 for e in EVENTS[i:i + per_call])
+            for i in range(0, len(EVENTS), per_call)]
+    each = [statistics.median((EVENTS[i + j].profile.end - EVENTS[i + j].profile.start) * 1e-9
+                              for i in range(0, len(EVENTS), per_call)) for j in range(per_call)]
+    span = [(EVENTS[i + per_call - 1].profile.end - EVENTS[i].profile.start) * 1e-9
+            for i in range(0, len(EVENTS), per_call)]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    queue.finish()
+    t2 = time.perf_counter()
+    print(json.dumps({"case": name, "kernels_per_call": per_call,
+                      "kernel_us_each": [round(x * 1e6, 1) for x in each],
+                      "kernel_sum_us": round(statistics.median(kern) * 1e6, 1),
+                      "first_start_to_last_end_us": round(statistics.median(span) * 1e6, 1),
+                      "wall_us": round(statistics.median(walls) * 1e6, 1),
+                      "host_enqueue_us": round((t1 - t0) / n * 1e6, 1),
+                      "pipelined_us": round((t2 - t0) / n * 1e6, 1)}), flush=True)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    queue.finish()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
+    print("\n".join(s.getvalue().splitlines()[:30]), flush=True)
+
+
+def decode_sweep(queue) -> None:
+    """Kernel times (events) per tiling, split count and PREFETCH for the three decode cases."""
+    from attnlib.backends.opencl import _attention
+
+    orig = _attention.FwdConfig
+    hq, hkv, d = 32, 8, 128
+    rng = np.random.default_rng(1)
+    for b, n in [(1, 8192), (8, 8192), (1, 131072)]:
+        step = min(n, 8192)
+        kh = rng.standard_normal((b, step, hkv, d), dtype=np.float32).astype(np.float16)
+        q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
+        for tiles in [None, (4, 64, 2, 64), (4, 128, 4, 32), (4, 64, 4, 16), (4, 32, 4, 32),
+                      (4, 128, 2, 64)]:
+            for splits in [None, 8, 16, 32, 64]:
+                for pf in (None, 0):
+                    if pf == 0:
+                        _attention.FwdConfig = lambda **kw: orig(**{**kw, "PREFETCH": False})
+                    be = attnlib.get_backend("opencl", queue=queue, tiles=tiles,
+                                             num_splits=splits)
+                    cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend=be)
+                    for p in range(0, n, step):
+                        cache.update(kh, kh, p)
+                    qd = attnlib.to_device(q, backend=be)
+                    try:
+                        for _ in range(3):
+                            attnlib.attention_with_kvcache(qd, cache)
+                        queue.finish()
+                        EVENTS.clear()
+                        for _ in range(10):
+                            attnlib.attention_with_kvcache(qd, cache)
+                        queue.finish()
+                        per = len(EVENTS) // 10
+                        ks = [statistics.median((EVENTS[i + j].profile.end
+                                                 - EVENTS[i + j].profile.start) * 1e-3
+                                                for i in range(0, len(EVENTS), per))
+                              for j in range(per)]
+                        row = {"b": b, "n": n, "tiles": tiles, "splits": splits,
+                               "pf": pf, "kernel_us": [round(x, 1) for x in ks],
+                               "sum_us": round(sum(ks), 1),
+                               "TBps": round(2 * b * n * hkv * d * 2 / sum(ks) / 1e6, 2)}
+                    except Exception as exc:  # noqa: BLE001 - a tiling that does not fit
+                        row = {"tiles": tiles, "error": str(exc)[:120]}
+                    _attention.FwdConfig = orig
+                    print(json.dumps(row), flush=True)
+                    del cache
+
+
+def main() -> None:
+    ctx = attnlib.get_backend("opencl").context
+    queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
+    be = attnlib.get_backend("opencl", queue=queue)
+    if "sweep" in sys.argv[1:]:
+        decode_sweep(queue)
+        return
+    rng = np.random.default_rng(0)
+    b, n, hq, hkv, d = 1, int(__import__("os").environ.get("PROBE_N", 8192)), 32, 8, 128
+    cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend=be)
+    kh = rng.standard_normal((b, n, hkv, d), dtype=np.float32).astype(np.float16)
+    cache.update(kh, kh, 0)
+    qd = attnlib.to_device(rng.standard_normal((b, 1, hq, d), dtype=np.float32)
+                           .astype(np.float16), backend=be)
+    measure("decode B=1 L=8192", lambda: attnlib.attention_with_kvcache(qd, cache), queue)
+    for key, _prg in list(be._programs._programs.items()):
+        if key[1] != "attn_fwd.cl":
+            continue
+        opts = list(key[2]) + ["-cl-std=CL1.2", "-cl-nv-verbose"]
+        prg = cl.Program(ctx, kernel_source("attn_fwd.cl")).build(options=opts)
+        log = prg.get_build_info(ctx.devices[0], cl.program_build_info.LOG)
+        print("verbose", [o for o in key[2] if "BLOCK" in o or "THREADS" in o or "PREF" in o],
+              [ln for ln in log.splitlines() if "registers" in ln or "spill" in ln
+               or "lmem" in ln or "smem" in ln][:6], flush=True)
+
+    x = [attnlib.to_device(rng.standard_normal((4, 2048, 16, 64), dtype=np.float32)
+                           .astype(np.float16), backend=be) for _ in range(3)]
+    measure("prefill fp16 4,16,2048,64", lambda: attnlib.attention(*x, backend=be), queue, n=20)
+
+
+if __name__ == "__main__":
+    main()
