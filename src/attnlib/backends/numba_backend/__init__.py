@@ -4,7 +4,9 @@
 rescale, BLAS gemms on contiguous tiles, no Sq x Sk buffer, key tiles hidden by causal / window
 skipped, parallel over (sequence, kv head, query block) and, for decode-sized calls, over key
 splits merged afterwards in a fixed order (bitwise reproducible). float16 / bfloat16 inputs are
-widened to float32 before the kernel and accumulate in float32; float64 stays float64.
+widened to float32 before the kernel and accumulate in float32; float64 stays float64. The
+tile gemms call MKL (sequential; its JIT kernels for full float32 tiles) when the ``mkl`` wheel
+is installed, else scipy's OpenBLAS (:mod:`._blas`).
 
 The other primitives (softmax, merge_states, rope, the KV cache) are small numba / numpy code.
 Compiled functions are cached on disk (``cache=True``): the first call in a fresh environment
@@ -334,8 +336,11 @@ class NumbaBackend(Backend):
                 dealt = schedule(call, tasks, block_n)
                 pre = (q, k, v, seq, dealt, hq // k.shape[2], float(call.scale), wl, wr,
                        softcap, alibi, mask, int(call.ring), block_m, block_n)
-                post = (out, lse, part_o, part_ml, _gemm_address(cdt),
-                        _jit_kernels(cdt, block_m, block_n, q.shape[3], d_v, k.shape[2]))
+                full = int(tasks[:, 3].max()) == block_m and \
+                    int((tasks[:, 5] - tasks[:, 4]).max()) >= block_n
+                jit = _jit_kernels(cdt, block_m, block_n, q.shape[3], d_v, k.shape[2]) \
+                    if full else np.zeros(4, np.int64)
+                post = (out, lse, part_o, part_ml, _gemm_address(cdt), jit)
                 _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads)
                 if n_slots:
                     _flash.merge_partials(seq, tasks, hq // k.shape[2], part_o, part_ml,

@@ -103,7 +103,7 @@ def gemm(cdt: np.dtype) -> tuple[int, str]:
 MKL_COL_MAJOR, MKL_NOTRANS, MKL_TRANS = 102, 111, 112
 MKL_JIT_SUCCESS = 0
 _jitters: dict[tuple, tuple[int, int]] = {}
-MAX_JITTERS = 64  # distinct tile shapes kept (never freed: a few KiB of code each)
+MAX_JITTERS = 256  # tile shapes kept (never freed: a few KiB of code each)
 
 
 def jit_sgemm(trans_a: bool, trans_b: bool, m: int, n: int, k: int, lda: int, ldb: int,
