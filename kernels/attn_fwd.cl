@@ -20,7 +20,10 @@
  * interleaved across work-items, read as 4-vectors; LOAD_VEC=1 loads global rows with vload4
  * (unit stride along the head dims). P is always read 4 keys at a time (BLOCK_N % 4 == 0).
  * PREFETCH=1 (decode tilings) keeps whole tiles in registers so that global loads overlap compute:
- * V of tile t is loaded while S is computed, K of tile t+1 while P V is.
+ * V of tile t is loaded while S is computed, K of tile t+1 while P V is. TREE_MAX=1 reduces the
+ * per-tile row max over the THREADS_N items of a row in log2(THREADS_N) halving steps (wide decode
+ * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
+ * work-item issued before their __local stores when staging a tile.
  */
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -39,6 +42,12 @@
 #endif
 #if !defined(D_VEC) || !defined(V_VEC) || !defined(LOAD_VEC) || !defined(PREFETCH)
 #error "D_VEC, V_VEC, LOAD_VEC and PREFETCH must be defined"
+#endif
+#ifndef TREE_MAX
+#define TREE_MAX 0
+#endif
+#if TREE_MAX && (THREADS_N & (THREADS_N - 1))
+#error "TREE_MAX needs THREADS_N to be a power of two"
 #endif
 #if PREFETCH && !LOAD_VEC
 #error "PREFETCH needs LOAD_VEC"
@@ -151,7 +160,9 @@ typedef store_t out_t;
 #define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
 #define K_PER CEIL_DIV(BLOCK_N * (HEAD_DIM / 4), NT)
 #define V_PER CEIL_DIV(BLOCK_N * (DV_PAD / 4), NT)
+#ifndef STAGE
 #define STAGE 8
+#endif
 #define LOAD_REGS(REGS, PER, BASE, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, N0)              \
     for (int u_ = 0; u_ < (PER); ++u_) {                                                        \
         const int idx_ = (BASE) + u_ * NT + lid;                                                \
@@ -376,12 +387,27 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
             red_s[tn * BLOCK_M + tm + THREADS_M * r] = mx[r];
         }
         barrier(CLK_LOCAL_MEM_FENCE);
+#if TREE_MAX /* log2(THREADS_N) halving steps instead of THREADS_N reads per row and item */
+        for (int w = THREADS_N / 2; w > 0; w /= 2) {
+            if (tn < w)
+                for (int r = 0; r < TM; ++r) {
+                    const int mr = tm + THREADS_M * r;
+                    red_s[tn * BLOCK_M + mr] =
+                        nan_max(red_s[tn * BLOCK_M + mr], red_s[(tn + w) * BLOCK_M + mr]);
+                }
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+#endif
 
         /* -- online softmax: new row max, rescale l and acc by alpha = exp(m_old - m_new) */
         for (int r = 0; r < TM; ++r) {
             const int mr = tm + THREADS_M * r;
             acc_t mt = m_i[r];
+#if TREE_MAX
+            mt = nan_max(mt, red_s[mr]);
+#else
             for (int u = 0; u < THREADS_N; ++u) mt = nan_max(mt, red_s[u * BLOCK_M + mr]);
+#endif
             const int empty = mt == NEG_INF; /* guard: exp(-inf - -inf) would be NaN */
             const acc_t alpha = empty ? (acc_t)1 : exp(m_i[r] - mt);
             m_i[r] = mt;

@@ -104,7 +104,8 @@ def test_strided_device_arrays(be):
 @pytest.mark.parametrize("tiles,dtype", [((8, 8, 2, 4), "float32"), ((4, 16, 4, 4), "float16"),
                                          ((16, 8, 8, 2), "bfloat16"), ((8, 8, 2, 4), "float64"),
                                          ((64, 64, 8, 16), "float32"), ((32, 32, 8, 8), "float16"),
-                                         ((4, 64, 1, 64), "bfloat16")])
+                                         ((4, 64, 1, 64), "bfloat16"),
+                                         ((4, 128, 1, 128), "float16")])
 def test_forced_tilings(tiles, dtype):
     """Every tiling (the GPU ones too), with the scalar (odd D) and the vector paths (D % 4 == 0,
     unit strides: vload4) of the kernel."""

@@ -88,51 +88,89 @@ def measure(name, fn, queue, n=50):
     print("\n".join(s.getvalue().splitlines()[:30]), flush=True)
 
 
-def decode_sweep(queue) -> None:
-    """Kernel times (events) per tiling, split count and PREFETCH for the three decode cases."""
+def _kernel_us(fn, queue, reps=10):
+    """Median device time of each kernel of one ``fn()`` call, from its events (us)."""
+    for _ in range(3):
+        fn()
+    queue.finish()
+    EVENTS.clear()
+    for _ in range(reps):
+        fn()
+    queue.finish()
+    per = len(EVENTS) // reps
+    return [statistics.median((EVENTS[i + j].profile.end - EVENTS[i + j].profile.start) * 1e-3
+                              for i in range(0, len(EVENTS), per)) for j in range(per)]
+
+
+def _with(overrides, fn):
+    """Run ``fn()`` with FwdConfig fields forced (PREFETCH, TREE_MAX, STAGE, ...)."""
     from attnlib.backends.opencl import _attention
 
     orig = _attention.FwdConfig
+    _attention.FwdConfig = lambda **kw: orig(**{**kw, **overrides})
+    try:
+        return fn()
+    finally:
+        _attention.FwdConfig = orig
+
+
+DECODE_VARIANTS = [  # (tiles, FwdConfig overrides)
+    (None, {}), ((4, 64, 1, 64), {"TREE_MAX": True}), ((4, 64, 1, 64), {"TREE_MAX": False}),
+    ((4, 128, 1, 128), {"TREE_MAX": True}), ((4, 32, 1, 32), {"TREE_MAX": True}),
+    ((4, 64, 1, 64), {"TREE_MAX": True, "STAGE": 16}),
+    ((4, 128, 1, 128), {"TREE_MAX": True, "STAGE": 16}),
+    ((4, 128, 2, 64), {"TREE_MAX": True}), ((4, 128, 4, 32), {"TREE_MAX": True}),
+    ((4, 128, 4, 32), {"TREE_MAX": False}),
+]
+
+
+def decode_sweep(queue) -> None:
+    """Kernel times (events) per tiling, split count and kernel option for the decode cases."""
     hq, hkv, d = 32, 8, 128
     rng = np.random.default_rng(1)
     for b, n in [(1, 8192), (8, 8192), (1, 131072)]:
         step = min(n, 8192)
         kh = rng.standard_normal((b, step, hkv, d), dtype=np.float32).astype(np.float16)
         q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
-        for tiles in [None, (4, 64, 2, 64), (4, 128, 4, 32), (4, 64, 4, 16), (4, 32, 4, 32),
-                      (4, 128, 2, 64)]:
-            for splits in [None, 8, 16, 32, 64]:
-                for pf in (None, 0):
-                    if pf == 0:
-                        _attention.FwdConfig = lambda **kw: orig(**{**kw, "PREFETCH": False})
-                    be = attnlib.get_backend("opencl", queue=queue, tiles=tiles,
-                                             num_splits=splits)
-                    cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend=be)
-                    for p in range(0, n, step):
-                        cache.update(kh, kh, p)
-                    qd = attnlib.to_device(q, backend=be)
-                    try:
-                        for _ in range(3):
-                            attnlib.attention_with_kvcache(qd, cache)
-                        queue.finish()
-                        EVENTS.clear()
-                        for _ in range(10):
-                            attnlib.attention_with_kvcache(qd, cache)
-                        queue.finish()
-                        per = len(EVENTS) // 10
-                        ks = [statistics.median((EVENTS[i + j].profile.end
-                                                 - EVENTS[i + j].profile.start) * 1e-3
-                                                for i in range(0, len(EVENTS), per))
-                              for j in range(per)]
-                        row = {"b": b, "n": n, "tiles": tiles, "splits": splits,
-                               "pf": pf, "kernel_us": [round(x, 1) for x in ks],
-                               "sum_us": round(sum(ks), 1),
-                               "TBps": round(2 * b * n * hkv * d * 2 / sum(ks) / 1e6, 2)}
-                    except Exception as exc:  # noqa: BLE001 - a tiling that does not fit
-                        row = {"tiles": tiles, "error": str(exc)[:120]}
-                    _attention.FwdConfig = orig
-                    print(json.dumps(row), flush=True)
-                    del cache
+        for tiles, ov in DECODE_VARIANTS:
+            for splits in [None, 16, 32, 64]:
+                be = attnlib.get_backend("opencl", queue=queue, tiles=tiles, num_splits=splits)
+                cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend=be)
+                for p in range(0, n, step):
+                    cache.update(kh, kh, p)
+                qd = attnlib.to_device(q, backend=be)
+                try:
+                    ks = _with(ov, lambda c=cache, x=qd: _kernel_us(
+                        lambda: attnlib.attention_with_kvcache(x, c), queue))
+                    row = {"b": b, "n": n, "tiles": tiles, "splits": splits, "ov": ov,
+                           "kernel_us": [round(x, 1) for x in ks], "sum_us": round(sum(ks), 1),
+                           "TBps": round(2 * b * n * hkv * d * 2 / sum(ks) / 1e6, 2)}
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not fit
+                    row = {"tiles": tiles, "ov": ov, "error": str(exc)[:120]}
+                print(json.dumps(row), flush=True)
+                del cache
+
+
+def prefill32_sweep(queue) -> None:
+    """float32 prefill kernel time per tiling with and without TREE_MAX."""
+    for bhsd in [(4, 16, 2048, 64), (4, 16, 2048, 128)]:
+        b, h, s, d = bhsd
+        rng = np.random.default_rng(0)
+        host = [rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3)]
+        for tiles in [None, (128, 64, 16, 8), (64, 64, 8, 16), (128, 64, 16, 16),
+                      (64, 128, 8, 32), (128, 128, 16, 32)]:
+            for tree in (False, True):
+                be = attnlib.get_backend("opencl", queue=queue, tiles=tiles)
+                dev = [attnlib.to_device(x, backend=be) for x in host]
+                try:
+                    ks = _with({"TREE_MAX": tree}, lambda x=dev, e=be: _kernel_us(
+                        lambda: attnlib.attention(*x, backend=e), queue, reps=5))
+                    row = {"shape": bhsd, "tiles": tiles, "tree": tree,
+                           "ms": round(sum(ks) / 1e3, 3),
+                           "tflops": round(4 * b * h * s * s * d / sum(ks) / 1e6, 2)}
+                except Exception as exc:  # noqa: BLE001
+                    row = {"shape": bhsd, "tiles": tiles, "error": str(exc)[:120]}
+                print(json.dumps(row), flush=True)
 
 
 def main() -> None:
@@ -141,6 +179,9 @@ def main() -> None:
     be = attnlib.get_backend("opencl", queue=queue)
     if "sweep" in sys.argv[1:]:
         decode_sweep(queue)
+        return
+    if "prefill32" in sys.argv[1:]:
+        prefill32_sweep(queue)
         return
     rng = np.random.default_rng(0)
     b, n, hq, hkv, d = 1, int(__import__("os").environ.get("PROBE_N", 8192)), 32, 8, 128

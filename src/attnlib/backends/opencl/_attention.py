@@ -41,6 +41,8 @@ class FwdConfig(KernelConfig):
     HAS_ALIBI: bool
     HAS_SOFTCAP: bool
     SPLIT: bool
+    TREE_MAX: bool = False
+    STAGE: int = 8
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1,
+        TREE_MAX=tnh >= 32,
     )
     n_out_rows = bq * sq_arr * hq
     if splits > 1:
