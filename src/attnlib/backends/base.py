@@ -162,7 +162,9 @@ class Backend:
 
     # ---- primitives ---------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[Any, Any]:
-        """Return ``(out (Bq, Sq_arr, Hq, Dv), lse (Bq, Hq, Sq_arr))``; see the module docstring."""
+        """Return ``(out (Bq, Sq_arr, Hq, Dv), lse (Bq, Hq, Sq_arr))``; see the module docstring.
+        When ``call.need_lse`` is False the caller drops the LSE, and a backend may return None
+        in its place."""
         raise NotImplementedError
 
     def softmax(self, x: Any, axis: int, log: bool) -> Any:

@@ -106,6 +106,8 @@ def choose_tiles(
         cands = [(32, 32, 8, 4), (16, 16, 4, 4)]
     else:
         cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8), (16, 16, 4, 4), (8, 8, 2, 4)]
+        if d <= 64 and dv <= 64:  # H200 fp32 D=64: 24.6 TFLOP/s vs 18.5 (bench/RESULTS.md)
+            cands.insert(0, (128, 64, 16, 8))
     for bm, bn, tm, tn in cands:
         if local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget:
             return bm, bn, tm, tn
@@ -130,6 +132,30 @@ def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | Non
     return max(1, min(-(-target // n_groups), key_tiles // 2))
 
 
+def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
+    """The kernel's int32 table: 9 fields per sequence, then (sequence, first packed row) per
+    work-group column; and the number of those columns."""
+    n_seq = call.n_seq
+    n_blocks = -(-rows // bm)
+    n_groups = int(n_blocks.sum())
+    desc = np.empty(9 * n_seq + 2 * n_groups, np.int32)
+    fields = desc[:9 * n_seq].reshape(n_seq, 9)
+    for i, f in enumerate((call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0,
+                           call.k_len, call.q_pos0, call.k_pos0)):
+        fields[:, i] = f
+    fields[:, 8] = _INT_MAX if call.causal_hi is None else call.causal_hi
+    table = desc[9 * n_seq:].reshape(n_groups, 2)
+    if n_seq == 1:  # the common case (one sequence, or decoding): no repeat/cumsum
+        table[:, 0] = 0
+        table[:, 1] = np.arange(0, n_groups * bm, bm)
+    elif n_groups:
+        seq_of = np.repeat(np.arange(n_seq), n_blocks)
+        table[:, 0] = seq_of
+        table[:, 1] = (np.arange(n_groups) - np.repeat(np.cumsum(n_blocks) - n_blocks,
+                                                       n_blocks)) * bm
+    return desc, n_groups
+
+
 def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
 
     queue = be.queue_for(call.q, call.k, call.v)
@@ -139,31 +165,30 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     bq, sq_arr, hq, d = call.q.shape
     hkv, dv = call.n_kv_heads, call.head_dim_v
     group = hq // hkv
-    out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
-    lse = _pool.empty(queue, (bq, hq, sq_arr), acc)
-    host = not is_cl_array(call.q)
     n_seq = call.n_seq
-    if out.size == 0 or n_seq == 0:
-        return (out.get(), lse.get()) if host else (out, lse)
-
-    rows = (call.q_len.astype(np.int64) * group)
-    if be.use_mma and int(rows.max()) > DECODE_ROWS:
+    rows = call.q_len.astype(np.int64) * group
+    max_rows = int(rows.max()) if n_seq else 0
+    if be.use_mma and max_rows > DECODE_ROWS:
         from . import _nvidia_mma  # NVIDIA tensor cores (sm_80+), fp16/bf16 prefill
 
         if _nvidia_mma.applicable(be.device, call):
             return _nvidia_mma.run(ctx, queue, be.device, call)
+    out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
+    host = not is_cl_array(call.q)
+    # the LSE is written either way; without need_lse it goes to pooled scratch and the call
+    # returns None for it (one pyopencl Array less per decode step)
+    n_out_rows = bq * sq_arr * hq
+    if call.need_lse or host:
+        lse = _pool.empty(queue, (bq, hq, sq_arr), acc)
+        lse_buf = lse.data if lse.size else None
+    else:
+        lse, lse_buf = None, _pool.scratch(queue, n_out_rows * acc.itemsize)
+    if out.size == 0 or n_seq == 0:
+        return (out.get(), lse.get()) if host else (out, lse)
     kv_bytes = 2 if dtype.itemsize == 2 else acc.itemsize
-    tiles = choose_tiles(be.facts, int(rows.max()), d, dv, acc.itemsize, kv_bytes, be.tiles)
+    tiles = choose_tiles(be.facts, max_rows, d, dv, acc.itemsize, kv_bytes, be.tiles)
     bm, bn, tmh, tnh = tiles
-    n_blocks = -(-rows // bm)
-    seq_of = np.repeat(np.arange(n_seq), n_blocks)
-    first = np.arange(seq_of.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
-    table = np.stack([seq_of, first * bm], axis=1).reshape(-1)
-    chi = np.full(n_seq, _INT_MAX) if call.causal_hi is None else call.causal_hi
-    fields = [call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
-              call.q_pos0, call.k_pos0, chi]
-    desc = np.concatenate([np.stack(fields, axis=1).reshape(-1), table]).astype(np.int32)
-    n_groups = int(seq_of.size)
+    desc, n_groups = _descriptor(call, rows, bm)
     if n_groups == 0:
         return (out.get(), lse.get()) if host else (out, lse)
     key_tiles = -(-int(call.k_len.max()) // bn) if n_seq else 0
@@ -200,13 +225,12 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1,
         TREE_MAX=tnh >= 32,
     )
-    n_out_rows = bq * sq_arr * hq
     if splits > 1:
         part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
         part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
         dst = [part_o, part_l]
     else:
-        dst = [out.data, lse.data]
+        dst = [out.data, lse_buf]
 
     desc_buf = _pool.upload(queue, desc, out)
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
@@ -228,7 +252,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
                            ACC_KIND=int(acc == np.float64), WG=wg)
         margs = [part_o, i64(n_out_rows * dv), part_l, i64(n_out_rows), i64(sq_arr * hq),
                  i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(dv), i64(n_out_rows),
-                 out.data, lse.data]
+                 out.data, lse_buf]
         be.launch(ctx, queue, "merge.cl", mcfg, "merge_states", (wg, n_out_rows), (wg, 1),
                   margs)
     if host:
