@@ -23,9 +23,7 @@
  * V of tile t is loaded while S is computed, K of tile t+1 while P V is. TREE_MAX=1 reduces the
  * per-tile row max over the THREADS_N items of a row in log2(THREADS_N) halving steps (wide decode
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
- * work-item issued before their __local stores when staging a tile. KV_BOTH=1 gives V its own
- * __local tile, staged right after K at the top of each tile (twice the loads in flight, one
- * barrier less per tile), where otherwise V is staged over K once S is computed.
+ * work-item issued before their __local stores when staging a tile.
  */
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -47,12 +45,6 @@
 #endif
 #ifndef TREE_MAX
 #define TREE_MAX 0
-#endif
-#ifndef KV_BOTH
-#define KV_BOTH 0
-#endif
-#if KV_BOTH && (PREFETCH || !LOAD_VEC)
-#error "KV_BOTH needs LOAD_VEC and no PREFETCH"
 #endif
 #if TREE_MAX && (THREADS_N & (THREADS_N - 1))
 #error "TREE_MAX needs THREADS_N to be a power of two"
@@ -129,7 +121,7 @@ typedef store_t out_t;
 #if V_VEC == 4
 #define V_ROW(n, b)                                                           \
     for (int c4 = 0; c4 < DV_PER / 4; ++c4) {                                 \
-        const acc4_t t_ = KV4(v_s, (n) * (VS_LD / 4) + c4 * THREADS_N + tn);    \
+        const acc4_t t_ = KV4(kv_s, (n) * (VS_LD / 4) + c4 * THREADS_N + tn);   \
         b[4 * c4] = t_.x;                                                     \
         b[4 * c4 + 1] = t_.y;                                                 \
         b[4 * c4 + 2] = t_.z;                                                 \
@@ -137,7 +129,7 @@ typedef store_t out_t;
     }
 #else
 #define V_ROW(n, b)                                                           \
-    for (int c = 0; c < DV_PER; ++c) b[c] = KV(v_s, (n) * VS_LD + tn + THREADS_N * c);
+    for (int c = 0; c < DV_PER; ++c) b[c] = KV(kv_s, (n) * VS_LD + tn + THREADS_N * c);
 #endif
 
 /* acc += P V over the staged tile; GUARD=1 skips keys with p == 0 */
@@ -183,17 +175,17 @@ typedef store_t out_t;
             REGS[u_] = G_RAW4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);       \
         }                                                                                       \
     }
-#define STORE_REGS(REGS, PER, BASE, COLS4, DST_LD4, DST4)                                       \
+#define STORE_REGS(REGS, PER, BASE, COLS4, DST_LD4)                                             \
     for (int u_ = 0; u_ < (PER); ++u_) {                                                        \
         const int idx_ = (BASE) + u_ * NT + lid;                                                \
         if (idx_ < BLOCK_N * (COLS4))                                                           \
-            DST4[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = REGS[u_];                     \
+            kv_s4[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = REGS[u_];                    \
     }
-#define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4, DST4)                  \
+#define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4)                        \
     for (int base_ = 0; base_ < BLOCK_N * (COLS4); base_ += NT * STAGE) {                       \
         kv4_t tmp_[STAGE];                                                                      \
         LOAD_REGS(tmp_, STAGE, base_, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, n0)          \
-        STORE_REGS(tmp_, STAGE, base_, COLS4, DST_LD4, DST4)                                    \
+        STORE_REGS(tmp_, STAGE, base_, COLS4, DST_LD4)                                          \
     }
 
 /* max that propagates NaN, as numpy's max does */
@@ -225,16 +217,10 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     int group) {
     __local acc4_t q_s4[V4(BLOCK_M * QS_LD)];
     __local kv4_t kv_s4[V4(KV_SIZE)];
-#if KV_BOTH /* V has its own tile, staged together with K */
-    __local kv4_t v_s4[V4(BLOCK_N * VS_LD)];
-#else /* V is staged over K once S is computed */
-    __local kv4_t *v_s4 = kv_s4;
-#endif
     __local acc4_t p_s4[V4(BLOCK_M * PS_LD)];
     __local acc_t red_s[THREADS_N * BLOCK_M];
     __local acc_t *q_s = (__local acc_t *)q_s4;
     __local kv_t *kv_s = (__local kv_t *)kv_s4;
-    __local kv_t *v_s = (__local kv_t *)v_s4;
     __local acc_t *p_s = (__local acc_t *)p_s4;
 
     const int lid = get_local_id(0);
@@ -324,12 +310,9 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
 #if PREFETCH
-        STORE_REGS(k_reg, K_PER, 0, HEAD_DIM / 4, KS_LD / 4, kv_s4)
+        STORE_REGS(k_reg, K_PER, 0, HEAD_DIM / 4, KS_LD / 4)
 #elif LOAD_VEC
-        STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, KS_LD / 4, kv_s4)
-#if KV_BOTH
-        STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, VS_LD / 4, v_s4)
-#endif
+        STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, KS_LD / 4)
 #else
         STAGE_TILE_SCALAR(k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)
 #endif
@@ -440,21 +423,17 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 
         /* -- stage the V tile over the K tile (padding columns zeroed) */
 #if PREFETCH /* and K of the next tile in flight while P V is */
-        STORE_REGS(v_reg, V_PER, 0, DV_PAD / 4, VS_LD / 4, v_s4)
+        STORE_REGS(v_reg, V_PER, 0, DV_PAD / 4, VS_LD / 4)
         if (t + 1 < t_end) {
             LOAD_REGS(k_reg, K_PER, 0, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
                       n0 + BLOCK_N)
         }
-        barrier(CLK_LOCAL_MEM_FENCE);
-#elif KV_BOTH
-        /* staged with K; the barrier after P was written covers it */
 #elif LOAD_VEC
-        STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, VS_LD / 4, v_s4)
-        barrier(CLK_LOCAL_MEM_FENCE);
+        STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, VS_LD / 4)
 #else
         STAGE_TILE_SCALAR(v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)
-        barrier(CLK_LOCAL_MEM_FENCE);
 #endif
+        barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- O += P V, four keys per step; on partly visible tiles an invisible key (p == 0) is
          *    skipped, never multiplied, so NaN or garbage in its v cannot leak */

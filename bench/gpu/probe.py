@@ -107,8 +107,6 @@ def _with(overrides, fn):
     from attnlib.backends.opencl import _attention
 
     orig = _attention.FwdConfig
-    if overrides.get("KV_BOTH"):
-        overrides = {"PREFETCH": False, **overrides}
     _attention.FwdConfig = lambda **kw: orig(**{**kw, **overrides})
     try:
         return fn()
@@ -116,16 +114,13 @@ def _with(overrides, fn):
         _attention.FwdConfig = orig
 
 
-DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); run 4 swept TREE_MAX/STAGE without KV_BOTH
-    (None, {}),
-    ((4, 64, 1, 64), {"TREE_MAX": True, "KV_BOTH": True}),
-    ((4, 64, 1, 64), {"TREE_MAX": True, "KV_BOTH": True, "STAGE": 16}),
-    ((4, 64, 1, 64), {"TREE_MAX": True, "KV_BOTH": True, "STAGE": 32}),
-    ((4, 128, 1, 128), {"TREE_MAX": True, "KV_BOTH": True}),
-    ((4, 128, 2, 64), {"TREE_MAX": True, "KV_BOTH": True}),
-    ((4, 128, 2, 64), {"TREE_MAX": True, "KV_BOTH": True, "STAGE": 16}),
-    ((4, 32, 1, 32), {"TREE_MAX": True, "KV_BOTH": True, "STAGE": 16}),
-    ((4, 128, 4, 32), {"TREE_MAX": True, "KV_BOTH": True}),
+DECODE_VARIANTS = [  # (tiles, FwdConfig overrides)
+    (None, {}), ((4, 64, 1, 64), {"TREE_MAX": True}), ((4, 64, 1, 64), {"TREE_MAX": False}),
+    ((4, 128, 1, 128), {"TREE_MAX": True}), ((4, 32, 1, 32), {"TREE_MAX": True}),
+    ((4, 64, 1, 64), {"TREE_MAX": True, "STAGE": 16}),
+    ((4, 128, 1, 128), {"TREE_MAX": True, "STAGE": 16}),
+    ((4, 128, 2, 64), {"TREE_MAX": True}), ((4, 128, 4, 32), {"TREE_MAX": True}),
+    ((4, 128, 4, 32), {"TREE_MAX": False}),
 ]
 
 
@@ -157,19 +152,20 @@ def decode_sweep(queue) -> None:
 
 
 def prefill32_sweep(queue) -> None:
-    """float32 prefill kernel time per tiling with and without KV_BOTH."""
+    """float32 prefill kernel time per tiling with and without TREE_MAX."""
     for bhsd in [(4, 16, 2048, 64), (4, 16, 2048, 128)]:
         b, h, s, d = bhsd
         rng = np.random.default_rng(0)
         host = [rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3)]
-        for tiles in [None, (128, 64, 16, 8), (64, 64, 8, 16), (128, 64, 16, 16)]:
-            for both in (False, True):
+        for tiles in [None, (128, 64, 16, 8), (64, 64, 8, 16), (128, 64, 16, 16),
+                      (64, 128, 8, 32), (128, 128, 16, 32)]:
+            for tree in (False, True):
                 be = attnlib.get_backend("opencl", queue=queue, tiles=tiles)
                 dev = [attnlib.to_device(x, backend=be) for x in host]
                 try:
-                    ks = _with({"KV_BOTH": both}, lambda x=dev, e=be: _kernel_us(
+                    ks = _with({"TREE_MAX": tree}, lambda x=dev, e=be: _kernel_us(
                         lambda: attnlib.attention(*x, backend=e), queue, reps=5))
-                    row = {"shape": bhsd, "tiles": tiles, "kv_both": both,
+                    row = {"shape": bhsd, "tiles": tiles, "tree": tree,
                            "ms": round(sum(ks) / 1e3, 3),
                            "tflops": round(4 * b * h * s * s * d / sum(ks) / 1e6, 2)}
                 except Exception as exc:  # noqa: BLE001

@@ -58,26 +58,6 @@ def device_tilings(be):
 
 
 @case
-def kernel_variants(be):
-    # attn_fwd.cl's GPU-only variants forced: V in its own __local tile staged with K (KV_BOTH:
-    # one barrier less per tile), the row max by halving steps (TREE_MAX), deeper staging
-    from attnlib.backends.opencl import _attention
-
-    orig = _attention.FwdConfig
-    _attention.FwdConfig = lambda **kw: orig(
-        **{**kw, "KV_BOTH": True, "PREFETCH": False, "TREE_MAX": True, "STAGE": 16})
-    try:
-        rng = rng_for("og variants")
-        q, k, v = qkv(rng, 1, 1, 40, 4, 1, 8)  # decode-shaped, GQA 4:1, 2 splits
-        check_dense(attnlib.get_backend("opencl", tiles=(4, 16, 1, 8), num_splits=2), q, k, v,
-                    causal=True)
-        q, k, v = qkv(rng, 1, 9, 21, 2, 1, 8, 12)
-        check_dense(attnlib.get_backend("opencl", tiles=(8, 8, 2, 4)), q, k, v, causal=True)
-    finally:
-        _attention.FwdConfig = orig
-
-
-@case
 def masks_alibi_softcap(be):
     rng = rng_for("og masks")
     q, k, v = qkv(rng, 2, 5, 11, 2, 1, 8)
