@@ -120,7 +120,10 @@ def jit_sgemm(trans_a: bool, trans_b: bool, m: int, n: int, k: int, lda: int, ld
     if gemm(np.dtype(np.float32))[1] == "mkl" and len(_jitters) < MAX_JITTERS and \
             os.environ.get("ATTNLIB_NUMBA_MKL_JIT", "1") != "0":
         lib = _mkl
-        create = lib.mkl_cblas_jit_create_sgemm
+        create = getattr(lib, "mkl_cblas_jit_create_sgemm", None)  # MKL >= 2019
+        if create is None:
+            _jitters[key] = res
+            return res
         create.restype = ctypes.c_int
         create.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_int] * 6 + \
             [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
