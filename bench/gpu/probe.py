@@ -114,12 +114,13 @@ def _with(overrides, fn):
         _attention.FwdConfig = orig
 
 
-DECODE_VARIANTS = [  # (backend options, keys per chunk of attn_decode.cl); runs 4 and 6 swept
-    # the tiled kernel's options (TREE_MAX, STAGE, KV_BOTH)
-    ({"direct_decode": False}, None),
-    ({"direct_decode": True}, 128),
-    ({"direct_decode": True}, 64),
-    ({"direct_decode": True}, 256),
+DECODE_VARIANTS = [  # (tiles, FwdConfig overrides)
+    (None, {}), ((4, 64, 1, 64), {"TREE_MAX": True}), ((4, 64, 1, 64), {"TREE_MAX": False}),
+    ((4, 128, 1, 128), {"TREE_MAX": True}), ((4, 32, 1, 32), {"TREE_MAX": True}),
+    ((4, 64, 1, 64), {"TREE_MAX": True, "STAGE": 16}),
+    ((4, 128, 1, 128), {"TREE_MAX": True, "STAGE": 16}),
+    ((4, 128, 2, 64), {"TREE_MAX": True}), ((4, 128, 4, 32), {"TREE_MAX": True}),
+    ((4, 128, 4, 32), {"TREE_MAX": False}),
 ]
 
 
@@ -131,24 +132,21 @@ def decode_sweep(queue) -> None:
         step = min(n, 8192)
         kh = rng.standard_normal((b, step, hkv, d), dtype=np.float32).astype(np.float16)
         q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
-        for opts, nt in DECODE_VARIANTS:
-            for splits in [None, 8, 16, 32, 64, 132]:
-                from attnlib.backends.opencl import _attention
-
-                _attention.DECODE_NT = nt or 128
-                be = attnlib.get_backend("opencl", queue=queue, num_splits=splits, **opts)
+        for tiles, ov in DECODE_VARIANTS:
+            for splits in [None, 16, 32, 64]:
+                be = attnlib.get_backend("opencl", queue=queue, tiles=tiles, num_splits=splits)
                 cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend=be)
                 for p in range(0, n, step):
                     cache.update(kh, kh, p)
                 qd = attnlib.to_device(q, backend=be)
                 try:
-                    ks = _kernel_us(lambda c=cache, x=qd: attnlib.attention_with_kvcache(x, c),
-                                    queue)
-                    row = {"b": b, "n": n, "opts": opts, "nt": nt, "splits": splits,
+                    ks = _with(ov, lambda c=cache, x=qd: _kernel_us(
+                        lambda: attnlib.attention_with_kvcache(x, c), queue))
+                    row = {"b": b, "n": n, "tiles": tiles, "splits": splits, "ov": ov,
                            "kernel_us": [round(x, 1) for x in ks], "sum_us": round(sum(ks), 1),
                            "TBps": round(2 * b * n * hkv * d * 2 / sum(ks) / 1e6, 2)}
                 except Exception as exc:  # noqa: BLE001 - a tiling that does not fit
-                    row = {"opts": opts, "nt": nt, "error": str(exc)[:120]}
+                    row = {"tiles": tiles, "ov": ov, "error": str(exc)[:120]}
                 print(json.dumps(row), flush=True)
                 del cache
 

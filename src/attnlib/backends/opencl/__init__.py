@@ -11,9 +11,6 @@ Options (``attnlib.get_backend("opencl", **options)``):
 * ``num_splits``: force the number of key splits (flash-decoding) per query block;
 * ``use_mma``: on NVIDIA sm_80+ devices run float16/bfloat16 prefill on tensor cores
   (``_nvidia_mma``, default True); decoding-shaped calls always take the split-KV kernel.
-* ``direct_decode``: decoding-shaped calls (<= 8 packed query rows, no mask) run
-  ``kernels/attn_decode.cl`` (K and V read straight from global memory) instead of the tiled
-  kernel; default: on GPUs only (None), True/False force it.
 
 Raises :class:`~attnlib.errors.UnsupportedError` (through ``supports_dtype``) for float64 on a
 device without ``cl_khr_fp64`` and :class:`~attnlib.errors.KernelBuildError` when a kernel fails
@@ -109,7 +106,6 @@ class OpenCLBackend(Backend):
         tiles: Sequence[int] | None = None,
         num_splits: int | None = None,
         use_mma: bool = True,
-        direct_decode: bool | None = None,
     ) -> None:
         import pyopencl as cl
 
@@ -123,7 +119,6 @@ class OpenCLBackend(Backend):
         self.tiles = tuple(int(t) for t in tiles) if tiles is not None else None
         self.num_splits = num_splits
         self.use_mma = bool(use_mma)
-        self.direct_decode = None if direct_decode is None else bool(direct_decode)
         self._programs = ProgramCache()
         self._kernels: dict[tuple, Any] = {}
         # clSetKernelArg on one kernel object is not thread-safe: set + enqueue under a lock

@@ -53,47 +53,6 @@ class MergeConfig(KernelConfig):
     WG: int
 
 
-@dataclass(frozen=True)
-class DecodeConfig(KernelConfig):
-    HEAD_DIM: int
-    HEAD_DIM_V: int
-    BLOCK_M: int
-    NT: int
-    STORE_KIND: int
-    ACC_KIND: int
-    HAS_ALIBI: bool
-    HAS_SOFTCAP: bool
-    SPLIT: bool
-
-
-#: keys per chunk (= work-items) of attn_decode.cl on GPUs; 16 under a simulator
-DECODE_NT = 128
-
-
-def decode_local_bytes(bm: int, nt: int, d: int, dv: int, acc_bytes: int) -> int:
-    """__local memory of one attn_decode work-group (mirrors the kernel's arrays)."""
-    vs = min(nt, _next_pow2(max(1, dv // 4)))
-    return acc_bytes * (bm * d + bm * nt + bm * 16 + (nt // vs) * bm * vs * 4)
-
-
-def _direct_decode(be: OpenCLBackend, call: AttnCall, max_rows: int, views: list) -> int:
-    """NT (keys per chunk) when attn_decode.cl takes this call, else 0: decoding-shaped calls
-    (<= DECODE_ROWS packed rows) without a mask, head dims multiples of 4 read with unit stride,
-    no forced tiling; on GPUs by default (``direct_decode`` forces it either way)."""
-    use = be.direct_decode if be.direct_decode is not None else not be.facts.is_cpu
-    if not use or be.tiles is not None or max_rows > DECODE_ROWS or call.mask_view is not None:
-        return 0
-    d, dv = call.head_dim, call.head_dim_v
-    if d % 4 or dv % 4 or any(vw.strides[3] != 1 for vw in views):
-        return 0
-    nt = 16 if be.facts.simulator else DECODE_NT
-    acc = 8 if call.dtype == np.float64 else 4
-    if dv // 4 > nt or decode_local_bytes(_next_pow2(max_rows), nt, d, dv, acc) > \
-            be.facts.local_budget:
-        return 0
-    return nt
-
-
 def merge_wg(dv: int) -> int:
     """Work-group size of merge.cl (one work-group per row): Dv rounded up to a power of two,
     32..128."""
@@ -227,14 +186,8 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     if out.size == 0 or n_seq == 0:
         return (out.get(), lse.get()) if host else (out, lse)
     kv_bytes = 2 if dtype.itemsize == 2 else acc.itemsize
-    views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
-    direct = _direct_decode(be, call, max_rows, views)
-    if direct:  # kernels/attn_decode.cl: BLOCK_M rows, NT keys per chunk
-        bm, bn = _next_pow2(max_rows), direct
-        tmh, tnh = 1, direct
-    else:
-        tiles = choose_tiles(be.facts, max_rows, d, dv, acc.itemsize, kv_bytes, be.tiles)
-        bm, bn, tmh, tnh = tiles
+    tiles = choose_tiles(be.facts, max_rows, d, dv, acc.itemsize, kv_bytes, be.tiles)
+    bm, bn, tmh, tnh = tiles
     desc, n_groups = _descriptor(call, rows, bm)
     if n_groups == 0:
         return (out.get(), lse.get()) if host else (out, lse)
@@ -255,6 +208,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     if call.alibi is not None:
         alibi_buf = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
 
+    views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
     d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
     load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
                 and all(vw.strides[3] == 1 for vw in views))
@@ -289,16 +243,8 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
              f(call.softcap or 1.0), alibi_buf, mask_args[0], *(i64(a) for a in mask_args[1:])]
     args += [*dst, i32(sq_arr), i32(hq), i64(n_out_rows), i32(group)]
     nt = tmh * tnh
-    if direct:
-        dcfg = DecodeConfig(HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, NT=nt,
-                            STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
-                            HAS_ALIBI=call.alibi is not None,
-                            HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1)
-        be.launch(ctx, queue, "attn_decode.cl", dcfg, "attn_decode",
-                  (n_groups * nt, hkv, splits), (nt, 1, 1), args)
-    else:
-        be.launch(ctx, queue, "attn_fwd.cl", cfg, "attn_fwd", (n_groups * nt, hkv, splits),
-                  (nt, 1, 1), args)
+    be.launch(ctx, queue, "attn_fwd.cl", cfg, "attn_fwd", (n_groups * nt, hkv, splits),
+              (nt, 1, 1), args)
 
     if splits > 1:
         wg = merge_wg(dv)
