@@ -25,6 +25,7 @@
 #include "storage.h"
 
 #define CHUNK 256
+#define UNROLL 8
 
 inline acc_t nan_max2(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 
@@ -82,8 +83,18 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
             }
             barrier(CLK_LOCAL_MEM_FENCE);
             if (c < DV) {
-                for (int i = 0; i < n; ++i) {
-                    const acc_t wi = w_s[i]; /* empty states are skipped, their out never read */
+                /* UNROLL loads issued before their FMAs (independent, in flight together); an
+                 * empty state (w = 0) is skipped, its out never read */
+                int i = 0;
+                for (; i + UNROLL <= n; i += UNROLL) {
+                    acc_t x[UNROLL];
+                    for (int u = 0; u < UNROLL; ++u)
+                        x[u] = w_s[i + u] != 0 ? LD_IN(outs, (i0 + i + u) * o_stride + r * DV + c)
+                                               : (acc_t)0;
+                    for (int u = 0; u < UNROLL; ++u) o += w_s[i + u] * x[u];
+                }
+                for (; i < n; ++i) {
+                    const acc_t wi = w_s[i];
                     if (wi != 0) o += wi * LD_IN(outs, (i0 + i) * o_stride + r * DV + c);
                 }
             }
