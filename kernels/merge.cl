@@ -4,7 +4,7 @@
  * Row r = (b * S + s) * H + h of the output; state i holds out_i[i * o_stride + r * DV + c] and
  * lse_i[i * l_stride + b * l_sb + s * l_ss + h * l_sh]. Then
  *   lse = log sum_i exp(lse_i),  out = sum_i exp(lse_i - lse) out_i,
- * computed around m = max_i lse_i; states with lse = -inf are skipped (their out is never read), so
+ * computed around m = max_i lse_i; states with lse = -inf are skipped (their out is never used), so
  * merging only empty states gives (0, -inf).
  *
  * One work-group of WG work-items per row. Each state's weight exp(lse_i - m) is computed once per
@@ -83,15 +83,20 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
             }
             barrier(CLK_LOCAL_MEM_FENCE);
             if (c < DV) {
-                /* UNROLL loads issued before their FMAs (independent, in flight together); an
-                 * empty state (w = 0) is skipped, its out never read */
+                /* UNROLL unconditional loads issued before their FMAs, so that they are in
+                 * flight together (a load under a branch was issued one state at a time: 13 us
+                 * for 64 states on the H200, run 8). Every partial state is written by attn_fwd
+                 * (an empty one as out 0, lse -inf); a state with w = 0 is dropped by a select,
+                 * never multiplied, so whatever its out holds cannot leak. */
                 int i = 0;
                 for (; i + UNROLL <= n; i += UNROLL) {
                     acc_t x[UNROLL];
                     for (int u = 0; u < UNROLL; ++u)
-                        x[u] = w_s[i + u] != 0 ? LD_IN(outs, (i0 + i + u) * o_stride + r * DV + c)
-                                               : (acc_t)0;
-                    for (int u = 0; u < UNROLL; ++u) o += w_s[i + u] * x[u];
+                        x[u] = LD_IN(outs, (i0 + i + u) * o_stride + r * DV + c);
+                    for (int u = 0; u < UNROLL; ++u) {
+                        const acc_t wi = w_s[i + u];
+                        o += wi != 0 ? wi * x[u] : (acc_t)0;
+                    }
                 }
                 for (; i < n; ++i) {
                     const acc_t wi = w_s[i];

@@ -215,3 +215,24 @@ def test_streaming_from_memmap(attnlib_backend, tmp_path):
 
     ref, ref_lse = reference_attention(q, k, v, causal=True)
     check_attention(out, lse, ref, None, ref_lse, None)
+
+
+def test_merge_skips_empty_states_holding_nan(attnlib_backend):
+    """An empty state (lse = -inf) contributes nothing even when its out holds NaN, also among
+    many states (GPU merge kernels read them in unrolled batches)."""
+    import attnlib
+
+    rng = rng_for("merge nan")
+    outs = [randn(rng, (2, 3, 2, 8)) for _ in range(11)]
+    lses = [randn(rng, (2, 2, 3)) for _ in range(11)]
+    for i in (2, 7, 10):
+        outs[i] = np.full_like(outs[i], np.nan)
+        lses[i] = np.full_like(lses[i], -np.inf)
+    keep = [i for i in range(11) if i not in (2, 7, 10)]
+    out, lse = attnlib.merge_states(outs, lses, backend=attnlib_backend)
+    ref, ref_lse = attnlib.merge_states([outs[i] for i in keep], [lses[i] for i in keep],
+                                        backend="numpy")
+    out = np.asarray(attnlib.to_numpy(out), np.float64)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(attnlib.to_numpy(lse)), ref_lse, atol=1e-5)
