@@ -26,12 +26,17 @@ def acc_dtype(dtype: Any) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+_ARRAY_TYPE: list = []  # pyopencl.array.Array once imported (the check runs several times a call)
+
+
 def is_cl_array(x: Any) -> bool:
-    try:
-        import pyopencl.array as cla
-    except ImportError:  # pragma: no cover - the backend is unavailable then
-        return False
-    return isinstance(x, cla.Array)
+    if not _ARRAY_TYPE:
+        try:
+            import pyopencl.array as cla
+        except ImportError:  # pragma: no cover - the backend is unavailable then
+            return False
+        _ARRAY_TYPE.append(cla.Array)
+    return isinstance(x, _ARRAY_TYPE[0])
 
 
 @dataclass

@@ -132,10 +132,30 @@ def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | Non
     return max(1, min(-(-target // n_groups), key_tiles // 2))
 
 
+_configs: dict[tuple, Any] = {}
+
+
+def _memo_config(cls: Any, **fields: Any) -> Any:
+    """``cls(**fields)``, made once per distinct value set (a frozen dataclass of ~18 fields costs
+    microseconds to build, on a path where a decode call has ~100 us of host time in all)."""
+    key = (cls, *fields.values())
+    cfg = _configs.get(key)
+    if cfg is None:
+        cfg = _configs[key] = cls(**fields)
+    return cfg
+
+
 def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
     """The kernel's int32 table: 9 fields per sequence, then (sequence, first packed row) per
     work-group column; and the number of those columns."""
     n_seq = call.n_seq
+    if n_seq == 1 and int(rows[0]) <= 64 * bm:  # decoding with batch 1, short prompts: ints
+        n_groups = -(-int(rows[0]) // bm)
+        chi = _INT_MAX if call.causal_hi is None else int(call.causal_hi[0])
+        head = [int(f[0]) for f in (call.q_batch, call.q_row0, call.q_len, call.k_batch,
+                                    call.k_row0, call.k_len, call.q_pos0, call.k_pos0)]
+        table = [x for g in range(n_groups) for x in (0, g * bm)]
+        return np.array(head + [chi] + table, np.int32), n_groups
     n_blocks = -(-rows // bm)
     n_groups = int(n_blocks.sum())
     desc = np.empty(9 * n_seq + 2 * n_groups, np.int32)
@@ -145,10 +165,7 @@ def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, 
         fields[:, i] = f
     fields[:, 8] = _INT_MAX if call.causal_hi is None else call.causal_hi
     table = desc[9 * n_seq:].reshape(n_groups, 2)
-    if n_seq == 1:  # the common case (one sequence, or decoding): no repeat/cumsum
-        table[:, 0] = 0
-        table[:, 1] = np.arange(0, n_groups * bm, bm)
-    elif n_groups:
+    if n_groups:
         seq_of = np.repeat(np.arange(n_seq), n_blocks)
         table[:, 0] = seq_of
         table[:, 1] = (np.arange(n_groups) - np.repeat(np.cumsum(n_blocks) - n_blocks,
@@ -217,8 +234,8 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     # H200 build used 255 registers and spilled 1.9 KB per work-item (bench/RESULTS.md).
     per = -(-bn * max(d, dv_pad) // (4 * tmh * tnh))
     prefetch = load_vec and tmh == 1 and per * kv_bytes <= 32  # 4 elements: kv_bytes regs
-    cfg = FwdConfig(
-        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
+    cfg = _memo_config(
+        FwdConfig, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
         THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec, PREFETCH=prefetch,
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
@@ -238,7 +255,9 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     i64, i32, f = np.int64, np.int32, acc.type
     args: list[Any] = []
     for view in views:
-        args += [view.buf, i64(view.offset), *(i64(s) for s in view.strides)]
+        args.append(view.buf)
+        args.append(i64(view.offset))
+        args.extend([i64(s) for s in view.strides])
     args += [desc_buf, i32(n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
              f(call.softcap or 1.0), alibi_buf, mask_args[0], *(i64(a) for a in mask_args[1:])]
     args += [*dst, i32(sq_arr), i32(hq), i64(n_out_rows), i32(group)]
@@ -248,8 +267,8 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
 
     if splits > 1:
         wg = merge_wg(dv)
-        mcfg = MergeConfig(IN_KIND=store_kind(acc), STORE_KIND=store_kind(dtype),
-                           ACC_KIND=int(acc == np.float64), WG=wg)
+        mcfg = _memo_config(MergeConfig, IN_KIND=store_kind(acc), STORE_KIND=store_kind(dtype),
+                            ACC_KIND=int(acc == np.float64), WG=wg)
         margs = [part_o, i64(n_out_rows * dv), part_l, i64(n_out_rows), i64(sq_arr * hq),
                  i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(dv), i64(n_out_rows),
                  out.data, lse_buf]

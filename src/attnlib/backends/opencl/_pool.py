@@ -37,10 +37,31 @@ def pool_for(queue: Any) -> Any:
 
 
 def empty(queue: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-    """An uninitialised ``pyopencl.array.Array`` whose memory comes from the queue's pool."""
+    """An uninitialised C-contiguous ``pyopencl.array.Array`` whose memory comes from the
+    queue's pool.
+
+    pyopencl's checked constructor (``cla.empty``) validated the shape with several numpy calls:
+    ~15 us of the ~120 us a decode call spends on the H200's host (bench/RESULTS.md). The shape
+    here is always a tuple of non-negative ints made by attnlib, so the Array is built through
+    pyopencl's own fast constructor (what its ``_new_like_me`` uses), falling back to the checked
+    one if that signature ever changes."""
     import pyopencl.array as cla
 
-    return cla.empty(queue, tuple(shape), np.dtype(dtype), allocator=pool_for(queue))
+    dtype = np.dtype(dtype)
+    shape = tuple(int(n) for n in shape)
+    size = 1
+    for n in shape:
+        size *= n
+    strides, step = [], dtype.itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(1, n)
+    try:
+        return cla.Array(None, shape, dtype, allocator=pool_for(queue),
+                         strides=tuple(strides[::-1]), _fast=True, _size=size,
+                         _context=queue.context, _queue=queue)
+    except TypeError:  # pragma: no cover - a pyopencl without the fast constructor
+        return cla.empty(queue, shape, dtype, allocator=pool_for(queue))
 
 
 def scratch(queue: Any, nbytes: int) -> Any:
