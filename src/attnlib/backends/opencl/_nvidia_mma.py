@@ -61,8 +61,19 @@ def _is_cl_array(x: Any) -> bool:
     return isinstance(x, cla.Array)
 
 
+_cc_memo: dict[int, tuple[int, int] | None] = {}
+
+
 def compute_capability(device: Any) -> tuple[int, int] | None:
-    """(major, minor) of an NVIDIA device (cl_nv_device_attribute_query), else None."""
+    """(major, minor) of an NVIDIA device (cl_nv_device_attribute_query), else None; asked of
+    the driver once per device (every prefill call checks it)."""
+    key = device.int_ptr
+    if key not in _cc_memo:
+        _cc_memo[key] = _query_cc(device)
+    return _cc_memo[key]
+
+
+def _query_cc(device: Any) -> tuple[int, int] | None:
     try:
         import pyopencl as cl
 
@@ -183,6 +194,29 @@ def _table_buffer(ctx: Any, table: np.ndarray) -> Any:
     return buf
 
 
+_tables_cache: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+
+def _tables_memo_get(call: AttnCall, block_m: int, block_n: int) -> tuple:
+    """:func:`_tables`, remembered by the values it depends on: repeated calls of one shape (the
+    common case) skip ~20 small numpy operations; the tables are never modified once made."""
+    fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
+              call.q_pos0, call.k_pos0, call.causal_hi)
+    key = (block_m, block_n, call.window_left, call.window_right,
+           *(None if f is None else np.asarray(f, np.int64).tobytes() for f in fields))
+    with _lock:
+        hit = _tables_cache.get(key)
+        if hit is not None:
+            _tables_cache.move_to_end(key)
+            return hit
+    hit = _tables(call, block_m, block_n)
+    with _lock:
+        _tables_cache[key] = hit
+        while len(_tables_cache) > _TABLES_MAX:
+            _tables_cache.popitem(last=False)
+    return hit
+
+
 def _tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-sequence fields for the kernel and the work list of (sequence, first row) tiles,
     heaviest first (causal blocks near the diagonal see more keys and should start early)."""
@@ -254,7 +288,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     is_dev = _is_cl_array(call.q)
     out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
 
-    seqs, tiles = _tables(call, block_m, block_n)
+    seqs, tiles = _tables_memo_get(call, block_m, block_n)
     out = _pool.empty(queue, out_shape, dtype)
     lse = _pool.empty(queue, lse_shape, np.float32)
     if tiles.shape[0] and hq:
