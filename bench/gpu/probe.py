@@ -168,12 +168,55 @@ def prefill32_sweep(queue) -> None:
                 print(json.dumps(row), flush=True)
 
 
+ABLATIONS = {  # attn_fwd.cl with one phase removed (wrong results; for where-the-time-goes only)
+    "full": [],
+    "no_stage_k": ["STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, KS_LD / 4)"],
+    "no_stage_v": ["STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, VS_LD / 4)"],
+    "no_s": ["for (int d4 = 0; d4 < HEAD_DIM / 4; ++d4) {"],
+    "no_tree": ["for (int w = THREADS_N / 2; w > 0; w /= 2) {"],
+    "no_pv": ["PV_TILE(0)", "PV_TILE(1)"],
+}
+
+
+def ablate(queue) -> None:
+    """Decode kernel time with one phase of attn_fwd.cl cut out at a time (default tiling)."""
+    from attnlib.backends.opencl import _runtime
+
+    src0 = _runtime.kernel_source("attn_fwd.cl")
+    rng = np.random.default_rng(1)
+    for b, n in [(1, 131072), (8, 8192)]:
+        kh = rng.standard_normal((b, 8192, 8, 128), dtype=np.float32).astype(np.float16)
+        q = rng.standard_normal((b, 1, 32, 128), dtype=np.float32).astype(np.float16)
+        for name, cuts in ABLATIONS.items():
+            src = src0
+            for c in cuts:
+                assert c in src, c
+                if c.startswith("for ("):
+                    src = src.replace(c, c.replace("; ++d4) {", " && 0; ++d4) {")
+                                      .replace("w > 0; w /= 2) {", "w > THREADS_N; w /= 2) {"))
+                else:
+                    src = src.replace(c, "/* cut */")
+            be = attnlib.get_backend("opencl", queue=queue)
+            be._programs._sources["attn_fwd.cl"] = src
+            cache = attnlib.KVCache(b, n, 8, 128, dtype="float16", backend=be)
+            for p in range(0, n, 8192):
+                cache.update(kh, kh, p)
+            qd = attnlib.to_device(q, backend=be)
+            ks = _kernel_us(lambda c=cache, x=qd: attnlib.attention_with_kvcache(x, c), queue)
+            print(json.dumps({"b": b, "n": n, "variant": name,
+                              "kernel_us": [round(x, 1) for x in ks]}), flush=True)
+            del cache
+
+
 def main() -> None:
     ctx = attnlib.get_backend("opencl").context
     queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
     be = attnlib.get_backend("opencl", queue=queue)
     if "sweep" in sys.argv[1:]:
         decode_sweep(queue)
+        return
+    if "ablate" in sys.argv[1:]:
+        ablate(queue)
         return
     if "prefill32" in sys.argv[1:]:
         prefill32_sweep(queue)
