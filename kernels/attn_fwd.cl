@@ -23,9 +23,7 @@
  * V of tile t is loaded while S is computed, K of tile t+1 while P V is. TREE_MAX=1 reduces the
  * per-tile row max over the THREADS_N items of a row in log2(THREADS_N) halving steps (wide decode
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
- * work-item issued before their __local stores when staging a tile. L2_PREFETCH=1 issues
- * prefetch() hints for the next tile's K and V rows at the top of each tile (needs unit stride
- * along the head dims).
+ * work-item issued before their __local stores when staging a tile.
  */
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -48,12 +46,6 @@
 #ifndef TREE_MAX
 #define TREE_MAX 0
 #endif
-#ifndef L2_PREFETCH
-#define L2_PREFETCH 0
-#endif
-/* prefetch granularity: 128-byte lines of a K row (unit stride along D) */
-#define PF_ELEMS (128 / (int)sizeof(store_t))
-#define PF_LINES ((HEAD_DIM + PF_ELEMS - 1) / PF_ELEMS)
 #if TREE_MAX && (THREADS_N & (THREADS_N - 1))
 #error "TREE_MAX needs THREADS_N to be a power of two"
 #endif
@@ -314,27 +306,6 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     for (long t = t_begin; t < t_end; ++t) {
         const long n0 = n_first + t * BLOCK_N;
         const int full = MASK_KIND == 0 && n0 >= f_lo && n0 + BLOCK_N <= f_hi;
-#if L2_PREFETCH
-        /* -- ask for the next tile's K and V rows now (OpenCL's prefetch hint, 128-byte lines),
-         *    so that their trip from memory overlaps this tile's compute */
-        if (t + 1 < t_end) {
-            for (int idx = lid; idx < 2 * BLOCK_N * PF_LINES; idx += NT) {
-                const int kv_ = idx / (BLOCK_N * PF_LINES), n_ = (idx / PF_LINES) % BLOCK_N;
-                const long j_ = n0 + BLOCK_N + n_;
-                if (j_ < k_len) {
-                    long row_ = k_row0 + j_;
-                    if (ring && row_ >= ring) row_ -= ring;
-                    const int e_ = (idx % PF_LINES) * PF_ELEMS;
-                    if (kv_ == 0)
-                        prefetch((__global const uchar *)(k + k_off + kb * k_sb + row_ * k_ss +
-                                                          hk * k_sh + e_), 1);
-                    else if (e_ < HEAD_DIM_V)
-                        prefetch((__global const uchar *)(v + v_off + kb * v_sb + row_ * v_ss +
-                                                          hk * v_sh + e_), 1);
-                }
-            }
-        }
-#endif
 
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);

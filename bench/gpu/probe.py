@@ -114,10 +114,8 @@ def _with(overrides, fn):
         _attention.FwdConfig = orig
 
 
-DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); runs 4/6/7/9 swept more (bench/gpu/logs)
-    (None, {}), (None, {"L2_PREFETCH": True}),
-    ((4, 128, 1, 128), {"TREE_MAX": True, "L2_PREFETCH": True}),
-    ((4, 64, 2, 64), {"TREE_MAX": True, "L2_PREFETCH": True}),
+DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); runs 4/6/7 swept more (bench/gpu/logs)
+    (None, {}), ((4, 128, 1, 128), {"TREE_MAX": True}),
 ]
 
 
@@ -130,7 +128,7 @@ def decode_sweep(queue) -> None:
         kh = rng.standard_normal((b, step, hkv, d), dtype=np.float32).astype(np.float16)
         q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
         for tiles, ov in DECODE_VARIANTS:
-            for splits in [None, 64]:
+            for splits in [None, 32, 64, 132, 264]:
                 be = attnlib.get_backend("opencl", queue=queue, tiles=tiles, num_splits=splits)
                 cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend=be)
                 for p in range(0, n, step):
@@ -149,20 +147,20 @@ def decode_sweep(queue) -> None:
 
 
 def prefill32_sweep(queue) -> None:
-    """float32 prefill kernel time per tiling with and without L2_PREFETCH (runs 4 and 6 swept
-    TREE_MAX and KV_BOTH)."""
+    """float32 prefill kernel time per tiling with and without TREE_MAX."""
     for bhsd in [(4, 16, 2048, 64), (4, 16, 2048, 128)]:
         b, h, s, d = bhsd
         rng = np.random.default_rng(0)
         host = [rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3)]
-        for tiles in [None, (128, 64, 16, 16)]:
-            for pf in (False, True):
+        for tiles in [None, (128, 64, 16, 8), (64, 64, 8, 16), (128, 64, 16, 16),
+                      (64, 128, 8, 32), (128, 128, 16, 32)]:
+            for tree in (False, True):
                 be = attnlib.get_backend("opencl", queue=queue, tiles=tiles)
                 dev = [attnlib.to_device(x, backend=be) for x in host]
                 try:
-                    ks = _with({"L2_PREFETCH": pf}, lambda x=dev, e=be: _kernel_us(
+                    ks = _with({"TREE_MAX": tree}, lambda x=dev, e=be: _kernel_us(
                         lambda: attnlib.attention(*x, backend=e), queue, reps=5))
-                    row = {"shape": bhsd, "tiles": tiles, "l2_prefetch": pf,
+                    row = {"shape": bhsd, "tiles": tiles, "tree": tree,
                            "ms": round(sum(ks) / 1e3, 3),
                            "tflops": round(4 * b * h * s * s * d / sum(ks) / 1e6, 2)}
                 except Exception as exc:  # noqa: BLE001

@@ -43,7 +43,6 @@ class FwdConfig(KernelConfig):
     SPLIT: bool
     TREE_MAX: bool = False
     STAGE: int = 8
-    L2_PREFETCH: bool = False
 
 
 @dataclass(frozen=True)
