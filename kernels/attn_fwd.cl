@@ -46,12 +46,6 @@
 #ifndef TREE_MAX
 #define TREE_MAX 0
 #endif
-#ifndef CP_ASYNC
-#define CP_ASYNC 0
-#endif
-#if CP_ASYNC && (!LOAD_VEC || PREFETCH || STORE_KIND == 3 || ACC_KIND)
-#error "CP_ASYNC needs LOAD_VEC, no PREFETCH and float/half/bfloat16 storage"
-#endif
 #if TREE_MAX && (THREADS_N & (THREADS_N - 1))
 #error "TREE_MAX needs THREADS_N to be a power of two"
 #endif
@@ -187,43 +181,12 @@ typedef store_t out_t;
         if (idx_ < BLOCK_N * (COLS4))                                                           \
             kv_s4[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = REGS[u_];                    \
     }
-#if CP_ASYNC
-/* NVIDIA sm_80+: cp.async copies global -> __local without passing through registers, so a
- * work-item can have its whole share of the tile in flight (with registers it is STAGE chunks:
- * the decode kernel's staging was measured to run one register batch at a time). The host sets
- * CP_ASYNC only there, and only with offsets and strides that keep every chunk aligned. */
-#if STORE_KIND == 0
-#define CP_ASYNC_KV(DST, SRC)                                                                   \
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"                                    \
-                 :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
-#else
-#define CP_ASYNC_KV(DST, SRC)                                                                   \
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;"                                     \
-                 :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
-#endif
-#define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4)                        \
-    for (int idx_ = lid; idx_ < BLOCK_N * (COLS4); idx_ += NT) {                                \
-        const int n_ = idx_ / (COLS4), c_ = idx_ % (COLS4);                                     \
-        const long j_ = n0 + n_;                                                                \
-        __local kv4_t *d_ = kv_s4 + n_ * (DST_LD4) + c_;                                        \
-        if (j_ < k_len && c_ < (VALID4)) {                                                      \
-            long row_ = k_row0 + j_;                                                            \
-            if (ring && row_ >= ring) row_ -= ring;                                             \
-            CP_ASYNC_KV(d_, (SRC) + S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);      \
-        } else {                                                                                \
-            *d_ = 0;                                                                            \
-        }                                                                                       \
-    }                                                                                           \
-    asm volatile("cp.async.commit_group;" ::: "memory");                                        \
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#else
 #define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4)                        \
     for (int base_ = 0; base_ < BLOCK_N * (COLS4); base_ += NT * STAGE) {                       \
         kv4_t tmp_[STAGE];                                                                      \
         LOAD_REGS(tmp_, STAGE, base_, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, n0)          \
         STORE_REGS(tmp_, STAGE, base_, COLS4, DST_LD4)                                          \
     }
-#endif
 
 /* max that propagates NaN, as numpy's max does */
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }

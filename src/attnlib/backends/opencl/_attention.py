@@ -43,7 +43,6 @@ class FwdConfig(KernelConfig):
     SPLIT: bool
     TREE_MAX: bool = False
     STAGE: int = 8
-    CP_ASYNC: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,21 +130,6 @@ def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | Non
     if n_groups >= target or key_tiles < 4:
         return 1
     return max(1, min(-(-target // n_groups), key_tiles // 2))
-
-
-def _cp_async_ok(be: OpenCLBackend, call: AttnCall, views: list, vec_staging: bool) -> bool:
-    """True when K/V tiles may be staged with NVIDIA's cp.async (sm_80+, 16- or 32-bit storage,
-    vector staging, and K/V offsets and strides in whole 4-element chunks, so every copy is
-    aligned)."""
-    if not vec_staging or call.dtype == np.float64 or be.facts.is_cpu:
-        return False
-    from ._nvidia_mma import compute_capability
-
-    cc = compute_capability(be.device)
-    if cc is None or cc[0] < 8:
-        return False
-    return all(vw.offset % 4 == 0 and all(st % 4 == 0 for st in vw.strides[:3])
-               for vw in views[1:])
 
 
 _configs: dict[tuple, Any] = {}
@@ -256,7 +240,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1,
-        TREE_MAX=tnh >= 32, CP_ASYNC=_cp_async_ok(be, call, views, load_vec and not prefetch),
+        TREE_MAX=tnh >= 32,
     )
     if splits > 1:
         part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
