@@ -8,8 +8,11 @@
 
 Same process, same data: numba gets the bshd arrays attnlib takes, torch the same values as
 contiguous (B, H, S, D) tensors. Each case alternates the two (numba, torch, numba, ...) so load
-from other processes hits both alike; the median of the repeats is reported. Speed ratio =
-torch time / numba time (> 1: numba faster). FLOPs = 4 * B * H * D * visible pairs.
+from other processes hits both alike; the median of the repeats is reported. Back to back, a call
+right after PyTorch's shares the cores with PyTorch's OpenMP threads, which spin for a while
+after each call; ``--steady`` times each call after an untimed call of the same library (the
+steady state of a program that calls one of them repeatedly), for both alike.
+Speed ratio = torch time / numba time (> 1: numba faster). FLOPs = 4 * B * H * D * visible pairs.
 """
 
 from __future__ import annotations
@@ -39,13 +42,20 @@ def _pairs(s: int, causal: bool) -> int:
 CLOCK = time.perf_counter  # --single switches to time.process_time (CPU time, one thread)
 
 
+STEADY = False  # --steady: an untimed call of the same library before each timed one
+
+
 def _time_pair(f_a, f_b, reps: int) -> tuple[float, float]:
     f_a(), f_b()  # warm (compile, caches)
     ta, tb = [], []
     for _ in range(reps):
+        if STEADY:
+            f_a()
         t0 = CLOCK()
         f_a()
         ta.append(CLOCK() - t0)
+        if STEADY:
+            f_b()
         t0 = CLOCK()
         f_b()
         tb.append(CLOCK() - t0)
@@ -199,7 +209,13 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
     ap.add_argument("--prefill-only", action="store_true", help="skip decode and compile times")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--steady", action="store_true",
+                    help="time each call after an untimed call of the same library, so that "
+                         "neither is timed while the other's worker threads still spin "
+                         "(PyTorch's OpenMP pool does after each call) or while warming up")
     args = ap.parse_args()
+    global STEADY
+    STEADY = args.steady
     import numba
     import torch
 
