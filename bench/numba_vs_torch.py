@@ -5,6 +5,7 @@
     python bench/numba_vs_torch.py --quick         # prefill only, fewer repeats (tuning)
     python bench/numba_vs_torch.py --single        # also: one thread each, CPU time (load-proof)
     python bench/numba_vs_torch.py --single --prefill-only   # the two prefill tables only
+    python bench/numba_vs_torch.py --opencl --reps 3  # the prefill cases on opencl (PoCL) too
 
 Same process, same data: numba gets the bshd arrays attnlib takes, torch the same values as
 contiguous (B, H, S, D) tensors. Each case alternates the two (numba, torch, numba, ...) so load
@@ -90,6 +91,41 @@ def prefill(reps: int) -> list[float]:
     gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"\ngeometric-mean speed ratio numba/torch: {gm:.2f} (min {min(ratios):.2f})\n")
     return ratios
+
+
+def prefill_opencl(reps: int) -> None:
+    """The same prefill cases on the opencl backend (PoCL on a CPU-only machine), device-resident
+    pyopencl arrays, each call with ``finish()``, beside numba and torch timed in the same round
+    (issue: "the same benchmark as the numba backend, reported beside it")."""
+    import torch
+    import torch.nn.functional as F
+
+    import attnlib
+
+    be = attnlib.get_backend("opencl")
+    print(f"opencl device: {be.info()['device']} ({be.info()['platform']})\n")
+    print("| B,H,S,D | causal | opencl ms | opencl GFLOP/s | numba ms | torch ms | "
+          "opencl/numba | opencl/torch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, h, s, d in PREFILL:
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3))
+        dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v))
+        for causal in (False, True):
+            def run_cl(c=causal, x=(dq, dk, dv)):
+                attnlib.attention(*x, causal=c, backend=be)
+                be.queue.finish()
+
+            run_nb = functools.partial(attnlib.attention, q, k, v, causal=causal, backend="numba")
+            run_t = functools.partial(F.scaled_dot_product_attention, tq, tk, tv,
+                                      is_causal=causal)
+            t_cl, t_nb = _time_pair(run_cl, run_nb, reps)
+            _, t_t = _time_pair(run_cl, run_t, 1)
+            fl = 4 * b * h * d * _pairs(s, causal)
+            print(f"| {b},{h},{s},{d} | {'yes' if causal else 'no'} | {t_cl * 1e3:.1f} | "
+                  f"{fl / t_cl / 1e9:.1f} | {t_nb * 1e3:.1f} | {t_t * 1e3:.1f} | "
+                  f"{t_nb / t_cl:.3f} | {t_t / t_cl:.3f} |")
 
 
 def decode(reps: int) -> None:
@@ -209,6 +245,9 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
     ap.add_argument("--prefill-only", action="store_true", help="skip decode and compile times")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--opencl", action="store_true",
+                    help="only the prefill cases on the opencl backend (PoCL on a CPU) beside "
+                         "numba and torch")
     ap.add_argument("--steady", action="store_true",
                     help="time each call after an untimed call of the same library, so that "
                          "neither is timed while the other's worker threads still spin "
@@ -230,6 +269,9 @@ def main() -> None:
           f"numba {numba.__version__} ({numba.get_num_threads()} threads); torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads)\n")
     reps = 3 if args.quick else args.reps
+    if args.opencl:
+        prefill_opencl(reps)
+        return
     prefill(reps)
     if not (args.quick or args.prefill_only):
         decode(reps * 3)
