@@ -20,7 +20,6 @@ to compile (the message holds the options and the build log).
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,6 +30,7 @@ from ..base import AttnCall, Backend, RopeSpec
 from . import _attention, _ops
 from ._arrays import is_cl_array
 from ._runtime import KernelConfig, ProgramCache, choose_context, has_gpu, is_simulator
+from ._runtime import launch as _runtime_launch
 
 __all__ = ["OpenCLBackend"]
 
@@ -121,8 +121,6 @@ class OpenCLBackend(Backend):
         self.use_mma = bool(use_mma)
         self._programs = ProgramCache()
         self._kernels: dict[tuple, Any] = {}
-        # clSetKernelArg on one kernel object is not thread-safe: set + enqueue under a lock
-        self._launch_lock = threading.Lock()
 
     # ---- availability -------------------------------------------------------------------------
     @classmethod
@@ -192,25 +190,10 @@ class OpenCLBackend(Backend):
     def launch(self, ctx: Any, queue: Any, filename: str, cfg: KernelConfig, kernel: str,
                gsize: tuple, lsize: tuple | None, args: Sequence[Any]) -> Any:
         """Enqueue ``kernel`` of ``filename`` built with ``cfg``; returns its event."""
-        import pyopencl as cl
-
         opts = cfg.options()
-        key = (ctx.int_ptr, filename, opts, kernel)
-        knl = self._kernels.get(key)
-        if knl is None:
-            prg = self._programs.get(ctx, filename, opts)  # builds under its own lock
-            with self._launch_lock:
-                knl = self._kernels.get(key)
-                if knl is None:
-                    knl = cl.Kernel(prg, kernel)
-                    # typed scalars let pyopencl pack the arguments on its fast path
-                    knl.set_scalar_arg_dtypes(
-                        [a.dtype if isinstance(a, np.generic) else None for a in args]
-                    )
-                    self._kernels[key] = knl
-        with self._launch_lock:
-            knl.set_args(*args)
-            return cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize)
+        return _runtime_launch(self._kernels, (ctx.int_ptr, filename, opts, kernel),
+                               lambda: self._programs.get(ctx, filename, opts), kernel, queue,
+                               gsize, lsize, args)
 
     # ---- primitives ---------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[Any, Any]:

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..base import AttnCall
 from . import _pool
+from ._runtime import launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "build_options"]
 
@@ -44,13 +45,10 @@ _DTYPES = (np.dtype(np.float16), _BF16)
 
 _lock = threading.Lock()
 _programs: dict[tuple, Any] = {}
-#: one kernel object per program, made once: a fresh ``cl.Kernel`` makes pyopencl generate and
-#: look up its argument invoker again (about 1 ms per call on the H200 host, bench/RESULTS.md).
-#: clSetKernelArg on a shared kernel object is not thread-safe: set + enqueue under _launch_lock.
-_kernels: dict[tuple, Any] = {}
-_launch_lock = threading.Lock()
-_tables_memo: OrderedDict[tuple, Any] = OrderedDict()
-_TABLES_MAX = 256
+_kernels: dict[tuple, Any] = {}  # kernel objects, see _runtime.launch
+#: device tables, by the values they are made from (see _tables_on_device); the last _MEMO_MAX
+_memo: OrderedDict[tuple, Any] = OrderedDict()
+_MEMO_MAX = 256
 
 
 def _is_cl_array(x: Any) -> bool:
@@ -152,69 +150,46 @@ def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
     return prg
 
 
-def _kernel(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
-    """The kernel object of the program built with ``options`` (made once, typed scalars)."""
+def _memoised(key: tuple, make: Any) -> Any:
+    """``make()``, remembered under ``key`` (least recently used dropped past _MEMO_MAX)."""
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            _memo.move_to_end(key)
+            return hit
+    value = make()
+    with _lock:
+        _memo[key] = value
+        while len(_memo) > _MEMO_MAX:
+            _memo.popitem(last=False)
+    return value
+
+
+def _device_copy(ctx: Any, host: np.ndarray) -> Any:
+    """A read-only device copy of a small host array (at least one element)."""
     import pyopencl as cl
 
-    key = (ctx.int_ptr, device.int_ptr, options)
-    knl = _kernels.get(key)
-    if knl is None:
-        prg = get_program(ctx, device, options)
-        with _lock:
-            knl = _kernels.get(key)
-            if knl is None:
-                knl = cl.Kernel(prg, "attn_fwd_mma")
-                i64, i32, f32 = np.int64, np.int32, np.float32
-                knl.set_scalar_arg_dtypes([None] * 8 + [i64] * 12 + [i32] * 4 + [f32] * 2)
-                _kernels[key] = knl
-    return knl
+    host = np.ascontiguousarray(host) if host.size else np.zeros(1, host.dtype)
+    return cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
 
 
-def _table_buffer(ctx: Any, table: np.ndarray) -> Any:
-    """A read-only device copy of a small table, shared by every call with the same bytes.
-
-    Prefill calls of one shape repeat the same sequence and tile tables; an upload per call
-    (pool + enqueue_copy, three per call) was a large part of the ~0.4-1 ms the H200 host spent
-    per call (bench/RESULTS.md). Buffers are never written after creation, so sharing them
-    across calls and queues of the context is safe; the memo keeps the last _TABLES_MAX."""
-    import pyopencl as cl
-
-    key = (ctx.int_ptr, table.dtype.str, table.shape, table.tobytes())
-    with _lock:
-        buf = _tables_memo.get(key)
-        if buf is not None:
-            _tables_memo.move_to_end(key)
-            return buf
-    host = np.ascontiguousarray(table) if table.size else np.zeros(1, table.dtype)
-    buf = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
-    with _lock:
-        _tables_memo[key] = buf
-        while len(_tables_memo) > _TABLES_MAX:
-            _tables_memo.popitem(last=False)
-    return buf
-
-
-_tables_cache: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-
-
-def _tables_memo_get(call: AttnCall, block_m: int, block_n: int) -> tuple:
-    """:func:`_tables`, remembered by the values it depends on: repeated calls of one shape (the
-    common case) skip ~20 small numpy operations; the tables are never modified once made."""
+def _tables_on_device(ctx: Any, call: AttnCall, block_m: int,
+                      block_n: int) -> tuple[Any, Any, int]:
+    """(sequence table, tile table, number of tiles) on the device for ``call``, remembered by
+    the values :func:`_tables` reads: repeated calls of one shape (the common case) skip its ~20
+    small numpy operations and two uploads per call (a large part of the 0.4-1 ms the H200's
+    host spent per prefill call, bench/RESULTS.md). The buffers are never written after they
+    are made, so calls and queues of the context share them."""
     fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
               call.q_pos0, call.k_pos0, call.causal_hi)
-    key = (block_m, block_n, call.window_left, call.window_right,
+    key = ("tables", ctx.int_ptr, block_m, block_n, call.window_left, call.window_right,
            *(None if f is None else np.asarray(f, np.int64).tobytes() for f in fields))
-    with _lock:
-        hit = _tables_cache.get(key)
-        if hit is not None:
-            _tables_cache.move_to_end(key)
-            return hit
-    hit = _tables(call, block_m, block_n)
-    with _lock:
-        _tables_cache[key] = hit
-        while len(_tables_cache) > _TABLES_MAX:
-            _tables_cache.popitem(last=False)
-    return hit
+
+    def make() -> tuple[Any, Any, int]:
+        seqs, tiles = _tables(call, block_m, block_n)
+        return _device_copy(ctx, seqs), _device_copy(ctx, tiles), tiles.shape[0]
+
+    return _memoised(key, make)
 
 
 def _tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -288,19 +263,17 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     is_dev = _is_cl_array(call.q)
     out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
 
-    seqs, tiles = _tables_memo_get(call, block_m, block_n)
+    seq_buf, tile_buf, n_tiles = _tables_on_device(ctx, call, block_m, block_n)
     out = _pool.empty(queue, out_shape, dtype)
     lse = _pool.empty(queue, lse_shape, np.float32)
-    if tiles.shape[0] and hq:
+    if n_tiles and hq:
         opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                              alibi=call.alibi is not None, scale_pos=call.scale > 0,
                              use_ptx=use_ptx) + tuple(extra_options)
-        knl = _kernel(ctx, device, opts)
-        seq_buf = _table_buffer(ctx, seqs)
-        tile_buf = _table_buffer(ctx, tiles)
         slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
                   if call.alibi is not None else np.zeros(1, np.float32))
-        alibi_buf = _table_buffer(ctx, np.ascontiguousarray(slopes, np.float32))
+        alibi_buf = _memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
+                              lambda: _device_copy(ctx, slopes))
         (qb, qo, qs, _kq), (kb, ko, ks, _kk), (vb, vo, vs, _kv) = (
             _view(ctx, call.q), _view(ctx, call.k), _view(ctx, call.v))
         if call.softcap is not None:
@@ -309,14 +282,13 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
             qk_scale, cap = call.scale * _LOG2E, 0.0
         i64, i32 = np.int64, np.int32
         threads = 32 * warps
-        with _launch_lock:
-            knl.set_args(
-                qb, kb, vb, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf,
+        args = [qb, kb, vb, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf,
                 i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
-                np.float32(qk_scale), np.float32(cap))
-            evt = cl.enqueue_nd_range_kernel(queue, knl, (tiles.shape[0] * threads, hq),
-                                             (threads, 1), wait_for=wait_for)
+                np.float32(qk_scale), np.float32(cap)]
+        evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
+                     lambda: get_program(ctx, device, opts), "attn_fwd_mma", queue,
+                     (n_tiles * threads, hq), (threads, 1), args, wait_for=wait_for)
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:

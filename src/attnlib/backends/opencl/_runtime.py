@@ -15,6 +15,7 @@ import functools
 import os
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -164,3 +165,33 @@ def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...]
             f"{', '.join(d.name.strip() for d in ctx.devices)} with options {' '.join(opts)}:\n"
             f"{log}"
         ) from exc
+
+
+# clSetKernelArg on a kernel object is not thread-safe: arguments are set and the kernel
+# enqueued under one lock, shared by every launch of the backend
+_launch_lock = threading.Lock()
+
+
+def launch(kernels: dict, key: Any, make_program: Any, name: str, queue: Any, gsize: tuple,
+           lsize: tuple | None, args: Sequence[Any], wait_for: Any = None) -> Any:
+    """Enqueue kernel ``name`` and return its event. ``kernels`` holds one kernel object per
+    ``key``, made on first use from ``make_program()`` with typed scalar arguments (taken from
+    the numpy scalars among the first call's ``args``): a fresh ``cl.Kernel`` per call makes
+    pyopencl generate its argument invoker again (~0.7 ms a call on the H200's host,
+    bench/RESULTS.md), and typed scalars keep it on its fast path."""
+    import numpy as np
+    import pyopencl as cl
+
+    knl = kernels.get(key)
+    if knl is None:
+        prg = make_program()  # builds outside the launch lock
+        with _launch_lock:
+            knl = kernels.get(key)
+            if knl is None:
+                knl = cl.Kernel(prg, name)
+                knl.set_scalar_arg_dtypes(
+                    [a.dtype if isinstance(a, np.generic) else None for a in args])
+                kernels[key] = knl
+    with _launch_lock:
+        knl.set_args(*args)
+        return cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize, wait_for=wait_for)
