@@ -52,36 +52,33 @@ def _fetch_add(typingctx, arr, val):
     return sig, codegen
 
 
+def _call_address(n_args: int):
+    """LLVM codegen of a call to the C function at the address in the first argument, with the
+    other ``n_args`` int64 arguments passed as pointers."""
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p] * n_args)
+        fptr = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(fptr, [builder.inttoptr(x, i8p) for x in args[1:]])
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
 def _call_blas(typingctx, fn, ta, tb, m, n, kk, alpha, a, lda, b, ldb, beta, c, ldc):
     """Call the Fortran ``?gemm`` at address ``fn`` with the 13 argument addresses (all passed
     by reference, Fortran style). The address is a run-time argument, not a constant baked into
     the code, so the compiled kernel stays cacheable across processes."""
     sig = types.void(fn, ta, tb, m, n, kk, alpha, a, lda, b, ldb, beta, c, ldc)
-
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p] * 13)
-        fptr = builder.inttoptr(args[0], fnty.as_pointer())
-        builder.call(fptr, [builder.inttoptr(x, i8p) for x in args[1:]])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return sig, _call_address(13)
 
 
 @intrinsic
 def _call_jit(typingctx, fn, jitter, a, b, c):
     """Call an MKL JIT gemm kernel ``fn(jitter, a, b, c)`` (all addresses, int64)."""
-    sig = types.void(fn, jitter, a, b, c)
-
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p] * 4)
-        fptr = builder.inttoptr(args[0], fnty.as_pointer())
-        builder.call(fptr, [builder.inttoptr(x, i8p) for x in args[1:]])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return types.void(fn, jitter, a, b, c), _call_address(4)
 
 
 @njit(cache=True)
