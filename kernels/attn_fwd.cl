@@ -19,8 +19,7 @@
  * dim (HEAD_DIM % 4 == 0); V_VEC=4 gives each work-item output columns in 4-wide chunks
  * interleaved across work-items, read as 4-vectors; LOAD_VEC=1 loads global rows with vload4
  * (unit stride along the head dims). P is always read 4 keys at a time (BLOCK_N % 4 == 0).
- * PREFETCH=1 (decode tilings) keeps whole tiles in registers so that global loads overlap compute:
- * V of tile t is loaded while S is computed, K of tile t+1 while P V is. TREE_MAX=1 reduces the
+ * TREE_MAX=1 reduces the
  * per-tile row max over the THREADS_N items of a row in log2(THREADS_N) halving steps (wide decode
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
  * work-item issued before their __local stores when staging a tile.
@@ -40,17 +39,14 @@
 #if !defined(HAS_ALIBI) || !defined(HAS_SOFTCAP) || !defined(SPLIT)
 #error "HAS_ALIBI, HAS_SOFTCAP and SPLIT must be defined"
 #endif
-#if !defined(D_VEC) || !defined(V_VEC) || !defined(LOAD_VEC) || !defined(PREFETCH)
-#error "D_VEC, V_VEC, LOAD_VEC and PREFETCH must be defined"
+#if !defined(D_VEC) || !defined(V_VEC) || !defined(LOAD_VEC)
+#error "D_VEC, V_VEC and LOAD_VEC must be defined"
 #endif
 #ifndef TREE_MAX
 #define TREE_MAX 0
 #endif
 #if TREE_MAX && (THREADS_N & (THREADS_N - 1))
 #error "TREE_MAX needs THREADS_N to be a power of two"
-#endif
-#if PREFETCH && !LOAD_VEC
-#error "PREFETCH needs LOAD_VEC"
 #endif
 #if (BLOCK_M % THREADS_M) || (BLOCK_N % THREADS_N) || (BLOCK_N % 4)
 #error "BLOCK_M, BLOCK_N must be multiples of THREADS_M, THREADS_N; BLOCK_N of 4"
@@ -156,10 +152,8 @@ typedef store_t out_t;
  * (u < PER) of a tile of keys from N0 on into registers, STORE_REGS writes them to __local; chunk
  * idx is key idx / COLS4, 4-vector idx % COLS4. Columns at or past VALID4 and keys past k_len are
  * 0. Issuing several loads before their stores keeps many in flight (memory-level parallelism):
- * STAGE_TILE does it STAGE chunks at a time; PREFETCH holds a whole tile (K_PER / V_PER chunks). */
+ * STAGE_TILE does it STAGE chunks at a time. */
 #define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
-#define K_PER CEIL_DIV(BLOCK_N * (HEAD_DIM / 4), NT)
-#define V_PER CEIL_DIV(BLOCK_N * (DV_PAD / 4), NT)
 #ifndef STAGE
 #define STAGE 8
 #endif
@@ -205,6 +199,15 @@ inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
         }                                                                                      \
         kv_s[n * (LD_S) + dd] = x;                                                             \
     }
+
+/* stage K or V: WIDTH columns (the first VALID real) into rows of LD elements */
+#if LOAD_VEC
+#define STAGE_KV(SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)                                    \
+    STAGE_TILE(SRC, OFF, SB, SS, SH, (WIDTH) / 4, (VALID) / 4, (LD) / 4)
+#else
+#define STAGE_KV(SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)                                    \
+    STAGE_TILE_SCALAR(SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)
+#endif
 
 __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global const store_t *q, long q_off, long q_sb, long q_ss, long q_sh, long q_sd,
@@ -296,30 +299,14 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int c = 0; c < DV_PER; ++c) acc[r][c] = 0;
     }
 
-#if PREFETCH
-    kv4_t k_reg[K_PER], v_reg[V_PER];
-    if (t_begin < t_end) {
-        LOAD_REGS(k_reg, K_PER, 0, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
-                  n_first + t_begin * BLOCK_N)
-    }
-#endif
     for (long t = t_begin; t < t_end; ++t) {
         const long n0 = n_first + t * BLOCK_N;
         const int full = MASK_KIND == 0 && n0 >= f_lo && n0 + BLOCK_N <= f_hi;
 
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
-#if PREFETCH
-        STORE_REGS(k_reg, K_PER, 0, HEAD_DIM / 4, KS_LD / 4)
-#elif LOAD_VEC
-        STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, KS_LD / 4)
-#else
-        STAGE_TILE_SCALAR(k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)
-#endif
+        STAGE_KV(k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)
         barrier(CLK_LOCAL_MEM_FENCE);
-#if PREFETCH /* V of this tile in flight while S is computed */
-        LOAD_REGS(v_reg, V_PER, 0, v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, n0)
-#endif
 
         /* -- S = Q K^T on the micro-tile */
         acc_t s[TM][TN];
@@ -422,17 +409,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- stage the V tile over the K tile (padding columns zeroed) */
-#if PREFETCH /* and K of the next tile in flight while P V is */
-        STORE_REGS(v_reg, V_PER, 0, DV_PAD / 4, VS_LD / 4)
-        if (t + 1 < t_end) {
-            LOAD_REGS(k_reg, K_PER, 0, k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4,
-                      n0 + BLOCK_N)
-        }
-#elif LOAD_VEC
-        STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, VS_LD / 4)
-#else
-        STAGE_TILE_SCALAR(v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)
-#endif
+        STAGE_KV(v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- O += P V, four keys per step; on partly visible tiles an invisible key (p == 0) is

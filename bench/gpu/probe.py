@@ -103,7 +103,7 @@ def _kernel_us(fn, queue, reps=10):
 
 
 def _with(overrides, fn):
-    """Run ``fn()`` with FwdConfig fields forced (PREFETCH, TREE_MAX, STAGE, ...)."""
+    """Run ``fn()`` with FwdConfig fields forced (TREE_MAX, STAGE, ...)."""
     from attnlib.backends.opencl import _attention
 
     orig = _attention.FwdConfig
@@ -170,8 +170,8 @@ def prefill32_sweep(queue) -> None:
 
 ABLATIONS = {  # attn_fwd.cl with one phase removed (wrong results; for where-the-time-goes only)
     "full": [],
-    "no_stage_k": ["STAGE_TILE(k, k_off, k_sb, k_ss, k_sh, HEAD_DIM / 4, HEAD_DIM / 4, KS_LD / 4)"],
-    "no_stage_v": ["STAGE_TILE(v, v_off, v_sb, v_ss, v_sh, DV_PAD / 4, HEAD_DIM_V / 4, VS_LD / 4)"],
+    "no_stage_k": ["STAGE_KV(k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)"],
+    "no_stage_v": ["STAGE_KV(v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)"],
     "no_s": ["for (int d4 = 0; d4 < HEAD_DIM / 4; ++d4) {"],
     "no_tree": ["for (int w = THREADS_N / 2; w > 0; w /= 2) {"],
     "no_pv": ["PV_TILE(0)", "PV_TILE(1)"],

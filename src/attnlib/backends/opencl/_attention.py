@@ -34,7 +34,6 @@ class FwdConfig(KernelConfig):
     D_VEC: int
     V_VEC: int
     LOAD_VEC: bool
-    PREFETCH: bool
     STORE_KIND: int
     ACC_KIND: int
     MASK_KIND: int
@@ -147,29 +146,24 @@ def _memo_config(cls: Any, **fields: Any) -> Any:
 
 def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
     """The kernel's int32 table: 9 fields per sequence, then (sequence, first packed row) per
-    work-group column; and the number of those columns."""
+    work-group column; and the number of those columns. Small tables (every decode step) are
+    built from Python ints, which costs ~3 us where numpy's operations on tiny arrays cost ~15."""
     n_seq = call.n_seq
-    if n_seq == 1 and int(rows[0]) <= 64 * bm:  # decoding with batch 1, short prompts: ints
-        n_groups = -(-int(rows[0]) // bm)
-        chi = _INT_MAX if call.causal_hi is None else int(call.causal_hi[0])
-        head = [int(f[0]) for f in (call.q_batch, call.q_row0, call.q_len, call.k_batch,
-                                    call.k_row0, call.k_len, call.q_pos0, call.k_pos0)]
-        table = [x for g in range(n_groups) for x in (0, g * bm)]
-        return np.array(head + [chi] + table, np.int32), n_groups
     n_blocks = -(-rows // bm)
     n_groups = int(n_blocks.sum())
+    chi = np.full(n_seq, _INT_MAX) if call.causal_hi is None else call.causal_hi
+    fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
+              call.q_pos0, call.k_pos0, chi)
+    if 9 * n_seq + 2 * n_groups <= 1024:
+        head = [x for row in zip(*(f.tolist() for f in fields)) for x in row]
+        table = [x for s, nb in enumerate(n_blocks.tolist()) for g in range(nb)
+                 for x in (s, g * bm)]
+        return np.array(head + table, np.int32), n_groups
     desc = np.empty(9 * n_seq + 2 * n_groups, np.int32)
-    fields = desc[:9 * n_seq].reshape(n_seq, 9)
-    for i, f in enumerate((call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0,
-                           call.k_len, call.q_pos0, call.k_pos0)):
-        fields[:, i] = f
-    fields[:, 8] = _INT_MAX if call.causal_hi is None else call.causal_hi
+    desc[:9 * n_seq].reshape(n_seq, 9)[:] = np.stack(fields, axis=1)
     table = desc[9 * n_seq:].reshape(n_groups, 2)
-    if n_groups:
-        seq_of = np.repeat(np.arange(n_seq), n_blocks)
-        table[:, 0] = seq_of
-        table[:, 1] = (np.arange(n_groups) - np.repeat(np.cumsum(n_blocks) - n_blocks,
-                                                       n_blocks)) * bm
+    table[:, 0] = np.repeat(np.arange(n_seq), n_blocks)
+    table[:, 1] = (np.arange(n_groups) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)) * bm
     return desc, n_groups
 
 
@@ -229,14 +223,9 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
     load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
                 and all(vw.strides[3] == 1 for vw in views))
-    # decode tilings (one work-item row) hold whole K/V tiles in registers to overlap loads with
-    # compute: at most 32 registers per staged tile per work-item (K and V: 64). At 64 + 64 the
-    # H200 build used 255 registers and spilled 1.9 KB per work-item (bench/RESULTS.md).
-    per = -(-bn * max(d, dv_pad) // (4 * tmh * tnh))
-    prefetch = load_vec and tmh == 1 and per * kv_bytes <= 32  # 4 elements: kv_bytes regs
     cfg = _memo_config(
         FwdConfig, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
-        THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec, PREFETCH=prefetch,
+        THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1,
