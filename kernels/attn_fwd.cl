@@ -45,6 +45,15 @@
 #ifndef TREE_MAX
 #define TREE_MAX 0
 #endif
+#ifndef CP_ASYNC
+#define CP_ASYNC 0
+#endif
+#ifndef CP_ASYNC_EMULATE
+#define CP_ASYNC_EMULATE 0
+#endif
+#if CP_ASYNC && (!LOAD_VEC || STORE_KIND == 3 || ACC_KIND)
+#error "CP_ASYNC needs LOAD_VEC and float/half/bfloat16 storage"
+#endif
 #if TREE_MAX && (THREADS_N & (THREADS_N - 1))
 #error "TREE_MAX needs THREADS_N to be a power of two"
 #endif
@@ -117,7 +126,7 @@ typedef store_t out_t;
 #if V_VEC == 4
 #define V_ROW(n, b)                                                           \
     for (int c4 = 0; c4 < DV_PER / 4; ++c4) {                                 \
-        const acc4_t t_ = KV4(kv_s, (n) * (VS_LD / 4) + c4 * THREADS_N + tn);   \
+        const acc4_t t_ = KV4(v_s, (n) * (VS_LD / 4) + c4 * THREADS_N + tn);   \
         b[4 * c4] = t_.x;                                                     \
         b[4 * c4 + 1] = t_.y;                                                 \
         b[4 * c4 + 2] = t_.z;                                                 \
@@ -125,7 +134,7 @@ typedef store_t out_t;
     }
 #else
 #define V_ROW(n, b)                                                           \
-    for (int c = 0; c < DV_PER; ++c) b[c] = KV(kv_s, (n) * VS_LD + tn + THREADS_N * c);
+    for (int c = 0; c < DV_PER; ++c) b[c] = KV(v_s, (n) * VS_LD + tn + THREADS_N * c);
 #endif
 
 /* acc += P V over the staged tile; GUARD=1 skips keys with p == 0 */
@@ -169,25 +178,66 @@ typedef store_t out_t;
             REGS[u_] = G_RAW4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);       \
         }                                                                                       \
     }
-#define STORE_REGS(REGS, PER, BASE, COLS4, DST_LD4)                                             \
+#define STORE_REGS(DST4, REGS, PER, BASE, COLS4, DST_LD4)                                       \
     for (int u_ = 0; u_ < (PER); ++u_) {                                                        \
         const int idx_ = (BASE) + u_ * NT + lid;                                                \
         if (idx_ < BLOCK_N * (COLS4))                                                           \
-            kv_s4[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = REGS[u_];                    \
+            (DST4)[(idx_ / (COLS4)) * (DST_LD4) + idx_ % (COLS4)] = REGS[u_];                   \
     }
-#define STAGE_TILE(SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4)                        \
+#if CP_ASYNC
+/* NVIDIA sm_80+: cp.async copies global -> __local without passing through registers, so a
+ * work-item can have its whole share of the tile in flight (with registers it is STAGE chunks:
+ * the decode kernel's staging was measured to run one register batch at a time). The host sets
+ * CP_ASYNC only there, and only with offsets and strides that keep every chunk aligned.
+ * CP_ASYNC=1 waits for each tile where it is staged; CP_ASYNC=2 (separate K and V tiles) only
+ * commits, and the tile loop waits: V(t) loads while S(t) is computed, K(t+1) while P V(t) is. */
+#if CP_ASYNC_EMULATE /* the same tile walk with plain copies, for PoCL and Oclgrind */
+#define CP_ASYNC_KV(DST, SRC) (*(DST) = G_RAW4((SRC), 0))
+#define CP_COMMIT()
+#define CP_WAIT(N)
+#elif STORE_KIND == 0
+#define CP_ASYNC_KV(DST, SRC)                                                                   \
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"                                    \
+                 :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
+#else
+#define CP_ASYNC_KV(DST, SRC)                                                                   \
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;"                                     \
+                 :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
+#endif
+#if !CP_ASYNC_EMULATE
+#define CP_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define CP_WAIT(N) asm volatile("cp.async.wait_group " #N ";" ::: "memory")
+#endif
+#define STAGE_TILE(DST4, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4)                  \
+    for (int idx_ = lid; idx_ < BLOCK_N * (COLS4); idx_ += NT) {                                \
+        const int n_ = idx_ / (COLS4), c_ = idx_ % (COLS4);                                     \
+        const long j_ = n0 + n_;                                                                \
+        __local kv4_t *d_ = (DST4) + n_ * (DST_LD4) + c_;                                       \
+        if (j_ < k_len && c_ < (VALID4)) {                                                      \
+            long row_ = k_row0 + j_;                                                            \
+            if (ring && row_ >= ring) row_ -= ring;                                             \
+            CP_ASYNC_KV(d_, (SRC) + S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);      \
+        } else {                                                                                \
+            *d_ = 0;                                                                            \
+        }                                                                                       \
+    }                                                                                           \
+    CP_COMMIT();                                                                                \
+    if (CP_ASYNC == 1) CP_WAIT(0);
+#else
+#define STAGE_TILE(DST4, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4)                  \
     for (int base_ = 0; base_ < BLOCK_N * (COLS4); base_ += NT * STAGE) {                       \
         kv4_t tmp_[STAGE];                                                                      \
         LOAD_REGS(tmp_, STAGE, base_, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, n0)          \
-        STORE_REGS(tmp_, STAGE, base_, COLS4, DST_LD4)                                          \
+        STORE_REGS(DST4, tmp_, STAGE, base_, COLS4, DST_LD4)                                    \
     }
+#endif
 
 /* max that propagates NaN, as numpy's max does */
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 
-/* -- stage one key tile of K or V (WIDTH columns, the first VALID of them real) into kv_s with
+/* -- stage one key tile of K or V (WIDTH columns, the first VALID of them real) into DST with
  * scalar loads; keys past k_len and padding columns are zero. Ring rows wrap at `ring`. */
-#define STAGE_TILE_SCALAR(src, off, sb, ss, sh, sd, WIDTH, VALID, LD_S)                      \
+#define STAGE_TILE_SCALAR(DST, src, off, sb, ss, sh, sd, WIDTH, VALID, LD_S)                 \
     for (int idx = lid; idx < BLOCK_N * (WIDTH); idx += NT) {                                  \
         const int n = idx / (WIDTH), dd = idx % (WIDTH);                                       \
         const long j = n0 + n;                                                                 \
@@ -197,17 +247,20 @@ inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
             if (ring && row >= ring) row -= ring;                                              \
             x = G_RAW(src, (off) + kb * (sb) + row * (ss) + hk * (sh) + dd * (sd));            \
         }                                                                                      \
-        kv_s[n * (LD_S) + dd] = x;                                                             \
+        (DST)[n * (LD_S) + dd] = x;                                                            \
     }
 
-/* stage K or V: WIDTH columns (the first VALID real) into rows of LD elements */
+/* stage K or V into DST: WIDTH columns (the first VALID real) into rows of LD elements */
 #if LOAD_VEC
-#define STAGE_KV(SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)                                    \
-    STAGE_TILE(SRC, OFF, SB, SS, SH, (WIDTH) / 4, (VALID) / 4, (LD) / 4)
+#define STAGE_KV(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)                               \
+    STAGE_TILE((__local kv4_t *)(DST), SRC, OFF, SB, SS, SH, (WIDTH) / 4, (VALID) / 4, (LD) / 4)
 #else
-#define STAGE_KV(SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)                                    \
-    STAGE_TILE_SCALAR(SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)
+#define STAGE_KV(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)                               \
+    STAGE_TILE_SCALAR(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)
 #endif
+#define STAGE_K(DST) STAGE_KV(DST, k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)
+#define STAGE_V(DST)                                                                         \
+    STAGE_KV(DST, v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)
 
 __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global const store_t *q, long q_off, long q_sb, long q_ss, long q_sh, long q_sd,
@@ -219,11 +272,17 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows,
     int group) {
     __local acc4_t q_s4[V4(BLOCK_M * QS_LD)];
+#if CP_ASYNC == 2
+    __local kv4_t k_s4[V4(BLOCK_N * KS_LD)];
+    __local kv4_t v_s4[V4(BLOCK_N * VS_LD)];
+    __local kv_t *k_s = (__local kv_t *)k_s4, *v_s = (__local kv_t *)v_s4;
+#else /* V is staged over K once S is done */
     __local kv4_t kv_s4[V4(KV_SIZE)];
+    __local kv_t *k_s = (__local kv_t *)kv_s4, *v_s = k_s;
+#endif
     __local acc4_t p_s4[V4(BLOCK_M * PS_LD)];
     __local acc_t red_s[THREADS_N * BLOCK_M];
     __local acc_t *q_s = (__local acc_t *)q_s4;
-    __local kv_t *kv_s = (__local kv_t *)kv_s4;
     __local acc_t *p_s = (__local acc_t *)p_s4;
 
     const int lid = get_local_id(0);
@@ -299,13 +358,24 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int c = 0; c < DV_PER; ++c) acc[r][c] = 0;
     }
 
+#if CP_ASYNC == 2
+    if (t_begin < t_end) {
+        const long n0 = n_first + t_begin * BLOCK_N;
+        STAGE_K(k_s)
+    }
+#endif
     for (long t = t_begin; t < t_end; ++t) {
         const long n0 = n_first + t * BLOCK_N;
         const int full = MASK_KIND == 0 && n0 >= f_lo && n0 + BLOCK_N <= f_hi;
 
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
-        STAGE_KV(k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)
+#if CP_ASYNC == 2 /* K(t) is in flight since the last tile; V(t) starts now (v_s is free) */
+        STAGE_V(v_s)
+        CP_WAIT(1);
+#else
+        STAGE_K(k_s)
+#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- S = Q K^T on the micro-tile */
@@ -316,7 +386,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int d4 = 0; d4 < HEAD_DIM / 4; ++d4) {
             acc4_t a[TM], b[TN];
             for (int r = 0; r < TM; ++r) a[r] = q_s4[(tm + THREADS_M * r) * (QS_LD / 4) + d4];
-            for (int c = 0; c < TN; ++c) b[c] = KV4(kv_s, (tn + THREADS_N * c) * (KS_LD / 4) + d4);
+            for (int c = 0; c < TN; ++c) b[c] = KV4(k_s, (tn + THREADS_N * c) * (KS_LD / 4) + d4);
             for (int r = 0; r < TM; ++r)
                 for (int c = 0; c < TN; ++c) {
                     acc_t t = s[r][c];
@@ -331,7 +401,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int dd = 0; dd < HEAD_DIM; ++dd) {
             acc_t a[TM], b[TN];
             for (int r = 0; r < TM; ++r) a[r] = q_s[(tm + THREADS_M * r) * QS_LD + dd];
-            for (int c = 0; c < TN; ++c) b[c] = KV(kv_s, (tn + THREADS_N * c) * KS_LD + dd);
+            for (int c = 0; c < TN; ++c) b[c] = KV(k_s, (tn + THREADS_N * c) * KS_LD + dd);
             for (int r = 0; r < TM; ++r)
                 for (int c = 0; c < TN; ++c) s[r][c] += a[r] * b[c];
         }
@@ -408,8 +478,18 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
+#if CP_ASYNC == 2 /* every item is past S(t): K(t + 1) may overwrite k_s while P V(t) runs */
+        if (t + 1 < t_end) {
+            const long n0 = n_first + (t + 1) * BLOCK_N;
+            STAGE_K(k_s)
+        } else {
+            CP_COMMIT(); /* an empty group, so that waiting for all but one means V(t) */
+        }
+        CP_WAIT(1);
+#else
         /* -- stage the V tile over the K tile (padding columns zeroed) */
-        STAGE_KV(v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)
+        STAGE_V(v_s)
+#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- O += P V, four keys per step; on partly visible tiles an invisible key (p == 0) is

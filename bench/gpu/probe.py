@@ -114,8 +114,10 @@ def _with(overrides, fn):
         _attention.FwdConfig = orig
 
 
-DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); runs 4/6/7 swept more (bench/gpu/logs)
-    (None, {}), ((4, 128, 1, 128), {"TREE_MAX": True}),
+DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); runs 4/6/7/9/13 swept more (bench/gpu/logs)
+    (None, {"CP_ASYNC": 0}), (None, {"CP_ASYNC": 1}), (None, {"CP_ASYNC": 2}),
+    ((4, 128, 1, 128), {"TREE_MAX": True, "CP_ASYNC": 2}),
+    ((4, 32, 1, 32), {"CP_ASYNC": 2}),
 ]
 
 
@@ -170,8 +172,8 @@ def prefill32_sweep(queue) -> None:
 
 ABLATIONS = {  # attn_fwd.cl with one phase removed (wrong results; for where-the-time-goes only)
     "full": [],
-    "no_stage_k": ["STAGE_KV(k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)"],
-    "no_stage_v": ["STAGE_KV(v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)"],
+    "no_stage_k": ["STAGE_KV(DST, k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)"],
+    "no_stage_v": ["STAGE_KV(DST, v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)"],
     "no_s": ["for (int d4 = 0; d4 < HEAD_DIM / 4; ++d4) {"],
     "no_tree": ["for (int w = THREADS_N / 2; w > 0; w /= 2) {"],
     "no_pv": ["PV_TILE(0)", "PV_TILE(1)"],
