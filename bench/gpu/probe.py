@@ -115,14 +115,41 @@ def _with(overrides, fn):
 
 
 DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); runs 4/6/7/9/13 swept more (bench/gpu/logs)
-    (None, {"CP_ASYNC": 0}), (None, {"CP_ASYNC": 1}), (None, {"CP_ASYNC": 2}),
-    ((4, 128, 1, 128), {"TREE_MAX": True, "CP_ASYNC": 2}),
-    ((4, 32, 1, 32), {"CP_ASYNC": 2}),
+    (None, {"CP_ASYNC": 1}), (None, {"CP_ASYNC": 2}),
+    (None, {"CP_ASYNC": 1, "NV_MAXRREGCOUNT": 96}), (None, {"CP_ASYNC": 2, "NV_MAXRREGCOUNT": 96}),
+    (None, {"CP_ASYNC": 1, "NV_MAXRREGCOUNT": 64}), (None, {"CP_ASYNC": 2, "NV_MAXRREGCOUNT": 64}),
+    ((4, 64, 2, 32), {"CP_ASYNC": 1}), ((4, 64, 2, 32), {"CP_ASYNC": 1, "NV_MAXRREGCOUNT": 64}),
+    ((4, 64, 4, 16), {"CP_ASYNC": 1}), ((4, 32, 1, 32), {"CP_ASYNC": 1, "NV_MAXRREGCOUNT": 64}),
 ]
+SPLITS = [None if s == "None" else int(s)
+          for s in __import__("os").environ.get("PROBE_SPLITS", "None,32,64,132,264").split(",")]
+
+
+def verbose_report(ctx, filename: str, options_seen) -> None:
+    """Rebuild each option set seen with -cl-nv-verbose; print registers, spills and smem."""
+    for opts in sorted(set(options_seen)):
+        prg = cl.Program(ctx, kernel_source(filename)).build(
+            options=list(opts) + ["-cl-std=CL1.2", "-cl-nv-verbose"])
+        log = prg.get_build_info(ctx.devices[0], cl.program_build_info.LOG)
+        keep = ("BLOCK", "THREADS", "CP_ASYNC=", "maxrreg", "STORE_KIND")
+        print(json.dumps({"verbose": [o for o in opts if any(k in o for k in keep)],
+                          "ptxas": [ln.strip() for ln in log.splitlines()
+                                    if "registers" in ln or "spill" in ln][:3]}), flush=True)
 
 
 def decode_sweep(queue) -> None:
     """Kernel times (events) per tiling, split count and kernel option for the decode cases."""
+    from attnlib.backends.opencl import _runtime
+
+    seen = []
+    build = _runtime.build_program
+
+    def rec(ctx, filename, source, options):
+        if filename == "attn_fwd.cl":
+            seen.append(tuple(options))
+        return build(ctx, filename, source, options)
+
+    _runtime.build_program = rec
     hq, hkv, d = 32, 8, 128
     rng = np.random.default_rng(1)
     for b, n in [(1, 8192), (8, 8192), (1, 131072)]:
@@ -130,7 +157,7 @@ def decode_sweep(queue) -> None:
         kh = rng.standard_normal((b, step, hkv, d), dtype=np.float32).astype(np.float16)
         q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
         for tiles, ov in DECODE_VARIANTS:
-            for splits in [None, 32, 64, 132, 264]:
+            for splits in SPLITS:
                 be = attnlib.get_backend("opencl", queue=queue, tiles=tiles, num_splits=splits)
                 cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend=be)
                 for p in range(0, n, step):
@@ -146,23 +173,26 @@ def decode_sweep(queue) -> None:
                     row = {"tiles": tiles, "ov": ov, "error": str(exc)[:120]}
                 print(json.dumps(row), flush=True)
                 del cache
+    _runtime.build_program = build
+    verbose_report(queue.context, "attn_fwd.cl", seen)
 
 
 def prefill32_sweep(queue) -> None:
-    """float32 prefill kernel time per tiling with and without TREE_MAX."""
+    """float32 prefill kernel time per tiling, K/V staged through registers or cp.async (run 1 of
+    the third session swept TREE_MAX here)."""
     for bhsd in [(4, 16, 2048, 64), (4, 16, 2048, 128)]:
         b, h, s, d = bhsd
         rng = np.random.default_rng(0)
         host = [rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3)]
         for tiles in [None, (128, 64, 16, 8), (64, 64, 8, 16), (128, 64, 16, 16),
                       (64, 128, 8, 32), (128, 128, 16, 32)]:
-            for tree in (False, True):
+            for cp in (0, 1):
                 be = attnlib.get_backend("opencl", queue=queue, tiles=tiles)
                 dev = [attnlib.to_device(x, backend=be) for x in host]
                 try:
-                    ks = _with({"TREE_MAX": tree}, lambda x=dev, e=be: _kernel_us(
+                    ks = _with({"CP_ASYNC": cp}, lambda x=dev, e=be: _kernel_us(
                         lambda: attnlib.attention(*x, backend=e), queue, reps=5))
-                    row = {"shape": bhsd, "tiles": tiles, "tree": tree,
+                    row = {"shape": bhsd, "tiles": tiles, "cp_async": cp,
                            "ms": round(sum(ks) / 1e3, 3),
                            "tflops": round(4 * b * h * s * s * d / sum(ks) / 1e6, 2)}
                 except Exception as exc:  # noqa: BLE001

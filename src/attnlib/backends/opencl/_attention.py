@@ -45,6 +45,7 @@ class FwdConfig(KernelConfig):
     STAGE: int = 8
     CP_ASYNC: int = 0  # 0 registers, 1 cp.async, 2 cp.async with separate K and V tiles
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
+    NV_MAXRREGCOUNT: int = 0  # NVIDIA only: registers per work-item (0: the compiler's choice)
 
 
 @dataclass(frozen=True)
