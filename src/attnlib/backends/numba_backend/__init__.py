@@ -249,6 +249,43 @@ def _jit_kernels(cdt: np.dtype, block_m: int, block_n: int, d_qk: int, d_v: int,
     return jit
 
 
+_plans: dict[tuple, tuple] = {}
+MAX_PLANS = 64  # calls of a model repeat a few shapes
+
+
+def _plan(call: AttnCall, seq: np.ndarray, n_threads: int, block_m: int, block_n: int, wl: int,
+          wr: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """(tasks costliest first, tasks in natural order, partial-state slots, whether some task
+    has a full ``block_m x block_n`` tile) for a call, memoised by everything they depend on
+    (``seq`` holds the per-sequence lengths and positions): a repeated call shape skips ~0.1 ms
+    of numpy work. The kernel never writes these arrays."""
+    key = (seq.tobytes(), call.n_heads, call.n_kv_heads, wl, wr, n_threads, block_m, block_n)
+    hit = _plans.get(key)
+    if hit is not None:
+        return hit
+    tasks, n_slots = plan_tasks(call, n_threads, block_m, block_n)
+    dealt = schedule(call, tasks, block_n) if tasks.shape[0] else tasks
+    full = tasks.shape[0] > 0 and int(tasks[:, 3].max()) == block_m and \
+        int((tasks[:, 5] - tasks[:, 4]).max()) >= block_n
+    res = (dealt, tasks, n_slots, full)
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[key] = res
+    return res
+
+
+def _blas_limit(cdt: np.dtype):
+    """No-op when the kernel's gemm is MKL's (loaded sequential: it starts no threads), else
+    :func:`_blas_single_thread` (OpenBLAS would start its own threads inside every worker)."""
+    import contextlib
+
+    from . import _blas
+
+    if _blas.gemm(cdt)[1] == "mkl":
+        return contextlib.nullcontext()
+    return _blas_single_thread()
+
+
 def _blas_name() -> str:
     from . import _blas
 
@@ -311,11 +348,11 @@ class NumbaBackend(Backend):
         bq, sq_arr, hq, _ = q.shape
         d_v = v.shape[3]
         big = _flash.BIG
-        seq = np.stack([call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0,
-                        call.k_len, call.q_pos0, call.k_pos0,
-                        call.causal_hi if call.causal_hi is not None
-                        else np.full(call.n_seq, big)], axis=1).astype(np.int64)
-        seq = np.ascontiguousarray(seq.reshape(-1, 9))
+        seq = np.empty((call.n_seq, 9), np.int64)
+        for c, col in enumerate((call.q_batch, call.q_row0, call.q_len, call.k_batch,
+                                 call.k_row0, call.k_len, call.q_pos0, call.k_pos0)):
+            seq[:, c] = col
+        seq[:, 8] = big if call.causal_hi is None else call.causal_hi
         wl = big if call.window_left is None or call.window_left < 0 else int(call.window_left)
         wr = big if call.window_right is None or call.window_right < 0 else int(call.window_right)
         softcap = float(call.softcap) if call.softcap is not None else 0.0
@@ -324,27 +361,27 @@ class NumbaBackend(Backend):
         else:
             alibi = np.zeros((0, 0), cdt)
         mask = _compact_mask(call, cdt)
-        out = np.zeros((bq, sq_arr, hq, d_v), cdt)
-        lse = np.full((bq, hq, sq_arr), -np.inf, cdt)
+        # a dense call writes every output row (each row is one task's), so no zero fill
+        covered = call.dense and bool((call.q_len == sq_arr).all())
+        out = (np.empty if covered else np.zeros)((bq, sq_arr, hq, d_v), cdt)
+        lse = np.empty((bq, hq, sq_arr), cdt) if covered else \
+            np.full((bq, hq, sq_arr), -np.inf, cdt)
         n_threads = numba.get_num_threads()
         block_m, block_n = _blocks(call)
-        tasks, n_slots = plan_tasks(call, n_threads, block_m, block_n)
+        g = hq // k.shape[2]
+        dealt, tasks, n_slots, full = _plan(call, seq, n_threads, block_m, block_n, wl, wr)
         part_o = np.zeros((n_slots, block_m, d_v), cdt)
         part_ml = np.zeros((n_slots, block_m, 2), cdt)
         if tasks.shape[0]:
-            with _launch_lock, _blas_single_thread():
-                dealt = schedule(call, tasks, block_n)
-                pre = (q, k, v, seq, dealt, hq // k.shape[2], float(call.scale), wl, wr,
+            with _launch_lock, _blas_limit(cdt):
+                pre = (q, k, v, seq, dealt, g, float(call.scale), wl, wr,
                        softcap, alibi, mask, int(call.ring), block_m, block_n)
-                full = int(tasks[:, 3].max()) == block_m and \
-                    int((tasks[:, 5] - tasks[:, 4]).max()) >= block_n
                 jit = _jit_kernels(cdt, block_m, block_n, q.shape[3], d_v, k.shape[2]) \
                     if full else np.zeros(4, np.int64)
                 post = (out, lse, part_o, part_ml, _gemm_address(cdt), jit)
                 _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads)
                 if n_slots:
-                    _flash.merge_partials(seq, tasks, hq // k.shape[2], part_o, part_ml,
-                                          out, lse)
+                    _flash.merge_partials(seq, tasks, g, part_o, part_ml, out, lse)
         if dtype != cdt:
             out = out.astype(dtype)
         lse_dtype = np.float64 if dtype == np.float64 else np.float32
