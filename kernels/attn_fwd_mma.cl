@@ -10,18 +10,51 @@
 // see (causal, window, sequence end) are never visited, tiles every row sees fully skip masking.
 //
 // Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_M, BLOCK_N (multiple of 16),
-// WARPS, IS_BF16, Q_IN_REGS, SOFTCAP, ALIBI, SCALE_POS (scale > 0), USE_PTX.  USE_PTX=0 replaces
-// every warp-level PTX instruction by an exact emulation through local memory and barriers (for
-// checking the fragment layouts with PoCL on a CPU; slow, never used for speed).
+// WARPS, IS_BF16, IS_TF32, Q_IN_REGS, SOFTCAP, ALIBI, SCALE_POS (scale > 0), USE_PTX.  USE_PTX=0
+// replaces every warp-level PTX instruction by an exact emulation through local memory and
+// barriers (for checking the fragment layouts with PoCL on a CPU; slow, never used for speed).
+//
+// IS_TF32=1: float32 storage, "3xTF32" products (attn_fwd_mma_tf32.h): each operand split as
+// hi + lo in tf32, three mma.sync.m16n8k8 tf32 per product, float32 accumulators: float32-class
+// accuracy.  Fragments are read from local memory with plain 32/64-bit loads (no ldmatrix) and
+// Q_IN_REGS means 0: Q kept in local memory as float32 and split every tile, 1: hi and lo in
+// registers, 2: hi in registers and lo in local memory.  The tile walk, masking and online
+// softmax are shared with the 16-bit kernel.
 
+#ifndef IS_TF32
+#define IS_TF32 0
+#endif
 #define M_TILES (BLOCK_M / (16 * WARPS))
 #define THREADS (32 * WARPS)
+#if IS_TF32
+#define ELEM float
+#define EPC 4                       // elements per 16-byte chunk
+// padded rows (floats).  Q and K fragments are float2 loads at row g, column 2t of a k-step:
+// rows 8 floats apart in banks serve a half-warp without conflict; V fragments are scalar loads
+// of rows 2t, 2t + 1 at column g: rows 4 floats apart do.
+#define LDSQ (HEAD_DIM + 8)
+#define LDSK (HEAD_DIM + 8)
+#define LDSV (HEAD_DIM + 4)
+#define KSTEPS_QK (HEAD_DIM / 8)    // k-steps (m16n8k8) of S = Q K^T
+#define KSTEPS_PV (BLOCK_N / 8)     // k-steps of O = P V: one per n-tile of S
+// V's local offset of chunk ch of row r in buffer B (K and V rows are padded differently)
+#define SO_V(B) ((B) * BLOCK_N * LDSV + r * LDSV + ch * EPC)
+#define SO0_V (r0_ * LDSV + ch0_ * EPC)
+#else
+#define ELEM ushort
+#define EPC 8
 #define LDS (HEAD_DIM + 8)          // padded row (halves): 8 rows of one ldmatrix hit 8 bank groups
+#define LDSQ LDS
+#define LDSK LDS
+#define LDSV LDS
 #define KSTEPS_QK (HEAD_DIM / 16)   // k-steps of S = Q K^T
+#define KSTEPS_PV (BLOCK_N / 16)    // k-steps of O = P V
+#define SO_V(B) so
+#define SO0_V so0
+#endif
 #define NT_S (BLOCK_N / 8)          // 8-column n-tiles of S
 #define NT_O (HEAD_DIM / 8)         // 8-column n-tiles of O
-#define KSTEPS_PV (BLOCK_N / 16)    // k-steps of O = P V
-#define CHUNKS (HEAD_DIM / 8)       // 16-byte chunks per row
+#define CHUNKS (HEAD_DIM / EPC)     // 16-byte chunks per row
 #define SEQ_FIELDS 9
 #if BLOCK_M % (16 * WARPS) || BLOCK_N % 16 || HEAD_DIM % 16 || THREADS % CHUNKS
 #error "BLOCK_M must be a multiple of 16*WARPS, BLOCK_N and HEAD_DIM of 16, 32*WARPS of HEAD_DIM/8"
@@ -237,6 +270,15 @@ inline int emu_any(int pred, __local uint *scr) {
 #define CP_WAIT1()
 #endif
 
+#if IS_TF32
+#include "attn_fwd_mma_tf32.h"
+#define OUT2 float2
+#define OUT_PACK(A, B) (float2)(A, B)
+#else
+#define OUT2 uint
+#define OUT_PACK(A, B) pack2(A, B)
+#endif
+
 #define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
 
 // inf/NaN in a 16-bit value (exponent all ones), in either half of a 32-bit word
@@ -262,8 +304,8 @@ inline int row_hi(long i, long base, long dhi, int klen) {
 }
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
-void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global const ushort *v,
-                  __global ushort *out, __global float *lse,
+void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const ELEM *v,
+                  __global ELEM *out, __global float *lse,
                   __global const int *tiles,    // (n_tiles, 2): sequence, first local query row
                   __global const long *seqs,    // (n_seq, SEQ_FIELDS), see _nvidia_mma.py
                   __global const float *alibi,  // (n_seq, Hq) slopes * log2(e), when ALIBI
@@ -272,9 +314,9 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
                   const long v_off, const long v_sb, const long v_sr, const long v_sh,
                   const int sq_arr, const int n_heads, const int group, const int ring,
                   const float qk_scale, const float cap) {
-  __local ushort sQ[BLOCK_M * LDS] __attribute__((aligned(16)));
-  __local ushort sK[2 * BLOCK_N * LDS] __attribute__((aligned(16)));
-  __local ushort sV[2 * BLOCK_N * LDS] __attribute__((aligned(16)));
+  __local ELEM sQ[BLOCK_M * LDSQ] __attribute__((aligned(16)));
+  __local ELEM sK[2 * BLOCK_N * LDSK] __attribute__((aligned(16)));
+  __local ELEM sV[2 * BLOCK_N * LDSV] __attribute__((aligned(16)));
 #if !USE_PTX
   __local uint scr_all[WARPS * 256];
   __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
@@ -314,31 +356,31 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
 
   // -- prologue: Q tile (own group), then the first K/V tile
   {
-    __global const ushort *qh = q + q_off + qb * q_sb + h * q_sh;
+    __global const ELEM *qh = q + q_off + qb * q_sb + h * q_sh;
     for (int c = tid; c < BLOCK_M * CHUNKS; c += THREADS) {
       int r = c / CHUNKS, ch = c % CHUNKS;
-      __local ushort *dst = sQ + r * LDS + ch * 8;
-      if (r < nrows) CP_ASYNC16(dst, qh + (qrow0 + m0 + r) * q_sr + ch * 8);
+      __local ELEM *dst = sQ + r * LDSQ + ch * EPC;
+      if (r < nrows) CP_ASYNC16(dst, qh + (qrow0 + m0 + r) * q_sr + ch * EPC);
       else ZERO16(dst);
     }
     CP_COMMIT();
   }
-  __global const ushort *kh = k + k_off + kb * k_sb + hk * k_sh;
-  __global const ushort *vh = v + v_off + kb * v_sb + hk * v_sh;
+  __global const ELEM *kh = k + k_off + kb * k_sb + hk * k_sh;
+  __global const ELEM *vh = v + v_off + kb * v_sb + hk * v_sh;
 // Generic K/V tile load: keys outside the block's visible range are zero-filled (never read),
 // ring-buffer rows wrap.
 #define LOAD_KV_CHECKED(TILE, BUF)                                                             \
   for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
     int r = c / CHUNKS, ch = c % CHUNKS, j = (TILE) * BLOCK_N + r;                             \
-    int so = (BUF) * BLOCK_N * LDS + r * LDS + ch * 8;                                         \
+    int so = (BUF) * BLOCK_N * LDSK + r * LDSK + ch * EPC;                                     \
     if (j >= lo_blk && j <= hi_blk) {                                                          \
       long row = krow0 + j;                                                                    \
       if (ring > 0 && row >= ring) row -= ring;                                                \
-      CP_ASYNC16(sK + so, kh + row * k_sr + ch * 8);                                           \
-      CP_ASYNC16(sV + so, vh + row * v_sr + ch * 8);                                           \
+      CP_ASYNC16(sK + so, kh + row * k_sr + ch * EPC);                                         \
+      CP_ASYNC16(sV + SO_V(BUF), vh + row * v_sr + ch * EPC);                                  \
     } else {                                                                                   \
       ZERO16(sK + so);                                                                         \
-      ZERO16(sV + so);                                                                         \
+      ZERO16(sV + SO_V(BUF));                                                                  \
     }                                                                                          \
   }
 // Fast path for a tile inside the block's range that does not wrap: each thread copies the same
@@ -349,25 +391,55 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
     const int n0_ = (TILE) * BLOCK_N;                                                          \
     if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
         (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
-      __global const ushort *kt = kp0 + n0_ * k_sr, *vt = vp0 + n0_ * v_sr;                    \
-      __local ushort *skt = sK + (BUF) * BLOCK_N * LDS + so0;                                  \
-      __local ushort *svt = sV + (BUF) * BLOCK_N * LDS + so0;                                  \
+      __global const ELEM *kt = kp0 + n0_ * k_sr, *vt = vp0 + n0_ * v_sr;                      \
+      __local ELEM *skt = sK + (BUF) * BLOCK_N * LDSK + so0;                                   \
+      __local ELEM *svt = sV + (BUF) * BLOCK_N * LDSV + SO0_V;                                 \
       UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
-        CP_ASYNC16(skt + i * ROW_STEP * LDS, kt + i * k_step);                                 \
-        CP_ASYNC16(svt + i * ROW_STEP * LDS, vt + i * v_step);                                 \
+        CP_ASYNC16(skt + i * ROW_STEP * LDSK, kt + i * k_step);                                \
+        CP_ASYNC16(svt + i * ROW_STEP * LDSV, vt + i * v_step);                                \
       }                                                                                        \
     } else {                                                                                   \
       LOAD_KV_CHECKED(TILE, BUF)                                                               \
     }                                                                                          \
   }
-  const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDS + ch0_ * 8;
-  __global const ushort *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * 8;
-  __global const ushort *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * 8;
+  const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDSK + ch0_ * EPC;
+  __global const ELEM *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * EPC;
+  __global const ELEM *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * EPC;
   const long k_step = ROW_STEP * k_sr, v_step = ROW_STEP * v_sr;
   if (t_first <= t_last) { LOAD_KV(t_first, 0) }
   CP_COMMIT();
 
+#if IS_TF32
+  // Q fragments of k-step kk: rows g, g + 8 of the m-tile, columns 8 kk + 2t, 8 kk + 2t + 1 as
+  // k = t, t + 4 (a product's k order is free: both values are one float2, in Q and in K)
+  CP_WAIT1();
+  barrier(CLK_LOCAL_MEM_FENCE);
+#define Q_PTR(KK, MT) (sQ + (wrow0 + (MT) * 16 + g) * LDSQ + (KK) * 8 + 2 * tg)
 #if Q_IN_REGS
+  uint qh[KSTEPS_QK][M_TILES][4];
+#if Q_IN_REGS == 1
+  uint ql[KSTEPS_QK][M_TILES][4];
+#endif
+  UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+      __local float *p0 = Q_PTR(kk, mt);
+      const float2 x0 = *(__local float2 *)p0, x1 = *(__local float2 *)(p0 + 8 * LDSQ);
+      uint lo[4];
+      SPLIT_TF32(x0.x, qh[kk][mt][0], lo[0]);
+      SPLIT_TF32(x1.x, qh[kk][mt][1], lo[1]);
+      SPLIT_TF32(x0.y, qh[kk][mt][2], lo[2]);
+      SPLIT_TF32(x1.y, qh[kk][mt][3], lo[3]);
+#if Q_IN_REGS == 1
+      UNROLL for (int r = 0; r < 4; r++) ql[kk][mt][r] = lo[r];
+#else
+      // lo back in place: each lane later rereads only the values it wrote itself
+      *(__local float2 *)p0 = (float2)(as_float(lo[0]), as_float(lo[2]));
+      *(__local float2 *)(p0 + 8 * LDSQ) = (float2)(as_float(lo[1]), as_float(lo[3]));
+#endif
+    }
+  }
+#endif
+#elif Q_IN_REGS
   uint qa[KSTEPS_QK][M_TILES][4];
   CP_WAIT1();
   barrier(CLK_LOCAL_MEM_FENCE);
@@ -398,8 +470,8 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
       LOAD_KV(t + 1, buf ^ 1)
       CP_COMMIT();
     }
-    __local const ushort *sKb = sK + buf * BLOCK_N * LDS;
-    __local const ushort *sVb = sV + buf * BLOCK_N * LDS;
+    __local const ELEM *sKb = sK + buf * BLOCK_N * LDSK;
+    __local const ELEM *sVb = sV + buf * BLOCK_N * LDSV;
     const int n0 = t * BLOCK_N;
     const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
 
@@ -412,14 +484,23 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
     if (need_mask) {
       int mine = 0;
       for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
-        __local ushort *pv = sV + buf * BLOCK_N * LDS + (c / CHUNKS) * LDS + (c % CHUNKS) * 8;
+        __local ELEM *pv = sV + buf * BLOCK_N * LDSV + (c / CHUNKS) * LDSV + (c % CHUNKS) * EPC;
         const uint4 w = *(__local const uint4 *)pv;
+#if IS_TF32
+        if (NONFINITE32(w.x) || NONFINITE32(w.y) || NONFINITE32(w.z) || NONFINITE32(w.w)) {
+          for (int e = 0; e < 4; e++) {
+            if (NONFINITE32(as_uint(pv[e]))) pv[e] = 0.f;
+          }
+          mine = 1;
+        }
+#else
         if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
           for (int e = 0; e < 8; e++) {
             if (NONFINITE16((uint)pv[e])) pv[e] = 0;
           }
           mine = 1;
         }
+#endif
       }
       if (mine) v_flag = t + 1;
       barrier(CLK_LOCAL_MEM_FENCE);
@@ -434,6 +515,60 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
         UNROLL for (int c = 0; c < 4; c++) sacc[mt][nt][c] = 0.f;
       }
     }
+#if IS_TF32
+    // 3xTF32 per k-step: part = Q_lo K_hi + Q_hi K_lo + Q_hi K_hi from zero, then S += part in
+    // float32 (round to nearest): S takes KSTEPS_QK roundings, not one per product (the tensor
+    // core's own accumulation truncates, and 3 HEAD_DIM terms would round S ~sqrt(3 HEAD_DIM)
+    // times, several times the one rounding of the float32 reference's S; large logits showed it)
+    UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
+#if Q_IN_REGS != 1
+      uint ql1[M_TILES][4];
+#if Q_IN_REGS == 0
+      uint qh1[M_TILES][4];
+#endif
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        __local const float *p0 = Q_PTR(kk, mt);
+        const float2 x0 = *(__local const float2 *)p0;
+        const float2 x1 = *(__local const float2 *)(p0 + 8 * LDSQ);
+#if Q_IN_REGS == 0
+        SPLIT_TF32(x0.x, qh1[mt][0], ql1[mt][0]);
+        SPLIT_TF32(x1.x, qh1[mt][1], ql1[mt][1]);
+        SPLIT_TF32(x0.y, qh1[mt][2], ql1[mt][2]);
+        SPLIT_TF32(x1.y, qh1[mt][3], ql1[mt][3]);
+#else
+        ql1[mt][0] = as_uint(x0.x);
+        ql1[mt][1] = as_uint(x1.x);
+        ql1[mt][2] = as_uint(x0.y);
+        ql1[mt][3] = as_uint(x1.y);
+#endif
+      }
+#define QL(MT) ql1[MT]
+#else
+#define QL(MT) ql[kk][MT]
+#endif
+#if Q_IN_REGS == 0
+#define QH(MT) qh1[MT]
+#else
+#define QH(MT) qh[kk][MT]
+#endif
+      UNROLL for (int nt = 0; nt < NT_S; nt++) {
+        // B: key 8 nt + g, the same two columns
+        const float2 kx = *(__local const float2 *)(sKb + (nt * 8 + g) * LDSK + kk * 8 + 2 * tg);
+        uint bh0, bl0, bh1, bl1;
+        SPLIT_TF32(kx.x, bh0, bl0);
+        SPLIT_TF32(kx.y, bh1, bl1);
+        UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+          float part[4] = {0.f, 0.f, 0.f, 0.f};
+          MMA_TF32(part, QL(mt), bh0, bh1);
+          MMA_TF32(part, QH(mt), bl0, bl1);
+          MMA_TF32(part, QH(mt), bh0, bh1);
+          UNROLL for (int c = 0; c < 4; c++) sacc[mt][nt][c] += part[c];
+        }
+      }
+#undef QL
+#undef QH
+    }
+#else
     UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
 #if !Q_IN_REGS
       uint qa1[M_TILES][4];
@@ -456,6 +591,7 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
       }
 #undef QA
     }
+#endif
 
     // -- scores in the exp2 domain: softcap, alibi, then the mask
 #if FOLD
@@ -546,6 +682,41 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
       }
     }
 
+#if IS_TF32
+    // -- O += P V, 3xTF32.  k-step nt = the 8 keys of S n-tile nt, in the order of the S
+    // accumulators (k = t: key 2t, k = t + 4: key 2t + 1); V's rows are read in that order.
+    // Each 8-column n-tile of O takes this key tile's product from zero and adds it to O in
+    // float32: O rounds once per key tile, not once per mma (whose accumulation truncates).
+    uint ph[M_TILES][KSTEPS_PV][4], pl[M_TILES][KSTEPS_PV][4];
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+      UNROLL for (int nt = 0; nt < KSTEPS_PV; nt++) {
+        SPLIT_TF32(sacc[mt][nt][0], ph[mt][nt][0], pl[mt][nt][0]);  // (g, key 2t)
+        SPLIT_TF32(sacc[mt][nt][2], ph[mt][nt][1], pl[mt][nt][1]);  // (g + 8, key 2t)
+        SPLIT_TF32(sacc[mt][nt][1], ph[mt][nt][2], pl[mt][nt][2]);  // (g, key 2t + 1)
+        SPLIT_TF32(sacc[mt][nt][3], ph[mt][nt][3], pl[mt][nt][3]);  // (g + 8, key 2t + 1)
+      }
+    }
+    UNROLL for (int nd = 0; nd < NT_O; nd++) {
+      float part[M_TILES][4];
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        UNROLL for (int c = 0; c < 4; c++) part[mt][c] = 0.f;
+      }
+      UNROLL for (int nt = 0; nt < KSTEPS_PV; nt++) {
+        __local const float *vp = sVb + (nt * 8 + 2 * tg) * LDSV + nd * 8 + g;
+        uint bh0, bl0, bh1, bl1;
+        SPLIT_TF32_V(vp[0], bh0, bl0);
+        SPLIT_TF32_V(vp[LDSV], bh1, bl1);
+        UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+          MMA_TF32(part[mt], pl[mt][nt], bh0, bh1);
+          MMA_TF32(part[mt], ph[mt][nt], bl0, bl1);
+          MMA_TF32(part[mt], ph[mt][nt], bh0, bh1);
+        }
+      }
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        UNROLL for (int c = 0; c < 4; c++) o[mt][nd][c] += part[mt][c];
+      }
+    }
+#else
     // -- O += P V: the S accumulators of n-tiles 2t2, 2t2+1 are the A fragment of k-step t2
     UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) {
       uint pa[M_TILES][4];
@@ -565,6 +736,7 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
         }
       }
     }
+#endif
 
     // -- the inf/NaN zeroed above, for the rows that see their keys (p > 0: inf or NaN stays)
     if (v_bad) {
@@ -574,11 +746,16 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
           for (int j = max(rlo[mt][hf], n0); j <= j_hi; j++) {
             long row = krow0 + j;
             if (ring > 0 && row >= ring) row -= ring;
-            __global const ushort *vr = vh + row * v_sr + 2 * tg;
+            __global const ELEM *vr = vh + row * v_sr + 2 * tg;
             UNROLL for (int nd = 0; nd < NT_O; nd++) {
               UNROLL for (int e = 0; e < 2; e++) {
+#if IS_TF32
+                const float b = vr[nd * 8 + e];
+                if (NONFINITE32(as_uint(b))) o[mt][nd][2 * hf + e] += b;
+#else
                 const uint b = vr[nd * 8 + e];
                 if (NONFINITE16(b)) o[mt][nd][2 * hf + e] += nonfinite_value(b);
+#endif
               }
             }
           }
@@ -598,9 +775,9 @@ void attn_fwd_mma(__global const ushort *q, __global const ushort *k, __global c
       const int r = wrow0 + mt * 16 + g + 8 * hf;
       if (r < nrows) {
         const long row = qrow0 + m0 + r;
-        __global uint *orow = (__global uint *)(out + ((qb * sq_arr + row) * n_heads + h) * HEAD_DIM);
+        __global OUT2 *orow = (__global OUT2 *)(out + ((qb * sq_arr + row) * n_heads + h) * HEAD_DIM);
         UNROLL for (int nd = 0; nd < NT_O; nd++) {
-          orow[nd * 4 + tg] = pack2(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
+          orow[nd * 4 + tg] = OUT_PACK(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
         }
         if (tg == 0) {
           lse[(qb * n_heads + h) * sq_arr + row] =

@@ -1,7 +1,9 @@
 """The NVIDIA tensor-core kernel (kernels/attn_fwd_mma.cl) on any OpenCL device, with every
-warp-level PTX instruction (mma.sync, ldmatrix, cp.async) emulated in plain OpenCL C
+warp-level PTX instruction (mma.sync, ldmatrix, cp.async, cvt.rna.tf32) emulated in plain OpenCL C
 (``USE_PTX=0``): the fragment layouts, tile walk, masking and online softmax it runs on the H200
-are checked here against the float64 oracle by the SPEC's accuracy rule, on PoCL in CI."""
+are checked here against the float64 oracle by the SPEC's accuracy rule, on PoCL in CI.
+float32 takes the 3xTF32 build (``IS_TF32=1``), whose emulation rounds operands to tf32 as
+``cvt.rna`` does and accumulates the exact products in float32."""
 
 from __future__ import annotations
 
@@ -24,6 +26,13 @@ CASES = [
     ("window softcap alibi", "bfloat16", (2, 45, 77, 2, 1, 128),
      {"window": (20, 5), "softcap": 30.0, "alibi": True}),
     ("causal Sq>Sk empty rows", "float16", (1, 90, 37, 2, 2, 64), {"causal": True}),
+    ("f32 gqa causal Sq<Sk", "float32", (1, 70, 131, 6, 2, 64), {"causal": True}),
+    ("f32 window softcap alibi", "float32", (2, 45, 77, 2, 1, 128),
+     {"window": (20, 5), "softcap": 30.0, "alibi": True}),
+    ("f32 causal Sq>Sk empty rows", "float32", (1, 90, 37, 2, 2, 128), {"causal": True}),
+    # scores of tens (scale 1): S's float32 accumulation error shows in the output
+    ("f32 scale 1 large logits", "float32", (1, 61, 150, 2, 1, 128), {"scale": 1.0}),
+    ("f32 window only, odd", "float32", (1, 53, 99, 3, 3, 64), {"window": (7, 0)}),
 ]
 
 
@@ -34,17 +43,100 @@ def test_mma_kernel_emulated(name, dtype, shape, opts):
     be = attnlib.get_backend("opencl")
     b, sq, sk, hq, hkv, d = shape
     q, k, v = qkv(rng_for("mma", name), b, sq, sk, hq, hkv, d, dtype=dtype)
-    if name.startswith("gqa"):
+    if "gqa" in name:
         v[0, sk - 1, 0, 3] = np.nan  # hidden from the first rows by causal: must not leak
     kw = dict(opts)
     slopes = np.linspace(0.05, 0.4, hq).astype(np.float32) if kw.pop("alibi", False) else None
-    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
-                            alibi_slopes=slopes, causal=kw.get("causal", False),
+    call = _spec.dense_call(q, k, v, scale=kw.get("scale"), mask=None, layout="bshd",
+                            need_lse=True, alibi_slopes=slopes, causal=kw.get("causal", False),
                             window=kw.get("window"), softcap=kw.get("softcap"))
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
+    _check(q, k, v, slopes, kw, out, lse)
+
+
+def _check(q, k, v, slopes, kw, out, lse):
     ref, ref_lse = reference_attention(q, k, v, alibi_slopes=slopes, **kw)
     naive, _ = naive_attention(q, k, v, alibi_slopes=slopes, **kw)
+    assert out.dtype == q.dtype
     assert_rule(out, ref, naive)
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), finite)
-    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-2)
+    atol = 1e-4 if q.dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=atol)
+
+
+# (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS): every float32 Q placement (0: local, split every tile;
+# 1: hi and lo in registers; 2: hi in registers, lo in local), one and two m-tiles per warp
+F32_CONFIGS = [(64, 32, 4, 0), (32, 16, 1, 2), (64, 64, 2, 1), (64, 32, 2, 0)]
+
+
+@pytest.mark.parametrize("config", F32_CONFIGS, ids=[",".join(map(str, c)) for c in F32_CONFIGS])
+def test_mma_f32_configs(config):
+    from attnlib.backends.opencl import _nvidia_mma
+
+    be = attnlib.get_backend("opencl")
+    q, k, v = qkv(rng_for("mma f32", *config), 1, 77, 101, 4, 2, 64, dtype="float32")
+    v[0, 100, 1, 5] = np.inf  # hidden from the first rows by causal, seen by the last
+    kw = {"causal": True}
+    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
+                            alibi_slopes=None, causal=True, window=None, softcap=None)
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, config=config,
+                               use_ptx=False)
+    _check(q, k, v, None, kw, out, lse)
+
+
+def test_tf32_rounding_emulated():
+    """The emulated cvt.rna.tf32.f32: nearest with ties away from zero to 10 mantissa bits,
+    carries into the exponent, inf/NaN kept; the split hi + lo holds 22 bits of x."""
+    import pyopencl as cl
+
+    from attnlib.backends.opencl import _nvidia_mma
+
+    header = (_nvidia_mma.kernel_path().parent / "attn_fwd_mma_tf32.h").read_text()
+    src = "#define USE_PTX 0\n" + header + """
+__kernel void split(__global const float *x, __global uint *hi, __global uint *lo) {
+  const int i = get_global_id(0);
+  uint h, l;
+  SPLIT_TF32(x[i], h, l);
+  hi[i] = h;
+  lo[i] = l;
+}"""
+    be = attnlib.get_backend("opencl")
+    prg = cl.Program(be.context, src).build()
+    rng = rng_for("tf32 rna")
+    bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    ties = (rng.integers(0, 2**19, 64, dtype=np.uint64).astype(np.uint32) << 13) | 0x1000
+    special = np.array([0x3f800fff, 0x3f801000, 0x3f803000, 0xbf801000, 0x7f7ff000, 0x00001000,
+                        0x7f800000, 0xff800000, 0x7fc00000, 0], np.uint32)
+    x = np.concatenate([bits, ties, special]).view(np.float32)
+    hi, lo = np.empty(x.size, np.uint32), np.empty(x.size, np.uint32)
+    xb = cl.Buffer(be.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=x)
+    hb = cl.Buffer(be.context, cl.mem_flags.WRITE_ONLY, hi.nbytes)
+    lb = cl.Buffer(be.context, cl.mem_flags.WRITE_ONLY, lo.nbytes)
+    prg.split(be.queue, (x.size,), None, xb, hb, lb)
+    cl.enqueue_copy(be.queue, hi, hb)
+    cl.enqueue_copy(be.queue, lo, lb)
+
+    def rna(v: np.ndarray) -> np.ndarray:
+        """Round half away from zero to 10 mantissa bits, in float64 (exact for these)."""
+        u = v.view(np.uint32)
+        m, e = np.frexp(v.astype(np.float64))  # |m| in [0.5, 1): 11 significant bits of m
+        sub = (u & 0x7F800000) == 0  # subnormal: a fixed quantum of 2^-136
+        q = np.where(sub, 2.0**-136, np.ldexp(1.0, e - 11))
+        r = np.sign(v) * np.floor(np.abs(v.astype(np.float64)) / q + 0.5) * q
+        return r.astype(np.float32)
+
+    fin = np.isfinite(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_hi = rna(x[fin])
+        got_hi = hi[fin].view(np.float32)
+        assert np.array_equal(got_hi, want_hi)
+        want_lo = rna((x[fin].astype(np.float64) - got_hi).astype(np.float32))
+        ok = np.isfinite(got_hi)
+        assert np.array_equal(lo[fin].view(np.float32)[ok], want_lo[ok])
+    assert np.array_equal(hi[~fin], x[~fin].view(np.uint32))
+    xs = x[fin][ok].astype(np.float64)
+    err = np.abs(hi[fin].view(np.float32)[ok] + lo[fin].view(np.float32)[ok].astype(np.float64)
+                 - xs)
+    normal = np.abs(xs) > 2.0**-100  # below, lo's quantum (2^-136) is the bound
+    assert np.all(err[normal] <= np.abs(xs[normal]) * 2.0**-22)

@@ -1,13 +1,25 @@
-"""FlashAttention-2 style float16/bfloat16 forward kernel for NVIDIA tensor cores (sm_80+).
+"""FlashAttention-2 style forward kernel for NVIDIA tensor cores (sm_80+): float16, bfloat16
+and float32.
 
-``kernels/attn_fwd_mma.cl`` is OpenCL C with inline PTX (``mma.sync.m16n8k16``, ``ldmatrix``,
+``kernels/attn_fwd_mma.cl`` is OpenCL C with inline PTX (``mma.sync``, ``ldmatrix``,
 ``cp.async``), built by NVIDIA's OpenCL driver. This module is self-contained: the OpenCL backend
 asks :func:`applicable` and, when it says True, calls :func:`run` instead of its portable kernel.
 
-Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16 or bfloat16, whose
-head dims are equal and in :data:`HEAD_DIMS`, without a mask: dense, varlen, streaming chunks, KV
-cache (ring too), any positions, causal, window, softcap, alibi, GQA/MQA, LSE. Masks go to the
-portable kernel.
+Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16, bfloat16 or
+float32, whose head dims are equal and in :data:`HEAD_DIMS`, without a mask: dense, varlen,
+streaming chunks, KV cache (ring too), any positions, causal, window, softcap, alibi, GQA/MQA,
+LSE. Masks go to the portable kernel.
+
+float16/bfloat16 run ``mma.sync.m16n8k16`` with float32 accumulators. float32 runs "3xTF32"
+(``-DIS_TF32=1``, kernels/attn_fwd_mma_tf32.h): every operand of Q K^T and P V is split as
+hi + lo in tf32 (``cvt.rna``), and each product takes three ``mma.sync.m16n8k8`` tf32
+(lo*hi + hi*lo + hi*hi) with float32 accumulators, at about a third of the tf32 tensor-core
+rate. For float32-class accuracy (the SPEC's rule against float64) the tensor cores only sum
+short runs from zero (S: one 8-wide k-step, O: one key tile) that are added to S and O in float32
+with round-to-nearest: a chain of mma accumulations (which truncate) over all of D or all keys
+took S's error to several times that of the float32 reference at scores of tens (emulated:
+err/tol 2.25 at scale 1, D=128, against 0.48 now). The backend option ``use_mma=False`` (or
+:data:`F32_ON` = False, float32 only) keeps float32 on the portable float32 FMA kernel.
 
 Hidden keys contribute nothing even when their k or v hold inf/NaN (SPEC): keys hidden from every
 row of a work-group are never read; in tiles that hide keys from only some rows, the kernel zeroes
@@ -18,6 +30,7 @@ the handling itself was checked through the emulated kernel only (bench/RESULTS.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -30,18 +43,29 @@ from ..base import AttnCall
 from . import _pool
 from ._runtime import launch
 
-__all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "build_options"]
+__all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
+           "default_config", "build_options"]
 
 #: head dims (D == Dv) the kernel is built for
 HEAD_DIMS = (64, 128)
 #: (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) per head dim: the fastest of the sweep on the H200
 #: (bench/RESULTS.md); 4 warps x 32 rows, 2 work-groups per SM (registers: 246-255 per thread)
 DEFAULT_CONFIGS = {64: (128, 64, 4, 1), 128: (128, 64, 4, 0)}
+#: float32 (3xTF32), same fields; Q_IN_REGS 0: Q in local memory, split every tile, 1: its tf32
+#: hi and lo in registers, 2: hi in registers, lo in local memory. One m-tile (16 rows) per warp:
+#: registers hold O (D/2), S (BLOCK_N/2) and the Q fragments (D/2 each for hi and lo).
+#: Local memory: 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes, D=64 BLOCK_N=64: 107 KiB,
+#: D=128 BLOCK_N=32: 135 KiB (the H200 runs up to ~227 KiB per work-group). Not yet swept on
+#: the device: bench/gpu/tf32_check.py --config does that.
+DEFAULT_CONFIGS_F32 = {64: (128, 64, 8, 1), 128: (128, 32, 8, 2)}
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-_DTYPES = (np.dtype(np.float16), _BF16)
+_F32 = np.dtype(np.float32)
+#: float32 through 3xTF32 on sm_80+ (False: float32 stays on the portable kernel)
+F32_ON = True
+_DTYPES = (np.dtype(np.float16), _BF16, _F32)
 
 _lock = threading.Lock()
 _programs: dict[tuple, Any] = {}
@@ -96,11 +120,14 @@ def _array_ok(x: Any) -> bool:
 
 
 def applicable(device: Any, call: AttnCall) -> bool:
-    """True when this kernel can run ``call`` on ``device`` (NVIDIA, sm_80+, fp16/bf16, ...)."""
+    """True when this kernel can run ``call`` on ``device`` (NVIDIA, sm_80+, fp16/bf16/fp32,
+    ...)."""
     cc = compute_capability(device)
     if cc is None or cc[0] < 8:
         return False
     if call.dtype not in _DTYPES or call.mask_view is not None:
+        return False
+    if call.dtype == _F32 and not F32_ON:
         return False
     if call.head_dim != call.head_dim_v or call.head_dim not in HEAD_DIMS:
         return False
@@ -116,9 +143,16 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
     return (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
         f"-DWARPS={warps}", f"-DQ_IN_REGS={int(q_in_regs)}",
-        f"-DIS_BF16={int(np.dtype(dtype) == _BF16)}", f"-DSOFTCAP={int(softcap)}",
+        f"-DIS_BF16={int(np.dtype(dtype) == _BF16)}",
+        f"-DIS_TF32={int(np.dtype(dtype) == _F32)}", f"-DSOFTCAP={int(softcap)}",
         f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}", f"-DUSE_PTX={int(use_ptx)}",
     )
+
+
+def default_config(dtype: Any, head_dim: int) -> tuple:
+    """The (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) a call of ``dtype`` and ``head_dim`` runs with."""
+    table = DEFAULT_CONFIGS_F32 if np.dtype(dtype) == _F32 else DEFAULT_CONFIGS
+    return table[head_dim]
 
 
 def kernel_path() -> Path:
@@ -129,6 +163,15 @@ def kernel_path() -> Path:
     raise FileNotFoundError("attn_fwd_mma.cl not found beside attnlib or in the source tree")
 
 
+def kernel_text() -> str:
+    """attn_fwd_mma.cl with its ``#include "x.h"`` lines replaced by the headers beside it (one
+    source text: pyopencl's cache key covers the headers, no -I path needed)."""
+    path = kernel_path()
+    return re.sub(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$',
+                  lambda m: (path.parent / m.group(1)).read_text(), path.read_text(),
+                  flags=re.MULTILINE)
+
+
 def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
     """Build (once per context, device and options) and return the program."""
     import pyopencl as cl
@@ -137,7 +180,7 @@ def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
     with _lock:
         prg = _programs.get(key)
         if prg is None:
-            src = kernel_path().read_text()
+            src = kernel_text()
             try:
                 prg = cl.Program(ctx, src).build(options=list(options), devices=[device])
             except cl.Error as exc:
@@ -233,9 +276,9 @@ def _view(ctx: Any, x: Any) -> tuple[Any, int, tuple[int, int, int], Any]:
     item = x.dtype.itemsize
     if _is_cl_array(x):
         return x.base_data, x.offset // item, tuple(s // item for s in x.strides[:3]), x
-    h = np.ascontiguousarray(x).view(np.uint16)
+    h = np.ascontiguousarray(x).view(f"u{item}")
     if h.size == 0:
-        h = np.zeros(8, np.uint16)
+        h = np.zeros(16 // item, h.dtype)
     buf = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=h)
     sh = x.shape
     return buf, 0, (sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]), buf
@@ -246,14 +289,15 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         wait_for: Any = None, events: list | None = None) -> tuple[Any, Any]:
     """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
 
-    ``config`` = (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) overrides :data:`DEFAULT_CONFIGS`;
+    ``config`` = (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) overrides :data:`DEFAULT_CONFIGS`
+    (:data:`DEFAULT_CONFIGS_F32` for float32);
     ``use_ptx=False`` builds the emulated kernel (any OpenCL device; for layout checks only);
     ``events``, when given, receives the kernel's event (for timing).
     """
     import pyopencl as cl
 
     d = call.head_dim
-    config = tuple(config or DEFAULT_CONFIGS[d])
+    config = tuple(config or default_config(call.dtype, d))
     block_m, block_n, warps = config[0], config[1], config[2]
     if use_ptx is None:
         use_ptx = compute_capability(device) is not None
@@ -298,6 +342,6 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     out_h = np.empty(out_shape, dtype)
     lse_h = np.empty(lse_shape, np.float32)
     if out_h.size:
-        cl.enqueue_copy(queue, out_h.view(np.uint16), out.base_data)
+        cl.enqueue_copy(queue, out_h.view(f"u{out_h.itemsize}"), out.base_data)
         cl.enqueue_copy(queue, lse_h, lse.base_data)
     return out_h, lse_h

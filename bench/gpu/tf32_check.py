@@ -1,0 +1,343 @@
+"""float32 on NVIDIA tensor cores (3xTF32 build of kernels/attn_fwd_mma.cl): correctness of the
+PTX build against the float64 oracle, the compiler's register/spill report, kernel time and
+TFLOP/s, in one command. On the H200, from the repo root:
+
+    source .gpu/setup.sh && python3 bench/gpu/tf32_check.py --json $OUT/tf32.jsonl
+    python3 bench/gpu/tf32_check.py --sweep                  # + the built-in tilings
+    python3 bench/gpu/tf32_check.py --config 64:128,64,8,1 128:128,32,8,2
+
+Each part runs in its own process with a timeout (a kernel fault poisons its OpenCL context):
+tf32 mma.sync ceiling, then per config (D:BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS) the build report
+(-cl-nv-verbose), every correctness case (odd sizes, masks, NaN/inf, ring cache, scale 1) by
+the SPEC rule (max err <= 2 naive-fp32 err + 1e-5), then kernel time by OpenCL profiling events
+(median of REPS after WARMUP) for (B,H,S,D) = (4,16,2048,64), (4,16,2048,128), (1,16,8192,128),
+causal and not; then PyTorch SDPA float32 (efficient, math) on the same shapes. Every result
+and every error is one JSON line (stdout and --json); a summary table ends the run.
+FLOPs: 4 B H S^2 D, halved for causal; 3xTF32 issues three tf32 mma per product, so its
+ceiling is a third of the tf32 mma.sync rate measured first.
+Here, with PoCL (emulated PTX, tiny shapes):  python bench/gpu/tf32_check.py --emulate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PERF = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128)]
+DEFAULTS = {64: (128, 64, 8, 1), 128: (128, 32, 8, 2)}
+SWEEP = {64: [(128, 64, 8, 1), (64, 64, 4, 1), (128, 64, 8, 0), (128, 32, 8, 1), (64, 32, 4, 1),
+              (128, 64, 4, 0)],
+         128: [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 0), (64, 64, 4, 0),
+               (128, 32, 4, 0)]}
+WARMUP, REPS = 3, 10
+PEAK_SRC = """
+__kernel void tf32_peak(__global float *out, const int iters) {
+  const uint lid = get_local_id(0);
+  uint a[4] = {0x3f800000u ^ ((lid & 7u) << 13), 0x3f802000u, 0x3f7fe000u, 0x3f804000u};
+  uint b0 = 0x3f802000u ^ ((lid & 3u) << 13), b1 = 0x3f7fc000u;
+  float acc[CHAINS][4];
+#pragma unroll
+  for (int c = 0; c < CHAINS; c++) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
+  for (int it = 0; it < iters; it++) {
+#pragma unroll
+    for (int c = 0; c < CHAINS; c++) {
+      asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                   "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+                   : "=f"(acc[c][0]), "=f"(acc[c][1]), "=f"(acc[c][2]), "=f"(acc[c][3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1),
+                     "f"(acc[c][0]), "f"(acc[c][1]), "f"(acc[c][2]), "f"(acc[c][3]));
+    }
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int c = 0; c < CHAINS; c++) s += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+  out[get_global_id(0)] = s;
+}
+"""
+
+
+def emit(rec: dict, path: str | None) -> None:
+    line = json.dumps(rec, default=str)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def flops(b, h, s, d, causal):
+    return 4.0 * b * h * s * s * d / (2 if causal else 1)
+
+
+def cl_env():
+    import pyopencl as cl
+
+    ctx = cl.create_some_context(interactive=False)
+    queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
+    return cl, ctx, queue, ctx.devices[0]
+
+
+# ------------------------------------------------------------------------------------ children
+def child_peak(args) -> None:
+    cl, ctx, queue, dev = cl_env()
+    n_wg, threads, iters, chains = dev.max_compute_units * 8, 256, 1024, 8
+    out = cl.Buffer(ctx, cl.mem_flags.WRITE_ONLY, n_wg * threads * 4)
+    prg = cl.Program(ctx, PEAK_SRC).build(options=[f"-DCHAINS={chains}"])
+    knl = cl.Kernel(prg, "tf32_peak")
+    knl.set_args(out, np.int32(iters))
+    best = 0.0
+    for _ in range(4):
+        ev = cl.enqueue_nd_range_kernel(queue, knl, (n_wg * threads,), (threads,))
+        ev.wait()
+        t = (ev.profile.end - ev.profile.start) * 1e-9
+        best = max(best, n_wg * threads / 32 * iters * chains * 2048 / t / 1e12)
+    emit({"peak_tf32_tflops": best, "device": dev.name}, args.json)
+
+
+def accuracy_cases(mc, rng, d, emulate):
+    """(name, AttnCall): mma_common's cases in float32 plus large-logit and longer ones."""
+    f32 = np.dtype(np.float32)
+    out = list(mc.cases(rng, f32, d))
+    q, k, v = (mc.rand(rng, s, f32) for s in ((1, 61, 2, d), (1, 300, 1, d), (1, 300, 1, d)))
+    out.append(("scale 1.0 (scores ~ tens)", mc.dense_call(q, k, v, scale=1.0)))
+    q, k, v = (mc.rand(rng, s, f32) for s in ((1, 17, 2, d), (1, 29, 2, d), (1, 29, 2, d)))
+    out.append(("huge logits (q, k x 40)", mc.dense_call(q * 40, k * 40, v, causal=True,
+                                                          scale=1.0)))
+    n = 160 if emulate else 1500
+    q, k, v = (mc.rand(rng, s, f32) for s in ((1, n, 2, d), (1, n + 37, 2, d), (1, n + 37, 2, d)))
+    out.append((f"long {n}x{n + 37} causal", mc.dense_call(q, k, v, causal=True)))
+    out.append((f"long {n}x{n + 37}", mc.dense_call(q, k, v)))
+    return out
+
+
+def child_config(args) -> None:
+    sys.path.insert(0, HERE)
+    import mma_common as mc
+    import pyopencl.array as cla
+
+    nv = mc.nv
+    cl, ctx, queue, dev = cl_env()
+    d, cfg = args.d[0], tuple(int(x) for x in args.config[0].split(","))
+    base = {"d": d, "config": cfg}
+    use_ptx = not args.emulate
+    flags = () if args.emulate else ("-cl-nv-verbose",)
+    opts = nv.build_options(d, np.float32, cfg, use_ptx=use_ptx) + flags
+    t0 = time.perf_counter()
+    try:
+        prg = nv.get_program(ctx, dev, opts)
+    except Exception as exc:  # noqa: BLE001 - reported, the other configs still run
+        emit({**base, "build_error": str(exc)[-4000:]}, args.json)
+        return
+    log = prg.get_build_info(dev, cl.program_build_info.LOG)
+    report = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    emit({**base, "build_s": round(time.perf_counter() - t0, 2), "ptxas": report}, args.json)
+    rng = np.random.default_rng(20261129 + d)
+    n_fail = 0
+    for name, call in accuracy_cases(mc, rng, d, args.emulate):
+        try:
+            out, lse = nv.run(ctx, queue, dev, call, config=cfg, use_ptx=use_ptx,
+                              extra_options=flags)
+            ok, err, tol, lerr = mc.check(call, out, lse)
+            n_fail += not ok
+            emit({**base, "case": name, "ok": bool(ok), "err": err, "tol": tol,
+                  "err_over_tol": err / tol, "lse_err": lerr}, args.json)
+        except Exception as exc:  # noqa: BLE001
+            n_fail += 1
+            emit({**base, "case": name, "ok": False, "error": repr(exc)[-2000:]}, args.json)
+    if n_fail and not args.time_anyway:
+        emit({**base, "perf": "skipped: correctness failed (--time-anyway to time it)"},
+             args.json)
+        return
+    shapes = [s for s in PERF if s[3] == d] if not args.emulate else [(1, 2, 96, d)]
+    rng = np.random.default_rng(3)
+    for shape in shapes:
+        b, h, s, _ = shape
+        try:
+            q, k, v = (cla.to_device(queue, mc.rand(rng, (b, s, h, d), np.float32))
+                       for _ in range(3))
+        except Exception as exc:  # noqa: BLE001
+            emit({**base, "shape": shape, "error": repr(exc)}, args.json)
+            continue
+        for causal in (False, True):
+            try:
+                call = mc.dense_call(q, k, v, causal=causal)
+                kw = dict(config=cfg, use_ptx=use_ptx, extra_options=flags)
+                for _ in range(WARMUP):
+                    nv.run(ctx, queue, dev, call, **kw)
+                queue.finish()
+                ts = []
+                for _ in range(REPS):
+                    ev: list = []
+                    nv.run(ctx, queue, dev, call, events=ev, **kw)
+                    ev[0].wait()
+                    ts.append((ev[0].profile.end - ev[0].profile.start) * 1e-9)
+                t = float(np.median(ts))
+                emit({**base, "shape": shape, "causal": causal, "ms": t * 1e3,
+                      "tflops": flops(*shape, causal) / t / 1e12}, args.json)
+            except Exception as exc:  # noqa: BLE001
+                emit({**base, "shape": shape, "causal": causal, "error": repr(exc)[-2000:]},
+                     args.json)
+        del q, k, v
+
+
+def child_torch(args) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    for shape in PERF:
+        b, h, s, d = shape
+        q, k, v = (torch.randn(b, h, s, d, device="cuda") for _ in range(3))
+        for causal in (False, True):
+            for name, be in backends.items():
+                if name == "math" and s > 4096:
+                    continue
+                try:
+                    with sdpa_kernel(be):
+                        def fn(q=q, k=k, v=v, causal=causal):
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        for _ in range(WARMUP):
+                            fn()
+                        torch.cuda.synchronize()
+                        ts = []
+                        for _ in range(REPS):
+                            e0 = torch.cuda.Event(enable_timing=True)
+                            e1 = torch.cuda.Event(enable_timing=True)
+                            e0.record()
+                            fn()
+                            e1.record()
+                            e1.synchronize()
+                            ts.append(e0.elapsed_time(e1) * 1e-3)
+                    t = float(np.median(ts))
+                    emit({"torch": name, "shape": shape, "causal": causal, "ms": t * 1e3,
+                          "tflops": flops(*shape, causal) / t / 1e12,
+                          "tf32_allowed": torch.backends.cuda.matmul.allow_tf32}, args.json)
+                except Exception as exc:  # noqa: BLE001
+                    emit({"torch": name, "shape": shape, "causal": causal,
+                          "error": repr(exc)[-500:]}, args.json)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------- parent
+def spawn(argv: list[str], timeout: float, json_path: str | None, what: dict) -> None:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.Popen(cmd)
+        rc = proc.wait(timeout=timeout)
+        if rc:
+            emit({**what, "error": f"child exited with status {rc}"}, json_path)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        emit({**what, "error": f"timed out after {timeout:.0f} s"}, json_path)
+    except Exception as exc:  # noqa: BLE001
+        emit({**what, "error": repr(exc)}, json_path)
+    print(f"   ({what} took {time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def summary(recs: list[dict], peak: float | None) -> None:
+    print("\n== summary")
+    if peak:
+        print(f"tf32 mma.sync ceiling {peak:.0f} TFLOP/s -> 3xTF32 ceiling {peak / 3:.0f} "
+              "TFLOP/s of attention FLOPs")
+    acc: dict = {}
+    for r in recs:
+        if "case" in r:
+            key = (r["d"], tuple(r["config"]))
+            ok, worst = acc.get(key, (0, 0.0))
+            acc[key] = (ok + (not r.get("ok")), max(worst, r.get("err_over_tol", 0.0)))
+    for (d, cfg), (bad, worst) in sorted(acc.items()):
+        print(f"D={d} {cfg}: {'all correct' if not bad else f'{bad} FAILED'}, "
+              f"worst err/tol {worst:.2f}")
+    torch = {(tuple(r["shape"]), r["causal"], r["torch"]): r["tflops"]
+             for r in recs if "torch" in r and "tflops" in r}
+    print("| B,H,S,D | causal | config | ms | TFLOP/s | of 3xTF32 ceiling | torch efficient |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in recs:
+        if "tflops" not in r or "config" not in r:
+            continue
+        shape, causal = tuple(r["shape"]), r["causal"]
+        frac = f"{3 * r['tflops'] / peak:.0%}" if peak else "-"
+        eff = torch.get((shape, causal, "efficient"))
+        print(f"| {','.join(map(str, shape))} | {'yes' if causal else 'no'} | "
+              f"{','.join(map(str, r['config']))} | {r['ms']:.3f} | {r['tflops']:.1f} | {frac} | "
+              f"{f'{eff:.1f}' if eff else '-'} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", nargs="*", default=None,
+                    help="D:BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS ... (default: the module's table)")
+    ap.add_argument("--sweep", action="store_true", help="also the built-in tilings")
+    ap.add_argument("--d", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--json", default=None, help="JSON lines file (default $OUT or /tmp)")
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per child")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-peak", action="store_true")
+    ap.add_argument("--emulate", action="store_true", help="USE_PTX=0 on any device (PoCL)")
+    ap.add_argument("--time-anyway", action="store_true")
+    ap.add_argument("--child", choices=["peak", "config", "torch"], help=argparse.SUPPRESS)
+    args, _ = ap.parse_known_args()
+    if args.child:
+        try:
+            {"peak": child_peak, "config": child_config, "torch": child_torch}[args.child](args)
+        except Exception:  # noqa: BLE001
+            emit({"child": args.child, "error": traceback.format_exc()[-3000:]}, args.json)
+            return 1
+        return 0
+    if args.json is None:
+        args.json = os.path.join(os.environ.get("OUT") or "/tmp", "tf32_check.jsonl")
+    own = ["--json", args.json]
+    common = own + (["--emulate"] if args.emulate else []) + (
+        ["--time-anyway"] if args.time_anyway else [])
+    if os.path.exists(args.json):
+        os.remove(args.json)
+    start = time.perf_counter()
+    if not (args.no_peak or args.emulate):
+        spawn(["--child", "peak", *own], 60, args.json, {"child": "peak"})
+    configs: list[tuple[int, tuple]] = []
+    if args.config:
+        for item in args.config:
+            d, c = item.split(":")
+            configs.append((int(d), tuple(int(x) for x in c.split(","))))
+    else:
+        from_module = DEFAULTS
+        try:
+            sys.path.insert(0, HERE)
+            import mma_common as mc
+
+            from_module = dict(mc.nv.DEFAULT_CONFIGS_F32)
+        except Exception as exc:  # noqa: BLE001
+            print(f"(default configs from this script: {exc!r})")
+        configs = [(d, tuple(from_module[d])) for d in args.d]
+    if args.sweep:
+        configs += [(d, c) for d in args.d for c in SWEEP[d] if (d, c) not in configs]
+    for d, cfg in configs:
+        print(f"\n== D={d} config (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) = {cfg}", flush=True)
+        spawn(["--child", "config", "--d", str(d), "--config", ",".join(map(str, cfg)),
+               *common], args.timeout, args.json, {"d": d, "config": cfg})
+    if not (args.no_torch or args.emulate):
+        print("\n== PyTorch SDPA float32", flush=True)
+        spawn(["--child", "torch", *own], 240, args.json, {"child": "torch"})
+    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+    if os.path.exists(args.json):
+        recs = [json.loads(ln) for ln in open(args.json) if ln.strip()]
+        peak = next((r["peak_tf32_tflops"] for r in recs if "peak_tf32_tflops" in r), None)
+        summary(recs, peak)
+        failed = any(r.get("ok") is False or "build_error" in r or "error" in r for r in recs)
+        return 1 if failed else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
