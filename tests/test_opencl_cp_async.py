@@ -31,8 +31,10 @@ def cp_async_mode(request):
     from attnlib.backends.opencl import _attention
 
     _attention.CP_ASYNC_FORCE = request.param
+    _attention._plans.clear()  # plans hold the staging mode chosen when they were made
     yield request.param
     _attention.CP_ASYNC_FORCE = None
+    _attention._plans.clear()
 
 
 @pytest.mark.parametrize("cp_async_mode", [1, 2], indirect=True)
@@ -43,7 +45,6 @@ def test_cp_async_staging(cp_async_mode, name, dtype, shape, be_opts, opts):
     b, sq, sk, hq, hkv, d, dv = shape
     q, k, v = qkv(rng_for("cp.async", name), b, sq, sk, hq, hkv, d, dv, dtype)
     be = attnlib.get_backend("opencl", **be_opts)
-    _attention._configs.clear()
     check_dense(be, q, k, v, **opts)
-    modes = {key[-2] for key in _attention._configs if key[0] is _attention.FwdConfig}
+    modes = {cfg.CP_ASYNC for plan in _attention._plans.values() for cfg in plan.cfgs}
     assert modes == {cp_async_mode}, f"kernel built with CP_ASYNC {modes}"

@@ -108,10 +108,12 @@ def _with(overrides, fn):
 
     orig = _attention.FwdConfig
     _attention.FwdConfig = lambda **kw: orig(**{**kw, **overrides})
+    _attention._plans.clear()  # plans made without the override must not be reused
     try:
         return fn()
     finally:
         _attention.FwdConfig = orig
+        _attention._plans.clear()
 
 
 DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); runs 4/6/7/9/13 swept more (bench/gpu/logs)

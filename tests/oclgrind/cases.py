@@ -99,6 +99,7 @@ def cp_async_tile_walks(be):
     try:
         for mode in (1, 2):
             _attention.CP_ASYNC_FORCE = mode
+            _attention._plans.clear()
             split = attnlib.get_backend("opencl", num_splits=3, tiles=(4, 16, 4, 4))
             q, k, v = qkv(rng, 2, 1, 37, 4, 1, 8)
             check_dense(split, q, k, v, causal=True)
@@ -106,6 +107,7 @@ def cp_async_tile_walks(be):
             check_dense(be, q, k, v, causal=True)
     finally:
         _attention.CP_ASYNC_FORCE = None
+        _attention._plans.clear()
 
 
 @case

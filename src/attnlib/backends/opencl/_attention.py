@@ -170,19 +170,6 @@ def _has_cp_async(be: OpenCLBackend) -> bool:
     return cc is not None and cc[0] >= 8
 
 
-_configs: dict[tuple, Any] = {}
-
-
-def _memo_config(cls: Any, **fields: Any) -> Any:
-    """``cls(**fields)``, made once per distinct value set (a frozen dataclass of ~18 fields costs
-    microseconds to build, on a path where a decode call has ~100 us of host time in all)."""
-    key = (cls, *fields.values())
-    cfg = _configs.get(key)
-    if cfg is None:
-        cfg = _configs[key] = cls(**fields)
-    return cfg
-
-
 def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
     """The kernel's int32 table: 9 fields per sequence, then (sequence, first packed row) per
     work-group column; and the number of those columns. Small tables (every decode step) are
@@ -206,17 +193,80 @@ def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, 
     return desc, n_groups
 
 
-def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
+@dataclass
+class _Plan:
+    """What a call's geometry fixes: tiling, kernel configs (no split / split) and the kernel's
+    argument list with the per-call slots (q, k, v buffers, descriptor, mask, alibi, outputs)
+    left to fill. Decode steps repeat one geometry; the plan is made once for it."""
 
+    tiles: tuple[int, int, int, int]
+    cfgs: tuple[Any, Any]
+    args: list
+    mcfg: Any
+
+
+_plans: dict[tuple, _Plan] = {}
+_PLANS_MAX = 512
+# argument slots the call fills (see _make_plan's argument order)
+_Q, _K, _V, _DESC, _ALIBI, _MASK, _DST = 0, 6, 12, 18, 25, 26, 32
+
+
+def _plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
+              mask_kind: int) -> tuple:
+    return (id(be), queue.int_ptr, call.dtype, call.q.shape, call.n_kv_heads,
+            call.head_dim_v, max_rows, call.n_seq, call.ring, call.scale, call.softcap,
+            call.window_left, call.window_right, call.alibi is None, mask_kind,
+            *((vw.offset, vw.strides) for vw in views))
+
+
+def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
+               mask_kind: int) -> _Plan:
+    dtype = call.dtype
+    acc = acc_dtype(dtype)
+    bq, sq_arr, hq, d = call.q.shape
+    hkv, dv = call.n_kv_heads, call.head_dim_v
+    kv_bytes = 2 if dtype.itemsize == 2 else acc.itemsize
+    bm, bn, tmh, tnh = tiles = choose_tiles(be.facts, max_rows, d, dv, acc.itemsize, kv_bytes,
+                                            be.tiles)
+    d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
+    load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
+                and all(vw.strides[3] == 1 for vw in views))
+    cp_mode, cp_emulate = cp_async_mode(be, call, views, load_vec, local_bytes(
+        bm, bn, tnh, d, dv, acc.itemsize, kv_bytes, two_tiles=True))
+    cfgs = tuple(FwdConfig(
+        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
+        THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
+        STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
+        MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
+        HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
+        CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate) for split in (False, True))
+    wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
+    wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
+    i64, i32, f = np.int64, np.int32, acc.type
+    n_out_rows = bq * sq_arr * hq
+    args: list[Any] = []
+    for view in views:  # slots _Q, _K, _V: buffer, offset, then the four strides
+        args += [None, i64(view.offset), *(i64(s) for s in view.strides)]
+    args += [None, i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
+             f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
+    args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
+    assert len(args) == _DST + 6
+    mcfg = MergeConfig(IN_KIND=store_kind(acc), STORE_KIND=store_kind(dtype),
+                       ACC_KIND=int(acc == np.float64), WG=merge_wg(dv))
+    return _Plan(tiles, cfgs, args, mcfg)
+
+
+def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     queue = be.queue_for(call.q, call.k, call.v)
     ctx = queue.context
     dtype = call.dtype
     acc = acc_dtype(dtype)
     bq, sq_arr, hq, d = call.q.shape
     hkv, dv = call.n_kv_heads, call.head_dim_v
-    group = hq // hkv
     n_seq = call.n_seq
-    rows = call.q_len.astype(np.int64) * group
+    q_len = call.q_len
+    rows = q_len * (hq // hkv) if q_len.dtype == np.int64 else q_len.astype(np.int64) * (
+        hq // hkv)
     max_rows = int(rows.max()) if n_seq else 0
     if be.use_mma and max_rows > DECODE_ROWS:
         from . import _nvidia_mma  # NVIDIA tensor cores (sm_80+), fp16/bf16 prefill
@@ -235,75 +285,55 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         lse, lse_buf = None, _pool.scratch(queue, n_out_rows * acc.itemsize)
     if out.size == 0 or n_seq == 0:
         return (out.get(), lse.get()) if host else (out, lse)
-    kv_bytes = 2 if dtype.itemsize == 2 else acc.itemsize
-    tiles = choose_tiles(be.facts, max_rows, d, dv, acc.itemsize, kv_bytes, be.tiles)
-    bm, bn, tmh, tnh = tiles
+
+    mask_kind = 0 if call.mask_view is None else (1 if call.mask_kind == "bool" else 2)
+    views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
+    key = _plan_key(be, queue, call, views, max_rows, mask_kind)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(be, call, views, max_rows, mask_kind)
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        _plans[key] = plan
+    bm, bn, tmh, tnh = plan.tiles
     desc, n_groups = _descriptor(call, rows, bm)
     if n_groups == 0:
         return (out.get(), lse.get()) if host else (out, lse)
-    key_tiles = -(-int(call.k_len.max()) // bn) if n_seq else 0
+    key_tiles = -(-int(call.k_len.max()) // bn)
     splits = choose_splits(be.facts, n_groups * hkv, key_tiles, be.num_splits)
 
-    mask_kind = 0
-    mask_args: list[Any] = [dummy_buffer(ctx), 0, 0, 0, 0, 0]
-    if call.mask_view is not None:
-        mask_kind = 1 if call.mask_kind == "bool" else 2
+    args = plan.args.copy()
+    for slot, view in zip((_Q, _K, _V), views):
+        args[slot] = view.buf
+    args[_DESC] = _pool.upload(queue, desc, out)
+    args[_ALIBI] = dummy_buffer(ctx)
+    if call.alibi is not None:
+        args[_ALIBI] = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
+    args[_MASK] = dummy_buffer(ctx)
+    if mask_kind:
         mv = call.mask_view
         base = mv[tuple(slice(0, 1) if s == 0 else slice(None) for s in mv.strides)]
         base = base.astype(np.uint8 if mask_kind == 1 else acc)
         mdev = upload(ctx, base)
         strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
-        mask_args = [mdev.buf, mdev.offset, *strides]
-    alibi_buf = dummy_buffer(ctx)
-    if call.alibi is not None:
-        alibi_buf = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
-
-    views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
-    d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
-    load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
-                and all(vw.strides[3] == 1 for vw in views))
-    cp_mode, cp_emulate = cp_async_mode(be, call, views, load_vec, local_bytes(
-        bm, bn, tnh, d, dv, acc.itemsize, kv_bytes, two_tiles=True))
-    cfg = _memo_config(
-        FwdConfig, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
-        THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
-        STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
-        MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
-        HAS_SOFTCAP=call.softcap is not None, SPLIT=splits > 1,
-        TREE_MAX=tnh >= 32,
-        CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
-    )
+        args[_MASK:_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
     if splits > 1:
         part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
         part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
-        dst = [part_o, part_l]
+        args[_DST:_DST + 2] = [part_o, part_l]
     else:
-        dst = [out.data, lse_buf]
-
-    desc_buf = _pool.upload(queue, desc, out)
-    wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
-    wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
-    i64, i32, f = np.int64, np.int32, acc.type
-    args: list[Any] = []
-    for view in views:
-        args.append(view.buf)
-        args.append(i64(view.offset))
-        args.extend([i64(s) for s in view.strides])
-    args += [desc_buf, i32(n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
-             f(call.softcap or 1.0), alibi_buf, mask_args[0], *(i64(a) for a in mask_args[1:])]
-    args += [*dst, i32(sq_arr), i32(hq), i64(n_out_rows), i32(group)]
+        args[_DST:_DST + 2] = [out.data, lse_buf]
     nt = tmh * tnh
-    be.launch(ctx, queue, "attn_fwd.cl", cfg, "attn_fwd", (n_groups * nt, hkv, splits),
-              (nt, 1, 1), args)
+    be.launch(ctx, queue, "attn_fwd.cl", plan.cfgs[splits > 1], "attn_fwd",
+              (n_groups * nt, hkv, splits), (nt, 1, 1), args)
 
     if splits > 1:
-        wg = merge_wg(dv)
-        mcfg = _memo_config(MergeConfig, IN_KIND=store_kind(acc), STORE_KIND=store_kind(dtype),
-                            ACC_KIND=int(acc == np.float64), WG=wg)
+        i64, i32 = np.int64, np.int32
+        wg = plan.mcfg.WG
         margs = [part_o, i64(n_out_rows * dv), part_l, i64(n_out_rows), i64(sq_arr * hq),
                  i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(dv), i64(n_out_rows),
                  out.data, lse_buf]
-        be.launch(ctx, queue, "merge.cl", mcfg, "merge_states", (wg, n_out_rows), (wg, 1),
+        be.launch(ctx, queue, "merge.cl", plan.mcfg, "merge_states", (wg, n_out_rows), (wg, 1),
                   margs)
     if host:
         return out.get(), lse.get()
