@@ -116,12 +116,9 @@ def _with(overrides, fn):
         _attention._plans.clear()
 
 
-DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); runs 4/6/7/9/13 swept more (bench/gpu/logs)
-    (None, {"CP_ASYNC": 1}), (None, {"CP_ASYNC": 2}),
-    (None, {"CP_ASYNC": 1, "NV_MAXRREGCOUNT": 96}), (None, {"CP_ASYNC": 2, "NV_MAXRREGCOUNT": 96}),
-    (None, {"CP_ASYNC": 1, "NV_MAXRREGCOUNT": 64}), (None, {"CP_ASYNC": 2, "NV_MAXRREGCOUNT": 64}),
-    ((4, 64, 2, 32), {"CP_ASYNC": 1}), ((4, 64, 2, 32), {"CP_ASYNC": 1, "NV_MAXRREGCOUNT": 64}),
-    ((4, 64, 4, 16), {"CP_ASYNC": 1}), ((4, 32, 1, 32), {"CP_ASYNC": 1, "NV_MAXRREGCOUNT": 64}),
+DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); earlier runs swept more (bench/gpu/logs)
+    (None, {"CP_ASYNC": 0}), (None, {}),
+    ((4, 64, 1, 32), {}), ((4, 128, 1, 64), {}), ((4, 128, 2, 64), {}), ((4, 64, 2, 16), {}),
 ]
 SPLITS = [None if s == "None" else int(s)
           for s in __import__("os").environ.get("PROBE_SPLITS", "None,32,64,132,264").split(",")]

@@ -148,17 +148,20 @@ def cp_async_mode(be: OpenCLBackend, call: AttnCall, views: list, vec_staging: b
     device), 1 with NVIDIA's cp.async, 2 with cp.async into separate K and V tiles, the loads of
     one overlapping the math of the other. cp.async needs sm_80+, 16- or 32-bit storage, vector
     staging and K/V offsets and strides in whole 4-element chunks (every copy aligned); mode 2
-    needs both tiles within the device's __local budget."""
+    needs both tiles within the device's __local budget. Mode 1 is the default: on the H200
+    (bench/RESULTS.md, third session) it beat mode 0 by 11-13% on decode from 8192 tokens at
+    B=8 and at 131072, where mode 2 (fewer work-groups per SM) was no faster than mode 0."""
     if not vec_staging or call.dtype == np.float64:
         return 0, False
     fits = 2 if two_tiles_bytes <= be.facts.local_budget else 1
+    want = 1 if CP_ASYNC_FORCE is None else min(fits, CP_ASYNC_FORCE)
     if CP_ASYNC_FORCE is not None and not _has_cp_async(be):
-        return min(fits, CP_ASYNC_FORCE), CP_ASYNC_FORCE > 0
+        return want, want > 0
     if not _has_cp_async(be) or not all(
             vw.offset % 4 == 0 and all(st % 4 == 0 for st in vw.strides[:3])
             for vw in views[1:]):
         return 0, False
-    return (fits if CP_ASYNC_FORCE is None else min(fits, CP_ASYNC_FORCE)), False
+    return want, False
 
 
 def _has_cp_async(be: OpenCLBackend) -> bool:
