@@ -67,6 +67,9 @@
 #ifndef HIDDEN_NONFINITE  // 0: skip the inf/NaN-in-hidden-v handling (the version measured first)
 #define HIDDEN_NONFINITE 1
 #endif
+#ifndef S_CHUNK  // float32: k-steps of S summed by the tensor core before a float32 add
+#define S_CHUNK 1
+#endif
 #ifndef RESCALE_THRESH
 #define RESCALE_THRESH 8.0f
 #endif
@@ -516,10 +519,14 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
       }
     }
 #if IS_TF32
-    // 3xTF32 per k-step: part = Q_lo K_hi + Q_hi K_lo + Q_hi K_hi from zero, then S += part in
-    // float32 (round to nearest): S takes KSTEPS_QK roundings, not one per product (the tensor
-    // core's own accumulation truncates, and 3 HEAD_DIM terms would round S ~sqrt(3 HEAD_DIM)
-    // times, several times the one rounding of the float32 reference's S; large logits showed it)
+    // 3xTF32 per k-step: part = Q_lo K_hi + Q_hi K_lo + Q_hi K_hi, summed from zero over
+    // S_CHUNK k-steps, then S += part in float32 (round to nearest): S takes KSTEPS_QK / S_CHUNK
+    // roundings, not one per product (the tensor core's own accumulation truncates, and 3
+    // HEAD_DIM terms would round S ~sqrt(3 HEAD_DIM) times, several times the one rounding of
+    // the float32 reference's S; large logits showed it).  S_CHUNK=0: one chain into S.
+#if S_CHUNK > 1
+    float spart[M_TILES][NT_S][4];
+#endif
     UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
 #if Q_IN_REGS != 1
       uint ql1[M_TILES][4];
@@ -558,11 +565,26 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
         SPLIT_TF32(kx.x, bh0, bl0);
         SPLIT_TF32(kx.y, bh1, bl1);
         UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+#if S_CHUNK == 0
+          float *part = sacc[mt][nt];
+#elif S_CHUNK == 1
           float part[4] = {0.f, 0.f, 0.f, 0.f};
+#else
+          float *part = spart[mt][nt];
+          if (kk % S_CHUNK == 0) {
+            UNROLL for (int c = 0; c < 4; c++) part[c] = 0.f;
+          }
+#endif
           MMA_TF32(part, QL(mt), bh0, bh1);
           MMA_TF32(part, QH(mt), bl0, bl1);
           MMA_TF32(part, QH(mt), bh0, bh1);
+#if S_CHUNK == 1
           UNROLL for (int c = 0; c < 4; c++) sacc[mt][nt][c] += part[c];
+#elif S_CHUNK > 1
+          if (kk % S_CHUNK == S_CHUNK - 1 || kk == KSTEPS_QK - 1) {
+            UNROLL for (int c = 0; c < 4; c++) sacc[mt][nt][c] += part[c];
+          }
+#endif
         }
       }
 #undef QL

@@ -63,11 +63,21 @@ inline void emu_mma_tf32(float *d, const uint *a, uint b0, uint b1, __local uint
 #define MMA_TF32(D, A, B0, B1) emu_mma_tf32((D), (A), (B0), (B1), scr)
 #endif
 
+// LO_CVT=0 passes x - hi unrounded: the mma then reads its top 19 bits (truncation: lo's
+// error 2^-11 |lo| instead of 2^-12, x's 2^-22 |x| instead of 2^-23), one instruction less
+#ifndef LO_CVT
+#define LO_CVT 1
+#endif
+#if LO_CVT
+#define TF32_LO(D) tf32_rna(D)
+#else
+#define TF32_LO(D) as_uint(D)
+#endif
 #define SPLIT_TF32(X, HI, LO)                                                                   \
   {                                                                                             \
     const float x_ = (X);                                                                       \
     HI = tf32_rna(x_);                                                                          \
-    LO = tf32_rna(x_ - as_float(HI));                                                           \
+    LO = TF32_LO(x_ - as_float(HI));                                                            \
   }
 // V: lo = 0 for an infinite value (inf - inf would turn every product with it into NaN, where
 // the exact result is +-inf)
@@ -75,5 +85,5 @@ inline void emu_mma_tf32(float *d, const uint *a, uint b0, uint b1, __local uint
   {                                                                                             \
     const float x_ = (X);                                                                       \
     HI = tf32_rna(x_);                                                                          \
-    LO = isinf(x_) ? 0u : tf32_rna(x_ - as_float(HI));                                          \
+    LO = isinf(x_) ? 0u : TF32_LO(x_ - as_float(HI));                                           \
   }

@@ -65,13 +65,16 @@ def _check(q, k, v, slopes, kw, out, lse):
     np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=atol)
 
 
-# (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS): every float32 Q placement (0: local, split every tile;
-# 1: hi and lo in registers; 2: hi in registers, lo in local), one and two m-tiles per warp
-F32_CONFIGS = [(64, 32, 4, 0), (32, 16, 1, 2), (64, 64, 2, 1), (64, 32, 2, 0)]
+# (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS), -D options: every float32 Q placement (0: local, split
+# every tile; 1: hi and lo in registers; 2: hi in registers, lo in local), one and two m-tiles
+# per warp, S summed over 2 k-steps / in one chain, lo passed unrounded (the mma truncates it)
+F32_CONFIGS = [((64, 32, 4, 0), ()), ((32, 16, 1, 2), ()), ((64, 64, 2, 1), ()),
+               ((64, 32, 2, 0), ("-DS_CHUNK=2", "-DLO_CVT=0")), ((32, 32, 1, 2), ("-DS_CHUNK=0",))]
 
 
-@pytest.mark.parametrize("config", F32_CONFIGS, ids=[",".join(map(str, c)) for c in F32_CONFIGS])
-def test_mma_f32_configs(config):
+@pytest.mark.parametrize("config,extra", F32_CONFIGS,
+                         ids=[",".join(map(str, c)) + "".join(e) for c, e in F32_CONFIGS])
+def test_mma_f32_configs(config, extra):
     from attnlib.backends.opencl import _nvidia_mma
 
     be = attnlib.get_backend("opencl")
@@ -81,7 +84,7 @@ def test_mma_f32_configs(config):
     call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
                             alibi_slopes=None, causal=True, window=None, softcap=None)
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, config=config,
-                               use_ptx=False)
+                               use_ptx=False, extra_options=extra)
     _check(q, k, v, None, kw, out, lse)
 
 

@@ -4,10 +4,11 @@ TFLOP/s, in one command. On the H200, from the repo root:
 
     source .gpu/setup.sh && python3 bench/gpu/tf32_check.py --json $OUT/tf32.jsonl
     python3 bench/gpu/tf32_check.py --sweep                  # + the built-in tilings
-    python3 bench/gpu/tf32_check.py --config 64:128,64,8,1 128:128,32,8,2
+    python3 bench/gpu/tf32_check.py --config 64:128,64,8,1 128:128,32,8,2:S_CHUNK=2+LO_CVT=0
 
 Each part runs in its own process with a timeout (a kernel fault poisons its OpenCL context):
-tf32 mma.sync ceiling, then per config (D:BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS) the build report
+tf32 mma.sync ceiling, then per config (D:BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS[:NAME=V+NAME=V],
+the optional part extra -D macros of the kernel: S_CHUNK, LO_CVT, ...) the build report
 (-cl-nv-verbose), every correctness case (odd sizes, masks, NaN/inf, ring cache, scale 1) by
 the SPEC rule (max err <= 2 naive-fp32 err + 1e-5), then kernel time by OpenCL profiling events
 (median of REPS after WARMUP) for (B,H,S,D) = (4,16,2048,64), (4,16,2048,128), (1,16,8192,128),
@@ -33,10 +34,15 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 PERF = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128)]
 DEFAULTS = {64: (128, 64, 8, 1), 128: (128, 32, 8, 2)}
-SWEEP = {64: [(128, 64, 8, 1), (64, 64, 4, 1), (128, 64, 8, 0), (128, 32, 8, 1), (64, 32, 4, 1),
-              (128, 64, 4, 0)],
-         128: [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 0), (64, 64, 4, 0),
-               (128, 32, 4, 0)]}
+# --sweep: tilings (two m-tiles per warp where WARPS = BLOCK_M / 32), then macro A/Bs on the
+# defaults: S summed over 2 k-steps by the tensor core (fewer float32 adds, less accurate), one
+# chain over all of D (S_CHUNK=0: the accuracy the tensor core's own accumulation gives), lo
+# passed unrounded (LO_CVT=0)
+SWEEP = {64: ["128,64,8,1", "64,64,4,1", "128,64,8,0", "128,32,8,1", "64,32,4,1", "128,32,4,0",
+              "128,32,4,2", "128,64,8,1:S_CHUNK=2", "128,64,8,1:S_CHUNK=0",
+              "128,64,8,1:LO_CVT=0"],
+         128: ["128,32,8,2", "128,64,8,2", "64,32,4,2", "128,32,8,0", "64,64,4,0", "128,32,4,0",
+               "128,32,8,2:S_CHUNK=2", "128,32,8,2:S_CHUNK=0", "128,32,8,2:LO_CVT=0"]}
 WARMUP, REPS = 3, 10
 PEAK_SRC = """
 __kernel void tf32_peak(__global float *out, const int iters) {
@@ -124,10 +130,13 @@ def child_config(args) -> None:
 
     nv = mc.nv
     cl, ctx, queue, dev = cl_env()
-    d, cfg = args.d[0], tuple(int(x) for x in args.config[0].split(","))
-    base = {"d": d, "config": cfg}
+    d = args.d[0]
+    tiling, _, macros = args.config[0].partition(":")
+    cfg = tuple(int(x) for x in tiling.split(","))
+    extra = tuple(f"-D{m}" for m in macros.split("+") if m)
+    base = {"d": d, "config": cfg, "extra": " ".join(extra)}
     use_ptx = not args.emulate
-    flags = () if args.emulate else ("-cl-nv-verbose",)
+    flags = extra + (() if args.emulate else ("-cl-nv-verbose",))
     opts = nv.build_options(d, np.float32, cfg, use_ptx=use_ptx) + flags
     t0 = time.perf_counter()
     try:
@@ -253,11 +262,11 @@ def summary(recs: list[dict], peak: float | None) -> None:
     acc: dict = {}
     for r in recs:
         if "case" in r:
-            key = (r["d"], tuple(r["config"]))
+            key = (r["d"], tuple(r["config"]), r.get("extra", ""))
             ok, worst = acc.get(key, (0, 0.0))
             acc[key] = (ok + (not r.get("ok")), max(worst, r.get("err_over_tol", 0.0)))
-    for (d, cfg), (bad, worst) in sorted(acc.items()):
-        print(f"D={d} {cfg}: {'all correct' if not bad else f'{bad} FAILED'}, "
+    for (d, cfg, extra), (bad, worst) in sorted(acc.items()):
+        print(f"D={d} {cfg} {extra}: {'all correct' if not bad else f'{bad} FAILED'}, "
               f"worst err/tol {worst:.2f}")
     torch = {(tuple(r["shape"]), r["causal"], r["torch"]): r["tflops"]
              for r in recs if "torch" in r and "tflops" in r}
@@ -270,7 +279,8 @@ def summary(recs: list[dict], peak: float | None) -> None:
         frac = f"{3 * r['tflops'] / peak:.0%}" if peak else "-"
         eff = torch.get((shape, causal, "efficient"))
         print(f"| {','.join(map(str, shape))} | {'yes' if causal else 'no'} | "
-              f"{','.join(map(str, r['config']))} | {r['ms']:.3f} | {r['tflops']:.1f} | {frac} | "
+              f"{','.join(map(str, r['config']))} {r.get('extra', '')} | {r['ms']:.3f} | "
+              f"{r['tflops']:.1f} | {frac} | "
               f"{f'{eff:.1f}' if eff else '-'} |")
 
 
@@ -305,11 +315,11 @@ def main() -> int:
     start = time.perf_counter()
     if not (args.no_peak or args.emulate):
         spawn(["--child", "peak", *own], 60, args.json, {"child": "peak"})
-    configs: list[tuple[int, tuple]] = []
+    configs: list[tuple[int, str]] = []
     if args.config:
         for item in args.config:
-            d, c = item.split(":")
-            configs.append((int(d), tuple(int(x) for x in c.split(","))))
+            d, _, c = item.partition(":")
+            configs.append((int(d), c))
     else:
         from_module = DEFAULTS
         try:
@@ -319,13 +329,13 @@ def main() -> int:
             from_module = dict(mc.nv.DEFAULT_CONFIGS_F32)
         except Exception as exc:  # noqa: BLE001
             print(f"(default configs from this script: {exc!r})")
-        configs = [(d, tuple(from_module[d])) for d in args.d]
+        configs = [(d, ",".join(map(str, from_module[d]))) for d in args.d]
     if args.sweep:
         configs += [(d, c) for d in args.d for c in SWEEP[d] if (d, c) not in configs]
     for d, cfg in configs:
-        print(f"\n== D={d} config (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) = {cfg}", flush=True)
-        spawn(["--child", "config", "--d", str(d), "--config", ",".join(map(str, cfg)),
-               *common], args.timeout, args.json, {"d": d, "config": cfg})
+        print(f"\n== D={d} config BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS[:macros] = {cfg}", flush=True)
+        spawn(["--child", "config", "--d", str(d), "--config", cfg, *common], args.timeout,
+              args.json, {"d": d, "config": cfg})
     if not (args.no_torch or args.emulate):
         print("\n== PyTorch SDPA float32", flush=True)
         spawn(["--child", "torch", *own], 240, args.json, {"child": "torch"})
