@@ -1,0 +1,414 @@
+// Decode attention on NVIDIA tensor cores (sm_80+): few query rows over a long KV cache.
+//
+// One work-group = (sequence, kv head, key split).  The query heads of the kv head are packed as
+// rows m = i * group + gq (query row i, head hk * group + gq), at most 16 rows: one m16 tile,
+// padded with zero rows.  Its Q fragments stay in registers for the whole walk.  K/V tiles of
+// BLOCK_N keys stream through STAGES local-memory buffers by cp.async; warp w takes the KW =
+// BLOCK_N / WARPS keys [w KW, (w+1) KW) of every tile and keeps its own online-softmax state:
+//   S = Q K^T        mma.sync.m16n8k16 (f16/bf16 in, f32 accumulate), K fragments by ldmatrix
+//   mask, scale      in the exp2 domain (scale * log2(e) folded into the exponent when it can)
+//   online softmax   lazy rescaling of (l, O) when the running max grows by > RESCALE_THRESH
+//   O += P V         P re-packed from the S accumulators as the A operand, V by ldmatrix.trans
+// At the end the WARPS states are merged through local memory (max, weights 2^(m_w - M)).
+// SPLIT=1: the state is written as a float32 partial (out / l, lse) in the layout merge.cl reads
+// (part_o[(split * n_out_rows + orow) * HEAD_DIM + col], part_l[split * n_out_rows + orow]);
+// SPLIT=0: out (storage dtype) and lse directly.
+//
+// Compile-time sizes (-D): HEAD_DIM (= Dv, 64 or 128), BLOCK_N, WARPS, STAGES (>= 2), IS_BF16,
+// SOFTCAP, ALIBI, SCALE_POS (scale > 0), SPLIT, USE_PTX (0: the exact emulation of nv_warp.h).
+
+#include "nv_warp.h"
+
+#define THREADS (32 * WARPS)
+#define KW (BLOCK_N / WARPS)        // keys of a tile per warp
+#define LDS (HEAD_DIM + 8)          // padded row (halves): 8 rows of one ldmatrix hit 8 bank groups
+#define TILE (BLOCK_N * LDS)        // halves of one K (or V) tile
+#define KSTEPS_QK (HEAD_DIM / 16)   // k-steps of S = Q K^T
+#define NT_S (KW / 8)               // 8-key n-tiles of a warp's S
+#define KSTEPS_PV (KW / 16)         // k-steps of O = P V
+#define NT_O (HEAD_DIM / 8)         // 8-column n-tiles of O
+#define CHUNKS (HEAD_DIM / 8)       // 16-byte chunks per row
+#define ROW_STEP (THREADS / CHUNKS)
+#define SEQ_FIELDS 9
+#if KW % 16 || HEAD_DIM % 16 || THREADS % CHUNKS || BLOCK_N % ROW_STEP || STAGES < 2
+#error "need BLOCK_N / WARPS % 16 == 0, HEAD_DIM % 16 == 0, 32*WARPS % (HEAD_DIM/8) == 0, STAGES>=2"
+#endif
+// the final merge of the warps' O (WARPS x 16 x HEAD_DIM floats) reuses the K/V buffers
+#if WARPS * 16 * HEAD_DIM * 4 > STAGES * 2 * TILE * 2
+#error "K/V buffers too small for the warps' merge"
+#endif
+#ifndef RESCALE_THRESH
+#define RESCALE_THRESH 8.0f
+#endif
+#if SOFTCAP || ALIBI || !SCALE_POS
+#define FOLD 0
+#else
+#define FOLD 1
+#endif
+#define LN2 0.6931471805599453f
+
+#define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
+
+// inf/NaN in a 16-bit value (exponent all ones), in either half of a 32-bit word
+#if IS_BF16
+#define EXP16 0x7f80u
+#define MANT16 0x007fu
+#else
+#define EXP16 0x7c00u
+#define MANT16 0x03ffu
+#endif
+#define NONFINITE16(B) (((B) & EXP16) == EXP16)
+#define NONFINITE2(W) (NONFINITE16(W) || NONFINITE16((W) >> 16))
+inline float nonfinite_value(uint b) {
+  return (b & MANT16) ? NAN : ((b & 0x8000u) ? -INFINITY : INFINITY);
+}
+
+// Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
+inline int row_lo(long i, long base, long dlo, int klen) {
+  return (int)clamp(i + base + dlo, 0L, (long)klen);
+}
+inline int row_hi(long i, long base, long dhi, int klen) {
+  return (int)clamp(i + base + dhi, -1L, (long)klen - 1);
+}
+
+__kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
+void attn_decode_mma(__global const ushort *q, __global const ushort *k,
+                     __global const ushort *v,
+                     __global uint *out, __global float *lse,      // SPLIT=0
+                     __global float *part_o, __global float *part_l,  // SPLIT=1
+                     __global const int *tiles,    // (n_seq', 2): sequence, 0 (see the module)
+                     __global const long *seqs,    // (n_seq, SEQ_FIELDS)
+                     __global const float *alibi,  // (n_seq, Hq) slopes * log2(e), when ALIBI
+                     const long q_off, const long q_sb, const long q_sr, const long q_sh,
+                     const long k_off, const long k_sb, const long k_sr, const long k_sh,
+                     const long v_off, const long v_sb, const long v_sr, const long v_sh,
+                     const int sq_arr, const int n_heads, const int group, const int ring,
+                     const long n_out_rows, const float qk_scale, const float cap) {
+  __local uint4 smem[STAGES * 2 * TILE / 8];   // STAGES x (K tile, V tile)
+  __local ushort sQ[16 * LDS] __attribute__((aligned(16)));
+  __local float sM[WARPS * 16], sL[WARPS * 16];
+#if !USE_PTX
+  __local uint scr_all[WARPS * 256];
+  __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
+#endif
+  __local int v_flag;  // = t + 1 when tile t's V held inf/NaN (a new value per tile: no reset)
+  __local ushort *sKV = (__local ushort *)smem;
+  const int tid = get_local_id(0), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tg = lane & 3;
+  if (tid == 0) v_flag = 0;
+  const int hk = get_group_id(1), split = get_group_id(2), n_splits = get_num_groups(2);
+  const int s = tiles[2 * get_group_id(0)];
+  __global const long *sp = seqs + (long)s * SEQ_FIELDS;
+  const long qb = sp[0], qrow0 = sp[1];
+  const int qlen = (int)sp[2];
+  const long kb = sp[3], krow0 = sp[4];
+  const int klen = (int)sp[5];
+  const long base = sp[6], dlo = sp[7], dhi = sp[8];
+  const int nrows = qlen * group;  // <= 16
+
+  // keys some row sees: [lo_blk, hi_blk]; keys every row sees: [lo_all, hi_all]
+  const int lo_blk = row_lo(0, base, dlo, klen), hi_blk = row_hi(qlen - 1, base, dhi, klen);
+  const int lo_all = row_lo(qlen - 1, base, dlo, klen), hi_all = row_hi(0, base, dhi, klen);
+  // this lane's rows g and g + 8 (padding rows behave as the last real row; never written)
+  int rlo[2], rhi[2];
+  long ri[2];
+#if ALIBI
+  float slope[2];
+#endif
+  UNROLL for (int hf = 0; hf < 2; hf++) {
+    const int m = min(g + 8 * hf, nrows - 1);
+    ri[hf] = m / group;
+    rlo[hf] = row_lo(ri[hf], base, dlo, klen);
+    rhi[hf] = row_hi(ri[hf], base, dhi, klen);
+#if ALIBI
+    slope[hf] = alibi[(long)s * n_heads + hk * group + m % group];
+#endif
+  }
+  // this split's key tiles (flash-decoding: the block's tiles cut into n_splits runs)
+  int t_first = 0, t_last = -1;
+  if (hi_blk >= lo_blk) {
+    const int t0 = lo_blk / BLOCK_N, n_t = hi_blk / BLOCK_N - t0 + 1;
+    const int per = (n_t + n_splits - 1) / n_splits;
+    t_first = t0 + split * per;
+    t_last = min(t0 + n_t - 1, t_first + per - 1);
+  }
+
+  // -- Q rows (plain 16-byte loads; zero padding rows)
+  __global const ushort *qh = q + q_off + qb * q_sb + (long)hk * group * q_sh;
+  for (int c = tid; c < 16 * CHUNKS; c += THREADS) {
+    const int r = c / CHUNKS, ch = c % CHUNKS;
+    __local ushort *dst = sQ + r * LDS + ch * 8;
+    if (r < nrows) {
+      *(__local uint4 *)dst =
+          *(__global const uint4 *)(qh + (qrow0 + r / group) * q_sr + (r % group) * q_sh + ch * 8);
+    } else {
+      ZERO16(dst);
+    }
+  }
+
+  __global const ushort *kh = k + k_off + kb * k_sb + hk * k_sh;
+  __global const ushort *vh = v + v_off + kb * v_sb + hk * v_sh;
+// Checked tile load: keys outside [lo_blk, hi_blk] are zero-filled (never read), ring rows wrap.
+#define LOAD_KV_CHECKED(TL, BUF)                                                               \
+  for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
+    const int r = c / CHUNKS, ch = c % CHUNKS, j = (TL) * BLOCK_N + r;                         \
+    __local ushort *dk = sKV + (BUF) * 2 * TILE + r * LDS + ch * 8;                            \
+    if (j >= lo_blk && j <= hi_blk) {                                                          \
+      long row = krow0 + j;                                                                    \
+      if (ring > 0 && row >= ring) row -= ring;                                                \
+      CP_ASYNC16(dk, kh + row * k_sr + ch * 8);                                                \
+      CP_ASYNC16(dk + TILE, vh + row * v_sr + ch * 8);                                         \
+    } else {                                                                                   \
+      ZERO16(dk);                                                                              \
+      ZERO16(dk + TILE);                                                                       \
+    }                                                                                          \
+  }
+// Fast path (tile inside the range, no wrap): each thread copies one 16-byte column chunk of
+// rows r0, r0 + ROW_STEP, ... from pointers hoisted out of the loop.
+#define LOAD_KV(TL, BUF)                                                                       \
+  {                                                                                            \
+    const int n0_ = (TL) * BLOCK_N;                                                            \
+    if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
+        (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
+      __global const ushort *kt = kp0 + n0_ * k_sr, *vt = vp0 + n0_ * v_sr;                    \
+      __local ushort *st = sKV + (BUF) * 2 * TILE + so0;                                       \
+      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
+        CP_ASYNC16(st + i * ROW_STEP * LDS, kt + i * k_step);                                  \
+        CP_ASYNC16(st + TILE + i * ROW_STEP * LDS, vt + i * v_step);                           \
+      }                                                                                        \
+    } else {                                                                                   \
+      LOAD_KV_CHECKED(TL, BUF)                                                                 \
+    }                                                                                          \
+  }
+  const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDS + ch0_ * 8;
+  __global const ushort *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * 8;
+  __global const ushort *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * 8;
+  const long k_step = ROW_STEP * k_sr, v_step = ROW_STEP * v_sr;
+
+  // -- prologue: the first STAGES - 1 tiles in flight (one commit group per tile, empty or not)
+  int ld_t = t_first, ld_buf = 0;
+  for (int st = 0; st < STAGES - 1; st++) {
+    if (ld_t <= t_last) LOAD_KV(ld_t, ld_buf)
+    CP_COMMIT();
+    ld_t++;
+    ld_buf = ld_buf + 1 == STAGES ? 0 : ld_buf + 1;
+  }
+
+  barrier(CLK_LOCAL_MEM_FENCE);  // sQ written
+  uint qa[KSTEPS_QK][4];
+  UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
+    const int row = (lane & 7) + ((lane >> 3) & 1) * 8;
+    LDSM_X4(qa[kk], sQ, row * LDS + kk * 16 + (lane >> 4) * 8);
+  }
+
+  float o[NT_O][4], m_i[2], l_i[2];
+  UNROLL for (int nd = 0; nd < NT_O; nd++) {
+    UNROLL for (int c = 0; c < 4; c++) o[nd][c] = 0.f;
+  }
+  UNROLL for (int hf = 0; hf < 2; hf++) { m_i[hf] = -INFINITY; l_i[hf] = 0.f; }
+  const int kw0 = warp * KW;  // this warp's first key in a tile
+
+  int buf = 0;
+  for (int t = t_first; t <= t_last; t++) {
+    // -- tile t has landed; after the barrier nobody reads tile t-1's buffer any more, so the
+    // load of tile t + STAGES - 1 goes there (one barrier per tile)
+    CP_WAIT(STAGES - 2);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (ld_t <= t_last) LOAD_KV(ld_t, ld_buf)
+    CP_COMMIT();
+    ld_t++;
+    ld_buf = ld_buf + 1 == STAGES ? 0 : ld_buf + 1;
+    __local ushort *sK = sKV + buf * 2 * TILE;
+    __local ushort *sV = sK + TILE;
+    buf = buf + 1 == STAGES ? 0 : buf + 1;
+    const int n0 = t * BLOCK_N;
+    const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
+
+    // -- hidden keys must contribute nothing even when their v holds inf/NaN, but the mma
+    // multiplies P = 0 by it.  Only keys in [lo_blk, hi_blk] hidden from some row can (others
+    // are zero-filled): in such tiles the non-finite v values are zeroed for the mma and added
+    // back after PV, from global memory, to the rows that see them (rare: q_len > 1 or window).
+    int v_bad = 0;
+    if ((n0 < lo_all && n0 + BLOCK_N - 1 >= lo_blk) || (n0 + BLOCK_N - 1 > hi_all && n0 <= hi_blk)) {
+      int mine = 0;
+      for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
+        __local ushort *pv = sV + (c / CHUNKS) * LDS + (c % CHUNKS) * 8;
+        const uint4 w = *(__local const uint4 *)pv;
+        if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
+          for (int e = 0; e < 8; e++) {
+            if (NONFINITE16((uint)pv[e])) pv[e] = 0;
+          }
+          mine = 1;
+        }
+      }
+      if (mine) v_flag = t + 1;
+      barrier(CLK_LOCAL_MEM_FENCE);
+      v_bad = v_flag == t + 1;
+    }
+
+    // -- S = Q K^T over this warp's KW keys
+    float sacc[NT_S][4];
+    UNROLL for (int nt = 0; nt < NT_S; nt++) {
+      UNROLL for (int c = 0; c < 4; c++) sacc[nt][c] = 0.f;
+    }
+    UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
+      UNROLL for (int n2 = 0; n2 < NT_S / 2; n2++) {
+        uint kf[4];
+        const int key = kw0 + n2 * 16 + (lane & 7) + (lane >> 4) * 8;
+        LDSM_X4(kf, sK, key * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+        MMA(sacc[2 * n2], qa[kk], kf[0], kf[1]);
+        MMA(sacc[2 * n2 + 1], qa[kk], kf[2], kf[3]);
+      }
+    }
+
+    // -- scores in the exp2 domain: softcap, alibi, then the mask
+    UNROLL for (int nt = 0; nt < NT_S; nt++) {
+      UNROLL for (int c = 0; c < 4; c++) {
+        const int j = n0 + kw0 + nt * 8 + 2 * tg + (c & 1), hf = c >> 1;
+        float x = sacc[nt][c];
+#if !FOLD
+#if SOFTCAP
+        x = cap * tanh(x * qk_scale);  // qk_scale = scale / softcap, cap = softcap * log2(e)
+#else
+        x *= qk_scale;                 // qk_scale = scale * log2(e)
+#endif
+#if ALIBI
+        x -= slope[hf] * fabs((float)(ri[hf] + base - j));
+#endif
+#endif
+        if (need_mask && (j < rlo[hf] || j > rhi[hf])) x = -INFINITY;
+        sacc[nt][c] = x;
+      }
+    }
+
+    // -- online softmax (lazy rescaling, exact: P = 2^(S - m) with m at most RESCALE_THRESH
+    // below the true running max, l and O rescaled only when some row's max grew more)
+    float m_new[2];
+    int grow = 0;
+    UNROLL for (int hf = 0; hf < 2; hf++) {
+      float mx = -INFINITY;
+      UNROLL for (int nt = 0; nt < NT_S; nt++) {
+        mx = fmax(mx, fmax(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]));
+      }
+      mx = fmax(mx, SHFL_XOR(mx, 1));
+      mx = fmax(mx, SHFL_XOR(mx, 2));
+#if FOLD
+      mx *= qk_scale;
+#endif
+      m_new[hf] = fmax(m_i[hf], mx);
+      grow |= m_new[hf] - m_i[hf] > RESCALE_THRESH;  // false while both are -inf
+    }
+    if (WARP_ANY(grow)) {
+      UNROLL for (int hf = 0; hf < 2; hf++) {
+        const float m_use = m_new[hf] == -INFINITY ? 0.f : m_new[hf];
+        const float alpha = ex2(m_i[hf] - m_use);
+        m_i[hf] = m_new[hf];
+        l_i[hf] *= alpha;
+        UNROLL for (int nd = 0; nd < NT_O; nd++) {
+          o[nd][2 * hf] *= alpha;
+          o[nd][2 * hf + 1] *= alpha;
+        }
+      }
+    }
+    UNROLL for (int hf = 0; hf < 2; hf++) {
+      const float m_use = m_i[hf] == -INFINITY ? 0.f : m_i[hf];  // a row seeing nothing yet
+      float rs = 0.f;
+      UNROLL for (int nt = 0; nt < NT_S; nt++) {
+        UNROLL for (int c = 0; c < 2; c++) {
+#if FOLD
+          const float p = ex2(fma(sacc[nt][2 * hf + c], qk_scale, -m_use));
+#else
+          const float p = ex2(sacc[nt][2 * hf + c] - m_use);
+#endif
+          sacc[nt][2 * hf + c] = p;
+          rs += p;
+        }
+      }
+      l_i[hf] += rs;
+    }
+
+    // -- O += P V: the S accumulators of n-tiles 2 t2, 2 t2 + 1 are the A fragment of k-step t2
+    UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) {
+      uint pa[4];
+      pa[0] = pack2(sacc[2 * t2][0], sacc[2 * t2][1]);
+      pa[1] = pack2(sacc[2 * t2][2], sacc[2 * t2][3]);
+      pa[2] = pack2(sacc[2 * t2 + 1][0], sacc[2 * t2 + 1][1]);
+      pa[3] = pack2(sacc[2 * t2 + 1][2], sacc[2 * t2 + 1][3]);
+      UNROLL for (int n2 = 0; n2 < NT_O / 2; n2++) {
+        uint vf[4];
+        const int key = kw0 + t2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        LDSM_X4_T(vf, sV, key * LDS + n2 * 16 + (lane >> 4) * 8);
+        MMA(o[2 * n2], pa, vf[0], vf[1]);
+        MMA(o[2 * n2 + 1], pa, vf[2], vf[3]);
+      }
+    }
+
+    // -- the inf/NaN zeroed above, for this warp's keys and the rows that see them
+    if (v_bad) {
+      UNROLL for (int hf = 0; hf < 2; hf++) {
+        const int j_hi = min(rhi[hf], n0 + kw0 + KW - 1);
+        for (int j = max(rlo[hf], n0 + kw0); j <= j_hi; j++) {
+          long row = krow0 + j;
+          if (ring > 0 && row >= ring) row -= ring;
+          __global const ushort *vr = vh + row * v_sr + 2 * tg;
+          UNROLL for (int nd = 0; nd < NT_O; nd++) {
+            UNROLL for (int e = 0; e < 2; e++) {
+              const uint b = vr[nd * 8 + e];
+              if (NONFINITE16(b)) o[nd][2 * hf + e] += nonfinite_value(b);
+            }
+          }
+        }
+      }
+    }
+  }
+  CP_WAIT(0);
+
+  // -- merge the warps' states: M = max m_w, L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M)
+  UNROLL for (int hf = 0; hf < 2; hf++) {
+    l_i[hf] += SHFL_XOR(l_i[hf], 1);
+    l_i[hf] += SHFL_XOR(l_i[hf], 2);
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);  // every warp is done with the K/V buffers
+  __local float *sO = (__local float *)smem;
+  UNROLL for (int hf = 0; hf < 2; hf++) {
+    const int r = g + 8 * hf;
+    if (tg == 0) {
+      sM[warp * 16 + r] = m_i[hf];
+      sL[warp * 16 + r] = l_i[hf];
+    }
+    UNROLL for (int nd = 0; nd < NT_O; nd++) {
+      *(__local float2 *)(sO + (warp * 16 + r) * HEAD_DIM + nd * 8 + 2 * tg) =
+          (float2)(o[nd][2 * hf], o[nd][2 * hf + 1]);
+    }
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int idx = tid; idx < nrows * (HEAD_DIM / 2); idx += THREADS) {
+    const int r = idx / (HEAD_DIM / 2), col = 2 * (idx % (HEAD_DIM / 2));
+    float mm = -INFINITY;
+    for (int w = 0; w < WARPS; w++) mm = fmax(mm, sM[w * 16 + r]);
+    float l = 0.f, o0 = 0.f, o1 = 0.f;
+    for (int w = 0; w < WARPS; w++) {
+      const float mw = sM[w * 16 + r];
+      if (mw != -INFINITY) {  // a warp that saw no key of this row adds nothing
+        const float wt = ex2(mw - mm);
+        const float2 ow = *(__local const float2 *)(sO + (w * 16 + r) * HEAD_DIM + col);
+        l += sL[w * 16 + r] * wt;
+        o0 += ow.x * wt;
+        o1 += ow.y * wt;
+      }
+    }
+    const float inv = l == 0.f ? 0.f : 1.f / l;
+    const long row = qrow0 + r / group;
+    const int h = hk * group + r % group;
+    const long orow = (qb * sq_arr + row) * n_heads + h;
+    const float lse_r = l == 0.f ? -INFINITY : (mm + log2(l)) * LN2;
+#if SPLIT
+    *(__global float2 *)(part_o + (split * n_out_rows + orow) * HEAD_DIM + col) =
+        (float2)(o0 * inv, o1 * inv);
+    if (col == 0) part_l[split * n_out_rows + orow] = lse_r;
+#else
+    out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv, o1 * inv);
+    if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_r;
+#endif
+  }
+}

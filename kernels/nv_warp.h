@@ -1,0 +1,193 @@
+// Warp-level NVIDIA instructions for the tensor-core decode kernel (attn_decode_mma.cl):
+// mma.sync.m16n8k16 (f32 accumulate), ldmatrix x4 (plain and .trans), cp.async 16-byte copies,
+// shuffles, vote.any, ex2.approx and the f32 -> f16/bf16 pair conversion.
+//
+// USE_PTX=1: inline PTX (NVIDIA's OpenCL, sm_80+).  USE_PTX=0: an exact emulation in plain
+// OpenCL C for any device (PoCL in CI): each lane publishes its operands in a per-warp scratch
+// area `scr` (256 uints, declared by the kernel), a barrier, then each lane reads what the PTX
+// ISA says it receives.  Every such call must sit in work-group-uniform control flow.
+// The layouts are the ones kernels/attn_fwd_mma.cl uses (same ISA tables).
+//
+// Needs IS_BF16 and USE_PTX defined.
+
+#define XSTR_(X) #X
+#define XSTR(X) XSTR_(X)
+
+#if IS_BF16
+#define MMA_TYPE "bf16"
+#else
+#define MMA_TYPE "f16"
+#endif
+
+#if USE_PTX
+#define UNROLL _Pragma("unroll")
+
+#define MMA(D, A, B0, B1)                                                                       \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "                   \
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"                               \
+      : "=f"((D)[0]), "=f"((D)[1]), "=f"((D)[2]), "=f"((D)[3])                                  \
+      : "r"((A)[0]), "r"((A)[1]), "r"((A)[2]), "r"((A)[3]), "r"(B0), "r"(B1),                  \
+        "f"((D)[0]), "f"((D)[1]), "f"((D)[2]), "f"((D)[3]))
+
+#define LDSM_X4(R, BASE, OFF)                                                                   \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"                 \
+               : "=r"((R)[0]), "=r"((R)[1]), "=r"((R)[2]), "=r"((R)[3])                         \
+               : "r"((uint)(size_t)((BASE) + (OFF))) : "memory")
+
+#define LDSM_X4_T(R, BASE, OFF)                                                                 \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"           \
+               : "=r"((R)[0]), "=r"((R)[1]), "=r"((R)[2]), "=r"((R)[3])                         \
+               : "r"((uint)(size_t)((BASE) + (OFF))) : "memory")
+
+#define CP_ASYNC16(DST, SRC)                                                                    \
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"                                      \
+               :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
+#define CP_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+// wait until at most N (a literal or macro of one) groups are still in flight
+#define CP_WAIT(N) asm volatile("cp.async.wait_group " XSTR(N) ";" ::: "memory")
+
+inline float shfl_xor(float x, int m) {
+  uint r;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;"
+               : "=r"(r) : "r"(as_uint(x)), "r"(m));
+  return as_float(r);
+}
+inline int warp_any(int pred) {
+  uint r;
+  asm volatile("{ .reg .pred p; setp.ne.u32 p, %1, 0; vote.sync.any.pred p, p, 0xffffffff; "
+               "selp.u32 %0, 1, 0, p; }" : "=r"(r) : "r"(pred));
+  return (int)r;
+}
+#define WARP_ANY(P) warp_any(P)
+#define SHFL_XOR(X, M) shfl_xor((X), (M))
+
+inline float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// two floats -> packed pair, lo in bits 0..15 (PTX cvt puts its first source in the high half)
+inline uint pack2(float lo, float hi) {
+  uint r;
+  asm("cvt.rn." MMA_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+#else
+// ---------------------------------------------------------------- emulation (any OpenCL device)
+#define UNROLL
+
+inline float bits_to_float(uint b) {
+#if IS_BF16
+  return as_float(b << 16);
+#else
+  ushort h = (ushort)b;
+  return vload_half(0, (const __private half *)&h);
+#endif
+}
+
+// float -> 16-bit storage, round to nearest even (what cvt.rn does), by integer arithmetic
+inline uint f2bits(float x) {
+  uint u = as_uint(x);
+#if IS_BF16
+  if (isnan(x)) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+#else
+  uint sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (a >= 0x477ff000u) return sign | 0x7c00u;          // rounds to >= 65520: inf
+  if (a < 0x38800000u) {                                  // subnormal half (or zero)
+    if (a < 0x33000000u) return sign;
+    uint m = (a & 0x7fffffu) | 0x800000u, sh = 126u - (a >> 23);
+    uint r = m >> sh, rem = m & ((1u << sh) - 1u), half_ = 1u << (sh - 1u);
+    if (rem > half_ || (rem == half_ && (r & 1u))) r++;
+    return sign | r;
+  }
+  uint r = (a - 0x38000000u) >> 13, rem = a & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+  return sign | r;
+#endif
+}
+
+inline uint pack2(float lo, float hi) { return f2bits(lo) | (f2bits(hi) << 16); }
+inline float ex2(float x) { return exp2(x); }
+
+// A (16x16, row-major): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+inline float emu_a(__local uint *scr, int row, int k) {
+  int reg = ((k >> 3) << 1) | (row >> 3);
+  int ln = ((row & 7) << 2) | ((k & 7) >> 1);
+  return bits_to_float((scr[ln * 8 + reg] >> ((k & 1) * 16)) & 0xffffu);
+}
+// B (16x8, column-major): b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
+inline float emu_b(__local uint *scr, int k, int n) {
+  int reg = 4 + (k >> 3);
+  int ln = (n << 2) | ((k & 7) >> 1);
+  return bits_to_float((scr[ln * 8 + reg] >> ((k & 1) * 16)) & 0xffffu);
+}
+
+// D (16x8 f32): d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)
+inline void emu_mma(float *d, const uint *a, uint b0, uint b1, __local uint *scr) {
+  int lane = get_local_id(0) & 31;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int r = 0; r < 4; r++) scr[lane * 8 + r] = a[r];
+  scr[lane * 8 + 4] = b0;
+  scr[lane * 8 + 5] = b1;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  int g = lane >> 2, t = lane & 3;
+  for (int c = 0; c < 4; c++) {
+    int row = g + ((c >> 1) << 3), col = 2 * t + (c & 1);
+    float acc = d[c];
+    for (int kk = 0; kk < 16; kk++) acc += emu_a(scr, row, kk) * emu_b(scr, kk, col);
+    d[c] = acc;
+  }
+}
+#define MMA(D, A, B0, B1) emu_mma((D), (A), (B0), (B1), scr)
+
+// ldmatrix x4: lanes 8i..8i+7 give the row addresses of matrix i; lane l receives from matrix i
+// row l/4, columns 2(l%4), 2(l%4)+1 (with .trans: rows 2(l%4), 2(l%4)+1 of column l/4).
+inline void emu_ldsm(uint *r, __local const ushort *base, int off, int trans, __local uint *scr) {
+  int lane = get_local_id(0) & 31;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  scr[lane * 8] = (uint)off;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; i++) {
+    uint lo, hi;
+    if (!trans) {
+      int o = (int)scr[(i * 8 + g) * 8] + 2 * t;
+      lo = base[o];
+      hi = base[o + 1];
+    } else {
+      lo = base[(int)scr[(i * 8 + 2 * t) * 8] + g];
+      hi = base[(int)scr[(i * 8 + 2 * t + 1) * 8] + g];
+    }
+    r[i] = lo | (hi << 16);
+  }
+}
+#define LDSM_X4(R, BASE, OFF) emu_ldsm((R), (BASE), (OFF), 0, scr)
+#define LDSM_X4_T(R, BASE, OFF) emu_ldsm((R), (BASE), (OFF), 1, scr)
+
+inline float emu_shfl(float x, int m, __local uint *scr) {
+  int lane = get_local_id(0) & 31;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  scr[lane * 8] = as_uint(x);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  return as_float(scr[(lane ^ m) * 8]);
+}
+inline int emu_any(int pred, __local uint *scr) {
+  int lane = get_local_id(0) & 31, r = 0;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  scr[lane * 8] = (uint)(pred != 0);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int i = 0; i < 32; i++) r |= (int)scr[i * 8];
+  return r;
+}
+#define WARP_ANY(P) emu_any((P), scr)
+#define SHFL_XOR(X, M) emu_shfl((X), (M), scr)
+
+// cp.async as a plain copy: the kernel's barrier after CP_WAIT makes it visible
+#define CP_ASYNC16(DST, SRC) (*(__local uint4 *)(DST) = *(__global const uint4 *)(SRC))
+#define CP_COMMIT()
+#define CP_WAIT(N)
+#endif

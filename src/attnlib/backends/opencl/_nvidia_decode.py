@@ -1,0 +1,232 @@
+"""Decode attention on NVIDIA tensor cores (sm_80+), float16 and bfloat16.
+
+``kernels/attn_decode_mma.cl`` runs calls whose sequences have at most :data:`MAX_ROWS` packed
+query rows (q_len * group: the query heads of one kv head packed as rows of one 16-row
+``mma.sync`` tile). One work-group per (sequence, kv head, key split); each streams its keys
+through cp.async buffers and multiplies with ``mma.sync.m16n8k16`` (float32 accumulators), so the
+per-key work is ~2 mma + ~2 ldmatrix + a few dozen softmax instructions per warp and 16 keys,
+instead of the portable kernel's ~78 warp instructions per key: the cache streams at memory speed.
+With several splits the partial states go to merge.cl (the same launch as the portable path's
+flash-decoding); with one split the kernel writes out and lse itself.
+
+Covered: every :class:`~attnlib.backends.base.AttnCall` with float16/bfloat16, D == Dv in
+:data:`HEAD_DIMS`, no mask, at most 16 packed rows per sequence: causal (any alignment, q_len > 1
+included), window, softcap, alibi, GQA/MQA/MHA, ring caches, varlen, any positions; the LSE is
+always returned. Hidden keys whose k or v hold inf/NaN do not leak (see the kernel). Masks and
+other head dims go to the portable kernel.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..base import AttnCall
+from . import _nvidia_mma, _pool
+from ._arrays import store_kind
+from ._attention import MergeConfig, merge_wg
+from ._runtime import launch
+
+__all__ = ["applicable", "run", "HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS", "choose_splits",
+           "build_options", "local_bytes"]
+
+#: head dims (D == Dv) the kernel is built for
+HEAD_DIMS = (64, 128)
+#: packed query rows (q_len * group) of one sequence the kernel takes: one m16 tile
+MAX_ROWS = 16
+#: (BLOCK_N, WARPS, STAGES) per head dim: 4 warps of 16 keys per 64-key tile, 3 buffers in
+#: flight (D=128: 109 KB of local memory, two work-groups per SM). Not yet swept on the H200:
+#: bench/gpu/decode_check.py does that.
+DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (64, 4, 3)}
+#: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
+MIN_TILES_PER_SPLIT = 2
+#: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
+SM_LOCAL_BYTES = 227 * 1024
+_LOG2E = 1.4426950408889634
+_DTYPES = (np.dtype(np.float16), _nvidia_mma._BF16)
+_F32 = np.dtype(np.float32)
+
+_lock = threading.Lock()
+_programs: dict[tuple, Any] = {}
+_kernels: dict[tuple, Any] = {}
+
+
+def applicable(device: Any, call: AttnCall) -> bool:
+    """True when this kernel can run ``call`` on ``device``: NVIDIA sm_80+, float16/bfloat16,
+    D == Dv in HEAD_DIMS, no mask, at most MAX_ROWS packed rows per sequence, arrays read in
+    place with 16-byte aligned rows."""
+    cc = _nvidia_mma.compute_capability(device)
+    if cc is None or cc[0] < 8:
+        return False
+    if call.dtype not in _DTYPES or call.mask_view is not None:
+        return False
+    if call.head_dim != call.head_dim_v or call.head_dim not in HEAD_DIMS:
+        return False
+    group = call.n_heads // call.n_kv_heads
+    if call.n_seq == 0 or int(np.max(call.q_len)) * group > MAX_ROWS:
+        return False
+    if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
+        return False
+    return all(_nvidia_mma._array_ok(x) for x in (call.q, call.k, call.v))
+
+
+def local_bytes(head_dim: int, config: tuple) -> int:
+    """__local bytes of one work-group (the arrays the kernel declares, PTX build)."""
+    block_n, warps, stages = config
+    lds = head_dim + 8
+    return stages * 2 * block_n * lds * 2 + 16 * lds * 2 + 2 * warps * 16 * 4 + 16
+
+
+def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
+                  alibi: bool = False, scale_pos: bool = True, split: bool = False,
+                  use_ptx: bool = True) -> tuple[str, ...]:
+    block_n, warps, stages = config
+    return (
+        f"-DHEAD_DIM={head_dim}", f"-DBLOCK_N={block_n}", f"-DWARPS={warps}",
+        f"-DSTAGES={stages}", f"-DIS_BF16={int(np.dtype(dtype) == _nvidia_mma._BF16)}",
+        f"-DSOFTCAP={int(softcap)}", f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}",
+        f"-DSPLIT={int(split)}", f"-DUSE_PTX={int(use_ptx)}",
+    )
+
+
+def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
+                  config: tuple) -> int:
+    """Key splits per (sequence, kv head): enough work-groups for one full wave of the resident
+    slots (work-groups per SM by local memory, at most 4), each split keeping at least
+    MIN_TILES_PER_SPLIT tiles. B=1, 8 kv heads on 132 SMs at D=128: 33 splits (264 groups)."""
+    per_cu = max(1, min(4, SM_LOCAL_BYTES // local_bytes(head_dim, config)))
+    target = compute_units * per_cu
+    if pairs >= target or key_tiles < 2 * MIN_TILES_PER_SPLIT:
+        return 1
+    return max(1, min(-(-target // pairs), key_tiles // MIN_TILES_PER_SPLIT))
+
+
+def kernel_path() -> Path:
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "kernels", here.parents[4] / "kernels"):
+        if (cand / "attn_decode_mma.cl").is_file():
+            return cand / "attn_decode_mma.cl"
+    raise FileNotFoundError("attn_decode_mma.cl not found beside attnlib or in the source tree")
+
+
+def kernel_text() -> str:
+    """attn_decode_mma.cl with its ``#include "x.h"`` lines replaced by the headers beside it."""
+    path = kernel_path()
+    return re.sub(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$',
+                  lambda m: (path.parent / m.group(1)).read_text(), path.read_text(),
+                  flags=re.MULTILINE)
+
+
+def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
+    """Build (once per context, device and options) and return the program."""
+    import pyopencl as cl
+
+    key = (ctx.int_ptr, device.int_ptr, options)
+    with _lock:
+        prg = _programs.get(key)
+        if prg is None:
+            try:
+                prg = cl.Program(ctx, kernel_text()).build(options=list(options),
+                                                           devices=[device])
+            except cl.Error as exc:
+                from ...errors import KernelBuildError
+
+                raise KernelBuildError(
+                    f"attn_decode_mma.cl failed to build for {device.name} with options "
+                    f"{' '.join(options)}: {exc}") from exc
+            _programs[key] = prg
+    return prg
+
+
+def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
+        splits: int | None = None, use_ptx: bool | None = None,
+        events: list | None = None) -> tuple[Any, Any]:
+    """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
+
+    ``be`` is the OpenCL backend (device, compute units, merge.cl launches); ``config`` =
+    (BLOCK_N, WARPS, STAGES) overrides :data:`DEFAULT_CONFIGS`; ``splits`` the key splits
+    (default :func:`choose_splits`, or the backend's ``num_splits``); ``use_ptx=False`` builds the
+    emulated kernel (any OpenCL device; for checks only); ``events`` receives the kernels' events.
+    """
+    import pyopencl as cl
+
+    ctx, device = queue.context, be.device
+    d = call.head_dim
+    config = tuple(config or DEFAULT_CONFIGS[d])
+    block_n, warps = config[0], config[1]
+    if use_ptx is None:
+        use_ptx = _nvidia_mma.compute_capability(device) is not None
+    dtype = call.dtype
+    bq, sq_arr, hq, _ = call.q.shape
+    hkv = call.k.shape[2]
+    is_dev = _nvidia_mma._is_cl_array(call.q)
+    out_shape, lse_shape = (bq, sq_arr, hq, d), (bq, hq, sq_arr)
+    out = _pool.empty(queue, out_shape, dtype)
+    lse = _pool.empty(queue, lse_shape, np.float32)
+    # one work-group column per sequence with query rows (the prefill kernel's tables with a
+    # 16-row block: first rows all 0, heaviest sequences first)
+    seq_buf, tile_buf, n_cols = _nvidia_mma._tables_on_device(ctx, call, MAX_ROWS, block_n)
+    if n_cols and hq:
+        if splits is None:
+            splits = be.num_splits
+        if splits is None:
+            key_tiles = -(-int(np.max(call.k_len)) // block_n)
+            splits = choose_splits(be.facts.compute_units, n_cols * hkv, key_tiles, d, config)
+        splits = max(1, int(splits))
+        opts = build_options(d, dtype, config, softcap=call.softcap is not None,
+                             alibi=call.alibi is not None, scale_pos=call.scale > 0,
+                             split=splits > 1, use_ptx=use_ptx)
+        slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
+                  if call.alibi is not None else np.zeros(1, np.float32))
+        alibi_buf = _nvidia_mma._memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
+                                          lambda: _nvidia_mma._device_copy(ctx, slopes))
+        (qb, qo, qs, _kq), (kb, ko, ks, _kk), (vb, vo, vs, _kv) = (
+            _nvidia_mma._view(ctx, call.q), _nvidia_mma._view(ctx, call.k),
+            _nvidia_mma._view(ctx, call.v))
+        if call.softcap is not None:
+            qk_scale, cap = call.scale / call.softcap, call.softcap * _LOG2E
+        else:
+            qk_scale, cap = call.scale * _LOG2E, 0.0
+        i64, i32 = np.int64, np.int32
+        n_out_rows = bq * sq_arr * hq
+        if splits > 1:
+            part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
+            part_l = _pool.scratch(queue, splits * n_out_rows * 4)
+            dst = [alibi_buf, alibi_buf, part_o, part_l]  # out, lse unused
+        else:
+            dst = [out.base_data, lse.base_data, alibi_buf, alibi_buf]
+        threads = 32 * warps
+        args = [qb, kb, vb, *dst, tile_buf, seq_buf, alibi_buf,
+                i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
+                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows),
+                np.float32(qk_scale), np.float32(cap)]
+        evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
+                     lambda: get_program(ctx, device, opts), "attn_decode_mma", queue,
+                     (n_cols * threads, hkv, splits), (threads, 1, 1), args)
+        evts = [evt]
+        if splits > 1:
+            wg = merge_wg(d)
+            mcfg = MergeConfig(IN_KIND=store_kind(_F32), STORE_KIND=store_kind(dtype),
+                               ACC_KIND=0, WG=wg)
+            margs = [part_o, i64(n_out_rows * d), part_l, i64(n_out_rows), i64(sq_arr * hq),
+                     i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(d),
+                     i64(n_out_rows), out.base_data, lse.base_data]
+            evts.append(be.launch(ctx, queue, "merge.cl", mcfg, "merge_states",
+                                  (wg, n_out_rows), (wg, 1), margs))
+        for e in evts:
+            out.add_event(e)
+            lse.add_event(e)
+        if events is not None:
+            events.extend(evts)
+    if is_dev:
+        return out, lse
+    out_h = np.empty(out_shape, dtype)
+    lse_h = np.empty(lse_shape, np.float32)
+    if out_h.size:
+        cl.enqueue_copy(queue, out_h.view(f"u{out_h.itemsize}"), out.base_data)
+        cl.enqueue_copy(queue, lse_h, lse.base_data)
+    return out_h, lse_h

@@ -1,0 +1,190 @@
+"""The NVIDIA tensor-core decode kernel (kernels/attn_decode_mma.cl) on any OpenCL device, with
+every warp-level PTX instruction emulated in plain OpenCL C (``USE_PTX=0``, kernels/nv_warp.h):
+its fragment layouts, split-KV walk, cp.async pipeline, masking, online softmax, warp merge and
+the merge.cl hand-off are checked against the float64 oracle by the SPEC's accuracy rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib.backends.base import AttnCall
+from attnlib.testing._helpers import randn, rng_for
+from attnlib.testing.reference import attend
+from attnlib.testing.tolerance import assert_rule
+
+pytest.importorskip("pyopencl")
+if "opencl" not in attnlib.available_backends():  # pragma: no cover - CI always has PoCL
+    pytest.skip("no OpenCL device", allow_module_level=True)
+
+
+def make_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
+              causal=False, ring=0, window=(None, None), softcap=None, alibi=None, scale=None):
+    i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
+    n = len(q_len)
+    return AttnCall(
+        q=q, k=k, v=v, q_batch=i64(q_batch), q_row0=i64(q_row0), q_len=i64(q_len),
+        k_batch=i64(k_batch), k_row0=i64(k_row0), k_len=i64(k_len), q_pos0=i64(q_pos0),
+        k_pos0=i64(k_pos0), causal_hi=np.zeros(n, np.int64) if causal else None,
+        scale=float(scale if scale is not None else 1.0 / np.sqrt(q.shape[3])),
+        window_left=window[0], window_right=window[1], softcap=softcap,
+        alibi=None if alibi is None else np.asarray(alibi, np.float32), ring=ring)
+
+
+def reference(call: AttnCall, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """out, lse of ``call`` from the oracle's per-sequence ``attend`` (``dtype``: float64 for
+    the reference, the inputs' dtype for the naive same-dtype run)."""
+    q, k, v = call.q, call.k, call.v
+    bq, sq_arr, hq, _ = q.shape
+    out = np.zeros((bq, sq_arr, hq, v.shape[3]))
+    lse = np.full((bq, hq, sq_arr), -np.inf)
+    for s in range(call.n_seq):
+        qb, qr, ql = int(call.q_batch[s]), int(call.q_row0[s]), int(call.q_len[s])
+        kb, kr, kl = int(call.k_batch[s]), int(call.k_row0[s]), int(call.k_len[s])
+        rows = kr + np.arange(kl)
+        if call.ring:
+            rows = np.where(rows >= call.ring, rows - call.ring, rows)
+        qpos = call.q_pos0[s] + np.arange(ql)
+        kpos = call.k_pos0[s] + np.arange(kl)
+        dd = kpos[None, :] - qpos[:, None]
+        vis = np.ones((ql, kl), bool)
+        if call.causal_hi is not None:
+            vis &= dd <= call.causal_hi[s]
+        if call.window_left is not None:
+            vis &= -call.window_left <= dd
+        if call.window_right is not None:
+            vis &= dd <= call.window_right
+        o, ls = attend(q[qb, qr:qr + ql], k[kb, rows], v[kb, rows], qpos, kpos, vis,
+                       scale=call.scale, softcap=call.softcap,
+                       alibi=None if call.alibi is None else call.alibi[s], dtype=dtype)
+        out[qb, qr:qr + ql] = o
+        lse[qb, :, qr:qr + ql] = ls
+    return out, lse
+
+
+def run_and_check(call: AttnCall, *, splits, config=None):
+    from attnlib.backends.opencl import _nvidia_decode
+
+    be = attnlib.get_backend("opencl")
+    out, lse = _nvidia_decode.run(be, be.queue, call, config=config, splits=splits,
+                                  use_ptx=False)
+    ref, ref_lse = reference(call, np.float64)
+    naive, _ = reference(call, call.dtype)
+    assert out.dtype == call.dtype and lse.dtype == np.float32
+    assert_rule(out, ref, naive)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-2)
+    return out
+
+
+def decode_call(rng, dtype, *, b, q_len, klens, hq, hkv, d, causal=True, **kw):
+    """A KV-cache step: sequence s (batch s) has klens[s] cached keys, its q_len new queries at
+    the end (positions klens[s] - q_len ...)."""
+    cap = max(klens) + 5
+    q = randn(rng, (b, q_len, hq, d), dtype)
+    k = randn(rng, (b, cap, hkv, d), dtype)
+    v = randn(rng, (b, cap, hkv, d), dtype)
+    ar = np.arange(b)
+    kl = np.asarray(klens)
+    return make_call(q, k, v, q_batch=ar, q_row0=0 * ar, q_len=ar * 0 + q_len, k_batch=ar,
+                     k_row0=0 * ar, k_len=kl, q_pos0=kl - q_len, k_pos0=0 * ar, causal=causal,
+                     **kw)
+
+
+CASES = [
+    # name, dtype, dict(b, q_len, klens, hq, hkv, d), splits, call options
+    ("gqa4 d128 splits with empty ones", "float16",
+     dict(b=1, q_len=1, klens=[333], hq=8, hkv=2, d=128), 5, {}),
+    ("gqa8 d64 one split bf16", "bfloat16",
+     dict(b=1, q_len=1, klens=[200], hq=16, hkv=2, d=64), 1, {}),
+    ("mha q_len 3 causal varlen", "float16",
+     dict(b=2, q_len=3, klens=[150, 71], hq=3, hkv=3, d=64), 3, {}),
+    ("gqa4 q_len 3 causal bf16", "bfloat16",
+     dict(b=1, q_len=3, klens=[190], hq=8, hkv=2, d=128), 2, {}),
+    ("window softcap alibi q_len 2", "float16",
+     dict(b=2, q_len=2, klens=[260, 97], hq=8, hkv=2, d=128), 4,
+     {"window": (70, 0), "softcap": 20.0, "alibi": True}),
+    ("alibi not causal bf16 d64", "bfloat16",
+     dict(b=1, q_len=1, klens=[129], hq=4, hkv=1, d=64), 2, {"causal": False, "alibi": True}),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,splits,opts", CASES, ids=[c[0] for c in CASES])
+def test_decode_emulated(name, dtype, shape, splits, opts):
+    rng = rng_for("decode", name)
+    kw = dict(opts)
+    if kw.pop("alibi", False):
+        kw["alibi"] = np.linspace(0.05, 0.4, shape["hq"] * shape["b"]).reshape(shape["b"], -1)
+    run_and_check(decode_call(rng, dtype, **shape, **kw), splits=splits)
+
+
+def test_decode_hidden_nan():
+    """inf/NaN in v of keys hidden by causal (q_len 3: the last key is seen only by the last
+    row) or by the window must not reach the rows that do not see them."""
+    rng = rng_for("decode nan")
+    call = decode_call(rng, "float16", b=1, q_len=3, klens=[140], hq=8, hkv=2, d=64,
+                       window=(100, None))
+    call.v[0, 139, 1, 5] = np.nan     # seen by row 2 only (heads 4..7)
+    call.v[0, 138, 0, 7] = np.inf     # seen by rows 1, 2 (heads 0..3)
+    call.v[0, 3, 0, 2] = np.nan       # outside every row's window
+    call.k[0, 10, 1, 0] = np.nan      # outside the window too
+    out = run_and_check(call, splits=3)
+    assert np.isnan(out[0, 2, 4:, 5]).all() and not np.isnan(out[0, :2]).any()
+    assert np.isinf(out[0, 1:, :4, 7]).all() and np.isfinite(out[0, 0]).all()
+
+
+def test_decode_ring_varlen():
+    """Ring-buffer cache rows that wrap, several sequences of different lengths in one batch
+    slot each, one of them with an empty cache (out 0, lse -inf)."""
+    rng = rng_for("decode ring")
+    ring, hq, hkv, d = 96, 8, 2, 64
+    q = randn(rng, (4, 1, hq, d), "float16")
+    k = randn(rng, (4, ring, hkv, d), "float16")
+    v = randn(rng, (4, ring, hkv, d), "float16")
+    klens = np.array([96, 40, 0, 77])
+    call = make_call(q, k, v, q_batch=np.arange(4), q_row0=[0] * 4, q_len=[1] * 4,
+                     k_batch=[3, 1, 0, 2], k_row0=[50, 90, 0, 30], k_len=klens,
+                     q_pos0=klens + 200 - 1, k_pos0=[200] * 4, causal=True, ring=ring)
+    out = run_and_check(call, splits=3)
+    assert (out[2] == 0).all()
+
+
+CONFIGS = [(32, 2, 2), (64, 2, 3), (128, 4, 2)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[",".join(map(str, c)) for c in CONFIGS])
+def test_decode_configs(config):
+    """Other (BLOCK_N, WARPS, STAGES): 16 and 32 keys per warp, two to three buffers; scale 1
+    and growing keys make the running max grow past the lazy-rescale threshold."""
+    rng = rng_for("decode cfg", *config)
+    call = decode_call(rng, "bfloat16", b=1, q_len=1, klens=[301], hq=4, hkv=1, d=128,
+                       scale=1.0)
+    call.k[0, :301] *= np.linspace(0.2, 2.5, 301)[:, None, None].astype(call.k.dtype)
+    run_and_check(call, splits=2, config=config)
+
+
+def test_not_applicable_here():
+    """The dispatch needs NVIDIA sm_80+; on other devices the portable kernels run."""
+    from attnlib.backends.opencl import _nvidia_decode
+
+    be = attnlib.get_backend("opencl")
+    rng = rng_for("decode dispatch")
+    call = decode_call(rng, "float16", b=1, q_len=1, klens=[10], hq=4, hkv=1, d=64)
+    cc = _nvidia_decode._nvidia_mma.compute_capability(be.device)
+    assert _nvidia_decode.applicable(be.device, call) is (cc is not None and cc[0] >= 8)
+
+
+def test_choose_splits():
+    """B=1, 8 kv heads on 132 SMs fills the resident slots; long batches take one split."""
+    from attnlib.backends.opencl import _nvidia_decode as nd
+
+    cfg = nd.DEFAULT_CONFIGS[128]
+    per_cu = nd.SM_LOCAL_BYTES // nd.local_bytes(128, cfg)
+    assert per_cu == 2
+    assert nd.choose_splits(132, 8, 131072 // 64, 128, cfg) == 33
+    assert nd.choose_splits(132, 8, 8192 // 64, 128, cfg) == 33
+    assert nd.choose_splits(132, 64, 8192 // 64, 128, cfg) == 5
+    assert nd.choose_splits(132, 512, 4096 // 64, 128, cfg) == 1
+    assert nd.choose_splits(132, 8, 3, 128, cfg) == 1
