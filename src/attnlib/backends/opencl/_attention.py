@@ -3,6 +3,7 @@ streaming chunks and the (ring) KV cache, plus split-KV (flash-decoding) with a 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,12 +55,39 @@ class MergeConfig(KernelConfig):
     STORE_KIND: int
     ACC_KIND: int
     WG: int
+    G: int = 1  # groups of work-items splitting the states; WG / G columns per work-group
 
 
 def merge_wg(dv: int) -> int:
-    """Work-group size of merge.cl (one work-group per row): Dv rounded up to a power of two,
-    32..128."""
+    """Work-group size of merge.cl with G = 1 (one work-group per row): Dv rounded up to a power
+    of two, 32..128."""
     return min(128, max(32, _next_pow2(dv)))
+
+
+#: merge.cl: work-items per work-group, and columns per work-group (the rest split the states)
+MERGE_WG, MERGE_COLS = 128, 32
+
+
+def launch_merge(be: OpenCLBackend, queue: Any, outs: Any, o_stride: int, lses: Any,
+                 l_strides: tuple[int, int, int, int], n_states: int, s: int, h: int, dv: int,
+                 n_rows: int, out: Any, lse: Any, in_kind: int, out_kind: int,
+                 acc_kind: int) -> Any:
+    """Enqueue merge.cl over ``n_states`` partial states (layout in merge.cl's header; ``l_strides``
+    = (state, batch, query row, head) strides of the LSEs) into ``out`` / ``lse``; its event.
+    Work-groups take MERGE_COLS columns of a row each and split the states over the rest of their
+    work-items."""
+    cw = min(MERGE_COLS, _next_pow2(dv))
+    cfg = _merge_cfg(in_kind, out_kind, acc_kind, MERGE_WG // cw)
+    i64, i32 = np.int64, np.int32
+    args = [outs, i64(o_stride), lses, *(i64(x) for x in l_strides), i32(n_states), i32(s),
+            i32(h), i32(dv), i64(n_rows), out, lse]
+    return be.launch(queue.context, queue, "merge.cl", cfg, "merge_states",
+                     (MERGE_WG * -(-dv // cw), n_rows), (MERGE_WG, 1), args)
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_cfg(in_kind: int, out_kind: int, acc_kind: int, g: int) -> MergeConfig:
+    return MergeConfig(IN_KIND=in_kind, STORE_KIND=out_kind, ACC_KIND=acc_kind, WG=MERGE_WG, G=g)
 
 
 def vec_widths(d: int, dv: int, threads_n: int) -> tuple[int, int, int]:
@@ -205,7 +233,6 @@ class _Plan:
     tiles: tuple[int, int, int, int]
     cfgs: tuple[Any, Any]
     args: list
-    mcfg: Any
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -254,9 +281,7 @@ def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
              f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
     args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
     assert len(args) == _DST + 6
-    mcfg = MergeConfig(IN_KIND=store_kind(acc), STORE_KIND=store_kind(dtype),
-                       ACC_KIND=int(acc == np.float64), WG=merge_wg(dv))
-    return _Plan(tiles, cfgs, args, mcfg)
+    return _Plan(tiles, cfgs, args)
 
 
 def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
@@ -276,6 +301,11 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
 
         if _nvidia_mma.applicable(be.device, call):
             return _nvidia_mma.run(ctx, queue, be.device, call)
+    if be.use_mma and max_rows <= 16:
+        from . import _nvidia_decode  # NVIDIA tensor cores (sm_80+), fp16/bf16 decode
+
+        if _nvidia_decode.applicable(be.device, call):
+            return _nvidia_decode.run(be, queue, call)
     out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
     host = not is_cl_array(call.q)
     # the LSE is written either way; without need_lse it goes to pooled scratch and the call
@@ -331,13 +361,9 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
               (n_groups * nt, hkv, splits), (nt, 1, 1), args)
 
     if splits > 1:
-        i64, i32 = np.int64, np.int32
-        wg = plan.mcfg.WG
-        margs = [part_o, i64(n_out_rows * dv), part_l, i64(n_out_rows), i64(sq_arr * hq),
-                 i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(dv), i64(n_out_rows),
-                 out.data, lse_buf]
-        be.launch(ctx, queue, "merge.cl", plan.mcfg, "merge_states", (wg, n_out_rows), (wg, 1),
-                  margs)
+        launch_merge(be, queue, part_o, n_out_rows * dv, part_l, (n_out_rows, sq_arr * hq, hq, 1),
+                     splits, sq_arr, hq, dv, n_out_rows, out.data, lse_buf, store_kind(acc),
+                     store_kind(dtype), int(acc == np.float64))
     if host:
         return out.get(), lse.get()
     return out, lse
