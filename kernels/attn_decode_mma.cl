@@ -37,6 +37,18 @@
 #if WARPS * 16 * HEAD_DIM * 4 > STAGES * 2 * TILE * 2
 #error "K/V buffers too small for the warps' merge"
 #endif
+// cp.async groups left in flight at the top of a tile (wait_group takes a literal)
+#if STAGES == 2
+#define CP_PENDING 0
+#elif STAGES == 3
+#define CP_PENDING 1
+#elif STAGES == 4
+#define CP_PENDING 2
+#elif STAGES == 5
+#define CP_PENDING 3
+#else
+#error "STAGES must be 2..5"
+#endif
 #ifndef RESCALE_THRESH
 #define RESCALE_THRESH 8.0f
 #endif
@@ -212,7 +224,7 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
   for (int t = t_first; t <= t_last; t++) {
     // -- tile t has landed; after the barrier nobody reads tile t-1's buffer any more, so the
     // load of tile t + STAGES - 1 goes there (one barrier per tile)
-    CP_WAIT(STAGES - 2);
+    CP_WAIT(CP_PENDING);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (ld_t <= t_last) LOAD_KV(ld_t, ld_buf)
     CP_COMMIT();

@@ -1,0 +1,389 @@
+"""Tensor-core decode kernel (kernels/attn_decode_mma.cl) on the H200, in one command:
+
+    source .gpu/setup.sh && python3 bench/gpu/decode_check.py --json $OUT/decode.jsonl
+
+Parts, each in its own process with a timeout (a kernel fault poisons its OpenCL context), every
+result or error one JSON line (stdout and --json), a summary table at the end:
+  check    the PTX build against the float64 oracle by the SPEC rule (bench/gpu/mma_common.py):
+           fp16/bf16, D 64/128, GQA 4/8, q_len 1 and 3 causal, splits with empty ones, ring
+           cache, window+softcap+alibi, NaN in hidden v; and one call through the backend's
+           dispatch (OpenCLBackend.attention must take the decode kernel)
+  verbose  ptxas registers / spills / shared memory (-cl-nv-verbose) of every config timed
+  time     decode (32 q heads, 8 kv heads, D=128, fp16) B=1/8192, B=8/8192, B=1/131072: kernel
+           time by OpenCL profiling events (decode + merge.cl span, median of REPS), L2 hot
+           (back-to-back) and cold (a 256 MB write before each rep), per (BLOCK_N, WARPS,
+           STAGES) and split count; TB/s = 2 B n 8 128 2 bytes / time; plus the wall time per
+           call of back-to-back calls (host included) for the default config
+  e2e      attnlib.attention_with_kvcache (the public path, dispatch included), pipelined
+  torch    PyTorch SDPA flash / cudnn / efficient, enable_gqa=True, on the same shapes: events
+           (hot and cold) and pipelined
+Here, with PoCL (emulated PTX, check part only):  python bench/gpu/decode_check.py --emulate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HQ, HKV, D = 32, 8, 128
+SHAPES = [(1, 8192), (8, 8192), (1, 131072)]
+CONFIGS = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 2), (128, 8, 2), (64, 2, 4), (32, 2, 4)]
+SPLITS = {(1, 8192): [None, 16, 66, 132], (8, 8192): [None, 1, 2, 8],
+          (1, 131072): [None, 16, 66, 132]}
+REPS, WARMUP = 30, 3
+
+
+def emit(rec: dict, path: str | None) -> None:
+    line = json.dumps(rec, default=str)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def nbytes(b: int, n: int) -> int:
+    return 2 * b * n * HKV * D * 2
+
+
+def cl_env():
+    import pyopencl as cl
+
+    import attnlib
+
+    be = attnlib.get_backend("opencl")
+    queue = cl.CommandQueue(be.context, be.device,
+                            properties=cl.command_queue_properties.PROFILING_ENABLE)
+    return cl, be, queue
+
+
+# ------------------------------------------------------------------------------------ children
+def child_check(args) -> None:
+    sys.path.insert(0, HERE)
+    import mma_common as mc
+
+    from attnlib.backends.opencl import _nvidia_decode as nd
+
+    cl, be, queue = cl_env()
+    rng = np.random.default_rng(7)
+    for dname, dt in mc.DTYPES.items():
+        for d in (64, 128):
+            for name, call, splits in check_cases(mc, rng, dt, d):
+                rec = {"part": "check", "dtype": dname, "d": d, "case": name, "splits": splits}
+                try:
+                    if not args.emulate and not nd.applicable(be.device, call):
+                        emit({**rec, "ok": False, "error": "not applicable"}, args.json)
+                        continue
+                    out, lse = nd.run(be, queue, call, splits=splits, use_ptx=not args.emulate)
+                    ok, err, tol, lerr = mc.check(call, out, lse)
+                    emit({**rec, "ok": ok, "err": err, "tol": tol, "lse_err": lerr}, args.json)
+                except Exception:  # noqa: BLE001
+                    emit({**rec, "ok": False, "error": traceback.format_exc()[-1500:]},
+                         args.json)
+    if args.emulate:
+        return
+    # the backend's own dispatch: a GQA decode call must run the decode kernel
+    q, k, v = (mc.rand(rng, s, np.float16) for s in ((2, 1, 32, 128), (2, 700, 8, 128),
+                                                       (2, 700, 8, 128)))
+    call = mc.seq_call(q, k, v, q_batch=[0, 1], q_row0=[0, 0], q_len=[1, 1], k_batch=[0, 1],
+                       k_row0=[0, 0], k_len=[700, 333], q_pos0=[699, 332], k_pos0=[0, 0],
+                       causal=True)
+    before = len(nd._kernels)
+    out, lse = be.attention(call)
+    ok, err, tol, lerr = mc.check(call, out, lse)
+    emit({"part": "check", "case": "dispatch through OpenCLBackend.attention", "ok": ok,
+          "took_decode_kernel": len(nd._kernels) > before, "err": err, "tol": tol}, args.json)
+
+
+def check_cases(mc, rng, dt, d):
+    """(name, AttnCall, splits) at odd sizes."""
+    def cache_call(b, q_len, klens, hq, hkv, **kw):
+        cap = max(klens) + 3
+        q, k, v = (mc.rand(rng, s, dt) for s in ((b, q_len, hq, d), (b, cap, hkv, d),
+                                                 (b, cap, hkv, d)))
+        kl = np.asarray(klens)
+        return mc.seq_call(q, k, v, q_batch=range(b), q_row0=[0] * b, q_len=[q_len] * b,
+                           k_batch=range(b), k_row0=[0] * b, k_len=kl, q_pos0=kl - q_len,
+                           k_pos0=[0] * b, causal=True, **kw)
+
+    yield "gqa4 q_len 1, 1333 keys", cache_call(2, 1, [1333, 517], 8, 2), None
+    yield "gqa4 q_len 1, 7 splits (empty ones)", cache_call(1, 1, [301], 8, 2), 7
+    yield "gqa8 q_len 1, one split", cache_call(1, 1, [1001], 16, 2), 1
+    yield "mha q_len 3 causal", cache_call(2, 3, [250, 77], 3, 3), 3
+    call = cache_call(1, 3, [190], 8, 2)
+    call.v[0, 189, 1, 5] = np.nan  # seen only by the last row
+    call.v[0, 188, 0, 2] = np.inf  # seen by the last two rows
+    yield "gqa4 q_len 3, inf/NaN in v hidden from some rows", call, 2
+    ring = 160
+    q, k, v = (mc.rand(rng, s, dt) for s in ((3, 1, 8, d), (3, ring, 2, d), (3, ring, 2, d)))
+    kl = np.array([160, 70, 129])
+    yield "ring cache, wrapped rows", mc.seq_call(
+        q, k, v, q_batch=range(3), q_row0=[0] * 3, q_len=[1] * 3, k_batch=[2, 0, 1],
+        k_row0=[100, 150, 40], k_len=kl, q_pos0=kl + 499, k_pos0=[500] * 3, causal=True,
+        ring=ring), 3
+    q, k, v = (mc.rand(rng, s, dt) for s in ((1, 2, 8, d), (1, 611, 2, d), (1, 611, 2, d)))
+    call = mc.dense_call(q, k, v, causal=True, window=(200, 0), softcap=25.0,
+                         alibi=np.linspace(0.01, 0.3, 8).astype(np.float32))
+    yield "window+softcap+alibi q_len 2", call, 4
+
+
+def config_options(be, cfg, split, verbose=False):
+    from attnlib.backends.opencl import _nvidia_decode as nd
+
+    return list(nd.build_options(D, np.float16, cfg, split=split)) + (
+        ["-cl-nv-verbose"] if verbose else [])
+
+
+def child_verbose(args) -> None:
+    from attnlib.backends.opencl import _nvidia_decode as nd
+
+    cl, be, queue = cl_env()
+    for cfg in CONFIGS:
+        for split in (False, True):
+            rec = {"part": "verbose", "config": cfg, "split": split,
+                   "local_bytes": nd.local_bytes(D, cfg)}
+            try:
+                prg = cl.Program(be.context, nd.kernel_text()).build(
+                    options=config_options(be, cfg, split, True), devices=[be.device])
+                log = prg.get_build_info(be.device, cl.program_build_info.LOG)
+                rec["ptxas"] = [ln.strip() for ln in log.splitlines()
+                                if "registers" in ln or "spill" in ln or "smem" in ln][:4]
+                knl = cl.Kernel(prg, "attn_decode_mma")
+                rec["local_mem_reported"] = knl.get_work_group_info(
+                    cl.kernel_work_group_info.LOCAL_MEM_SIZE, be.device)
+            except Exception:  # noqa: BLE001
+                rec["error"] = traceback.format_exc()[-2000:]
+            emit(rec, args.json)
+
+
+def _decode_call(cla, queue, b, n):
+    from attnlib.backends.base import AttnCall
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((b, 1, HQ, D), dtype=np.float32).astype(np.float16)
+    k = rng.standard_normal((b, n, HKV, D), dtype=np.float32).astype(np.float16)
+    v = rng.standard_normal((b, n, HKV, D), dtype=np.float32).astype(np.float16)
+    qd, kd, vd = (cla.to_device(queue, x) for x in (q, k, v))
+    del k, v
+    i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
+    ar = np.arange(b)
+    return AttnCall(q=qd, k=kd, v=vd, q_batch=i64(ar), q_row0=i64(ar * 0), q_len=i64(ar * 0 + 1),
+                    k_batch=i64(ar), k_row0=i64(ar * 0), k_len=i64(ar * 0 + n),
+                    q_pos0=i64(ar * 0 + n - 1), k_pos0=i64(ar * 0), causal_hi=i64(ar * 0),
+                    scale=1.0 / np.sqrt(D), need_lse=False)
+
+
+def child_time(args) -> None:
+    import pyopencl.array as cla
+
+    from attnlib.backends.opencl import _nvidia_decode as nd
+
+    cl, be, queue = cl_env()
+    b, n = args.shape
+    call = _decode_call(cla, queue, b, n)
+    flush = cl.Buffer(be.context, cl.mem_flags.READ_WRITE, 256 << 20)
+    zero = np.zeros(1, np.uint32)
+    for cfg in CONFIGS:
+        for splits in SPLITS[(b, n)]:
+            tiles = -(-n // cfg[0])
+            used = splits or nd.choose_splits(be.facts.compute_units, b * HKV, tiles, D, cfg)
+            rec = {"part": "time", "batch": b, "cache_len": n, "config": cfg,
+                   "splits": used, "auto_splits": splits is None}
+            try:
+                for _ in range(WARMUP):
+                    nd.run(be, queue, call, config=cfg, splits=used)
+                queue.finish()
+                for mode in ("hot", "cold"):
+                    spans, kern = [], []
+                    for _ in range(REPS):
+                        if mode == "cold":
+                            cl.enqueue_fill_buffer(queue, flush, zero, 0, 256 << 20)
+                        ev: list = []
+                        nd.run(be, queue, call, config=cfg, splits=used, events=ev)
+                        ev[-1].wait()
+                        spans.append((ev[-1].profile.end - ev[0].profile.start) * 1e-9)
+                        kern.append(sum((e.profile.end - e.profile.start) for e in ev) * 1e-9)
+                    t = float(np.median(spans))
+                    rec[f"{mode}_us"] = t * 1e6
+                    rec[f"{mode}_kernels_us"] = float(np.median(kern)) * 1e6
+                    rec[f"{mode}_TBps"] = nbytes(b, n) / t / 1e12
+                if splits is None and cfg == nd.DEFAULT_CONFIGS[D]:
+                    queue.finish()
+                    t0 = time.perf_counter()
+                    for _ in range(REPS):
+                        nd.run(be, queue, call)
+                    queue.finish()
+                    rec["pipelined_wall_us"] = (time.perf_counter() - t0) / REPS * 1e6
+            except Exception:  # noqa: BLE001
+                rec["error"] = traceback.format_exc()[-1500:]
+            emit(rec, args.json)
+
+
+def child_e2e(args) -> None:
+    import attnlib
+
+    b, n = args.shape
+    rng = np.random.default_rng(1)
+    cache = attnlib.KVCache(b, n, HKV, D, dtype="float16", backend="opencl")
+    step = min(n, 8192)
+    kh = rng.standard_normal((b, step, HKV, D), dtype=np.float32).astype(np.float16)
+    for p in range(0, n, step):
+        cache.update(kh, kh, p)
+    q = rng.standard_normal((b, 1, HQ, D), dtype=np.float32).astype(np.float16)
+    qd = attnlib.to_device(q, backend="opencl")
+    out = attnlib.attention_with_kvcache(qd, cache)
+    out.queue.finish()
+    t0 = time.perf_counter()
+    for _ in range(REPS):
+        attnlib.attention_with_kvcache(qd, cache)
+    out.queue.finish()
+    t = (time.perf_counter() - t0) / REPS
+    emit({"part": "e2e", "batch": b, "cache_len": n, "pipelined_us": t * 1e6,
+          "pipelined_TBps": nbytes(b, n) / t / 1e12}, args.json)
+
+
+def child_torch(args) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, n = args.shape
+    q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, HKV, n, D, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, HKV, n, D, device="cuda", dtype=torch.float16)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for name, sb in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        rec = {"part": "torch", "torch": name, "batch": b, "cache_len": n}
+        try:
+            with sdpa_kernel([sb]):
+                def fn():
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                for _ in range(WARMUP):
+                    fn()
+                torch.cuda.synchronize()
+                for mode in ("hot", "cold"):
+                    ts = []
+                    for _ in range(REPS):
+                        if mode == "cold":
+                            flush.zero_()
+                        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+                        e0.record()
+                        fn()
+                        e1.record()
+                        e1.synchronize()
+                        ts.append(e0.elapsed_time(e1) * 1e-3)
+                    t = float(np.median(ts))
+                    rec[f"{mode}_us"], rec[f"{mode}_TBps"] = t * 1e6, nbytes(b, n) / t / 1e12
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(REPS):
+                    fn()
+                torch.cuda.synchronize()
+                rec["pipelined_wall_us"] = (time.perf_counter() - t0) / REPS * 1e6
+        except Exception as exc:  # noqa: BLE001
+            rec["error"] = repr(exc)[-500:]
+        emit(rec, args.json)
+
+
+# -------------------------------------------------------------------------------------- parent
+def spawn(argv: list[str], timeout: float, json_path: str | None, what: dict) -> None:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.Popen(cmd)
+        rc = proc.wait(timeout=timeout)
+        if rc:
+            emit({**what, "error": f"child exited with status {rc}"}, json_path)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        emit({**what, "error": f"timed out after {timeout:.0f} s"}, json_path)
+    except Exception as exc:  # noqa: BLE001
+        emit({**what, "error": repr(exc)}, json_path)
+    print(f"   ({what} took {time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def summary(recs: list[dict]) -> None:
+    print("\n== summary")
+    checks = [r for r in recs if r.get("part") == "check"]
+    bad = [r for r in checks if not r.get("ok")]
+    print(f"check: {len(checks) - len(bad)}/{len(checks)} correct"
+          + "".join(f"\n  FAIL {r.get('dtype')} D={r.get('d')} {r.get('case')}: "
+                    f"{r.get('err', r.get('error', ''))}" for r in bad))
+    for r in recs:
+        if r.get("part") == "verbose":
+            print(f"verbose {r['config']} split={r['split']}: {r.get('ptxas', r.get('error'))}")
+    torch = {(r["batch"], r["cache_len"], r["torch"]): r for r in recs
+             if r.get("part") == "torch" and "hot_us" in r}
+    print("| B, n | BLOCK_N,WARPS,STAGES | splits | cold us | cold TB/s | hot us | kernels us "
+          "| torch flash cold / hot / pipelined us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in recs:
+        if r.get("part") != "time" or "cold_us" not in r:
+            continue
+        fl = torch.get((r["batch"], r["cache_len"], "flash"), {})
+        tf = (f"{fl['cold_us']:.1f} / {fl['hot_us']:.1f} / {fl['pipelined_wall_us']:.1f}"
+              if fl else "-")
+        print(f"| {r['batch']}, {r['cache_len']} | {','.join(map(str, r['config']))} | "
+              f"{r['splits']}{'*' if r['auto_splits'] else ''} | {r['cold_us']:.1f} | "
+              f"{r['cold_TBps']:.2f} | {r['hot_us']:.1f} | {r['cold_kernels_us']:.1f} | {tf} |")
+    for r in recs:
+        if r.get("part") == "e2e":
+            print(f"e2e attention_with_kvcache B={r['batch']} n={r['cache_len']}: "
+                  f"{r['pipelined_us']:.1f} us per call pipelined")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None, help="JSON lines file (default $OUT or /tmp)")
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per child")
+    ap.add_argument("--emulate", action="store_true", help="USE_PTX=0, check part only")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--child", choices=["check", "verbose", "time", "e2e", "torch"],
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--shape", type=int, nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        try:
+            {"check": child_check, "verbose": child_verbose, "time": child_time,
+             "e2e": child_e2e, "torch": child_torch}[args.child](args)
+        except Exception:  # noqa: BLE001
+            emit({"child": args.child, "shape": args.shape,
+                  "error": traceback.format_exc()[-3000:]}, args.json)
+            return 1
+        return 0
+    if args.json is None:
+        args.json = os.path.join(os.environ.get("OUT") or "/tmp", "decode.jsonl")
+    if os.path.exists(args.json):
+        os.remove(args.json)
+    own = ["--json", args.json] + (["--emulate"] if args.emulate else [])
+    start = time.perf_counter()
+    spawn(["--child", "check", *own], 240 if args.emulate else args.timeout, args.json,
+          {"child": "check"})
+    if not args.emulate:
+        spawn(["--child", "verbose", *own], args.timeout, args.json, {"child": "verbose"})
+        for b, n in SHAPES:
+            shape = ["--shape", str(b), str(n)]
+            spawn(["--child", "time", *shape, *own], args.timeout, args.json,
+                  {"child": "time", "shape": (b, n)})
+            spawn(["--child", "e2e", *shape, *own], 90, args.json, {"child": "e2e",
+                                                                    "shape": (b, n)})
+            if not args.no_torch:
+                spawn(["--child", "torch", *shape, *own], 90, args.json,
+                      {"child": "torch", "shape": (b, n)})
+    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+    recs = [json.loads(ln) for ln in open(args.json) if ln.strip()]
+    summary(recs)
+    return 1 if any(r.get("ok") is False or "error" in r for r in recs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
