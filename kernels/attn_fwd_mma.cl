@@ -482,9 +482,15 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     // multiply P = 0 by it.  Only tiles that hide keys from some rows (need_mask) can: there the
     // non-finite v values are zeroed in local memory for the mma, and added back after PV, read
     // from global memory, to the rows that see them (rare; costs one scan and one barrier).
+    // float32 scans every tile: then the 3xTF32 split of V needs no inf test per value per warp
+    // (the scan is one pass of the work-group over the tile and a barrier)
     int v_bad = 0;
 #if HIDDEN_NONFINITE
+#if IS_TF32
+    {
+#else
     if (need_mask) {
+#endif
       int mine = 0;
       for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
         __local ELEM *pv = sV + buf * BLOCK_N * LDSV + (c / CHUNKS) * LDSV + (c % CHUNKS) * EPC;

@@ -67,9 +67,11 @@ def _check(q, k, v, slopes, kw, out, lse):
 
 # (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS), -D options: every float32 Q placement (0: local, split
 # every tile; 1: hi and lo in registers; 2: hi in registers, lo in local), one and two m-tiles
-# per warp, S summed over 2 k-steps / in one chain, lo passed unrounded (the mma truncates it)
+# per warp, S summed over 2 k-steps / in one chain, lo passed unrounded (the mma truncates it) /
+# hi truncated too
 F32_CONFIGS = [((64, 32, 4, 0), ()), ((32, 16, 1, 2), ()), ((64, 64, 2, 1), ()),
-               ((64, 32, 2, 0), ("-DS_CHUNK=2", "-DLO_CVT=0")), ((32, 32, 1, 2), ("-DS_CHUNK=0",))]
+               ((64, 32, 2, 0), ("-DS_CHUNK=2", "-DTF32_SPLIT=1")),
+               ((32, 32, 1, 2), ("-DS_CHUNK=0", "-DTF32_SPLIT=2"))]
 
 
 @pytest.mark.parametrize("config,extra", F32_CONFIGS,
@@ -86,6 +88,25 @@ def test_mma_f32_configs(config, extra):
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, config=config,
                                use_ptx=False, extra_options=extra)
     _check(q, k, v, None, kw, out, lse)
+
+
+def test_mma_f32_nonfinite_v_unmasked():
+    """inf/NaN in V at keys every row sees (no mask: the tiles take the unmasked path; every
+    float32 V tile is scanned for them, so the 3xTF32 split never meets inf: inf - inf would
+    make NaN of a product with a P whose lo is 0)."""
+    from attnlib.backends.opencl import _nvidia_mma
+
+    be = attnlib.get_backend("opencl")
+    q, k, v = qkv(rng_for("mma f32 inf v"), 1, 40, 70, 2, 1, 64, dtype="float32")
+    v[0, 5, 0, 3] = np.inf
+    v[0, 40, 0, 7] = -np.inf
+    v[0, 66, 0, 9] = np.nan
+    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
+                            alibi_slopes=None, causal=False, window=None, softcap=None)
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, config=(32, 32, 2, 0),
+                               use_ptx=False)
+    _check(q, k, v, None, {}, out, lse)
+    assert np.isposinf(out[..., 3]).all() and np.isneginf(out[..., 7]).all()
 
 
 def test_tf32_rounding_emulated():

@@ -4,11 +4,11 @@ TFLOP/s, in one command. On the H200, from the repo root:
 
     source .gpu/setup.sh && python3 bench/gpu/tf32_check.py --json $OUT/tf32.jsonl
     python3 bench/gpu/tf32_check.py --sweep                  # + the built-in tilings
-    python3 bench/gpu/tf32_check.py --config 64:128,64,8,1 128:128,32,8,2:S_CHUNK=2+LO_CVT=0
+    python3 bench/gpu/tf32_check.py --config 64:128,64,8,0 128:64,32,4,0:S_CHUNK=2+TF32_SPLIT=1
 
 Each part runs in its own process with a timeout (a kernel fault poisons its OpenCL context):
 tf32 mma.sync ceiling, then per config (D:BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS[:NAME=V+NAME=V],
-the optional part extra -D macros of the kernel: S_CHUNK, LO_CVT, ...) the build report
+the optional part extra -D macros of the kernel: S_CHUNK, TF32_SPLIT, ...) the build report
 (-cl-nv-verbose), every correctness case (odd sizes, masks, NaN/inf, ring cache, scale 1) by
 the SPEC rule (max err <= 2 naive-fp32 err + 1e-5), then kernel time by OpenCL profiling events
 (median of REPS after WARMUP) for (B,H,S,D) = (4,16,2048,64), (4,16,2048,128), (1,16,8192,128),
@@ -17,6 +17,10 @@ and every error is one JSON line (stdout and --json); a summary table ends the r
 FLOPs: 4 B H S^2 D, halved for causal; 3xTF32 issues three tf32 mma per product, so its
 ceiling is a third of the tf32 mma.sync rate measured first.
 Here, with PoCL (emulated PTX, tiny shapes):  python bench/gpu/tf32_check.py --emulate
+Registers and spills without a GPU, where CUDA's nvcc is installed (the kernel translated to
+CUDA C++ and compiled for sm_90; on the fp16 kernel this matched the H200's OpenCL report:
+255 registers, 12 B spill stores at D=128 128,64,4,0):
+    python bench/gpu/tf32_check.py --nvcc-regs [--sweep] [--config ...] [--fp16]
 """
 
 from __future__ import annotations
@@ -31,18 +35,33 @@ import traceback
 
 import numpy as np
 
+_CU_SHIM = r"""
+typedef unsigned int uint; typedef unsigned long ulong; typedef unsigned short ushort;
+#define get_local_id(i) ((int)threadIdx.x)
+#define get_group_id(i) ((int)((i) == 0 ? blockIdx.x : blockIdx.y))
+#define barrier(x) __syncthreads()
+#define CLK_LOCAL_MEM_FENCE 0
+__device__ inline uint as_uint(float x) { return __float_as_uint(x); }
+__device__ inline float as_float(uint x) { return __uint_as_float(x); }
+__device__ inline long clamp(long x, long a, long b) { return x < a ? a : (x > b ? b : x); }
+#define inline __device__ inline
+"""
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PERF = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128)]
-DEFAULTS = {64: (128, 64, 8, 1), 128: (128, 32, 8, 2)}
-# --sweep: tilings (two m-tiles per warp where WARPS = BLOCK_M / 32), then macro A/Bs on the
-# defaults: S summed over 2 k-steps by the tensor core (fewer float32 adds, less accurate), one
-# chain over all of D (S_CHUNK=0: the accuracy the tensor core's own accumulation gives), lo
-# passed unrounded (LO_CVT=0)
-SWEEP = {64: ["128,64,8,1", "64,64,4,1", "128,64,8,0", "128,32,8,1", "64,32,4,1", "128,32,4,0",
-              "128,32,4,2", "128,64,8,1:S_CHUNK=2", "128,64,8,1:S_CHUNK=0",
-              "128,64,8,1:LO_CVT=0"],
-         128: ["128,32,8,2", "128,64,8,2", "64,32,4,2", "128,32,8,0", "64,64,4,0", "128,32,4,0",
-               "128,32,8,2:S_CHUNK=2", "128,32,8,2:S_CHUNK=0", "128,32,8,2:LO_CVT=0"]}
+DEFAULTS = {64: (64, 64, 4, 0), 128: (64, 32, 4, 0)}
+# --sweep: tilings, then macro A/Bs on the defaults: S summed over 2 k-steps by the tensor core
+# (S_CHUNK=2: half the float32 adds), one chain over all of D (S_CHUNK=0: the accuracy the
+# tensor core's own accumulation gives), lo unrounded (TF32_SPLIT=1) and hi truncated too (=2).
+# Registers by nvcc here (--nvcc-regs): D=64 64,64,4,0 169; 128,64,8,0 170; 128,32,8,0 128;
+# 128,32,4,0 (two m-tiles per warp) 255; 128,64,8,1 255 + 68 B spill. D=128 64,32,4,0 168;
+# 128,32,8,0 171; 64,16,4,0 128; 128,32,4,0 255; 64,32,4,2 255 + 16 B spill; none spill else.
+SWEEP = {64: ["64,64,4,0", "128,64,8,0", "128,32,8,0", "64,32,4,0", "128,32,4,0", "128,64,8,1",
+              "64,64,4,0:S_CHUNK=2", "64,64,4,0:S_CHUNK=0", "64,64,4,0:TF32_SPLIT=1",
+              "64,64,4,0:TF32_SPLIT=2"],
+         128: ["64,32,4,0", "128,32,8,0", "64,16,4,0", "128,32,4,0", "64,32,4,2", "64,64,4,0",
+               "64,32,4,0:S_CHUNK=2", "64,32,4,0:S_CHUNK=0", "64,32,4,0:TF32_SPLIT=1",
+               "64,32,4,0:TF32_SPLIT=2"]}
 WARMUP, REPS = 3, 10
 PEAK_SRC = """
 __kernel void tf32_peak(__global float *out, const int iters) {
@@ -258,6 +277,43 @@ def child_torch(args) -> None:
         torch.cuda.empty_cache()
 
 
+def nvcc_regs(configs, fp16: bool) -> None:
+    """ptxas registers/spills of each config from the kernel translated to CUDA C++ (address
+    spaces dropped, static __local arrays shrunk: nvcc caps static shared memory at 48 KiB and
+    their size does not change register allocation)."""
+    import re
+    import tempfile
+
+    sys.path.insert(0, HERE)
+    import mma_common as mc
+
+    text = mc.nv.kernel_text()
+    text = text.replace("__kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))",
+                        "KERNEL_HEAD")
+    text = re.sub(r"__local\s+(\w+)\s+(\w+)\s*\[[^\]]*\]", r"__shared__ \1 \2[64]", text)
+    text = text.replace("__local int v_flag", "__shared__ int v_flag")
+    text = text.replace("__local", "").replace("__global", "")
+    text = re.sub(r"\((float2|uint4|float4)\)\(", r"make_\1(", text)
+    text = text.replace("KERNEL_HEAD", 'extern "C" __global__ __launch_bounds__(THREADS)')
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cu")
+        with open(path, "w") as f:
+            f.write(_CU_SHIM + text)
+        for d, item in configs:
+            tiling, _, macros = item.partition(":")
+            cfg = tuple(int(x) for x in tiling.split(","))
+            dtype = np.float16 if fp16 else np.float32
+            opts = list(mc.nv.build_options(d, dtype, cfg)) + [f"-D{m}" for m in
+                                                               macros.split("+") if m]
+            cmd = ["nvcc", "-arch=sm_90", "-cubin", "-o", os.devnull, "-Xptxas", "-v", *opts,
+                   path]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            info = [ln.split(":", 1)[-1].strip() for ln in res.stderr.splitlines()
+                    if "Used" in ln or "spill" in ln]
+            print(f"D={d} {item} {'fp16' if fp16 else 'fp32'}: "
+                  f"{'; '.join(info) if res.returncode == 0 else res.stderr[-800:]}", flush=True)
+
+
 # -------------------------------------------------------------------------------------- parent
 def spawn(argv: list[str], timeout: float, json_path: str | None, what: dict) -> None:
     cmd = [sys.executable, os.path.abspath(__file__), *argv]
@@ -318,6 +374,8 @@ def main() -> int:
     ap.add_argument("--no-peak", action="store_true")
     ap.add_argument("--emulate", action="store_true", help="USE_PTX=0 on any device (PoCL)")
     ap.add_argument("--time-anyway", action="store_true")
+    ap.add_argument("--nvcc-regs", action="store_true", help="registers by nvcc, no GPU needed")
+    ap.add_argument("--fp16", action="store_true", help="--nvcc-regs: the 16-bit build")
     ap.add_argument("--child", choices=["peak", "config", "torch"], help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
     if args.child:
@@ -332,11 +390,6 @@ def main() -> int:
     own = ["--json", args.json]
     common = own + (["--emulate"] if args.emulate else []) + (
         ["--time-anyway"] if args.time_anyway else [])
-    if os.path.exists(args.json):
-        os.remove(args.json)
-    start = time.perf_counter()
-    if not (args.no_peak or args.emulate):
-        spawn(["--child", "peak", *own], 60, args.json, {"child": "peak"})
     configs: list[tuple[int, str]] = []
     if args.config:
         for item in args.config:
@@ -354,6 +407,14 @@ def main() -> int:
         configs = [(d, ",".join(map(str, from_module[d]))) for d in args.d]
     if args.sweep:
         configs += [(d, c) for d in args.d for c in SWEEP[d] if (d, c) not in configs]
+    if args.nvcc_regs:
+        nvcc_regs(configs, args.fp16)
+        return 0
+    if os.path.exists(args.json):
+        os.remove(args.json)
+    start = time.perf_counter()
+    if not (args.no_peak or args.emulate):
+        spawn(["--child", "peak", *own], 60, args.json, {"child": "peak"})
     for d, cfg in configs:
         print(f"\n== D={d} config BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS[:macros] = {cfg}", flush=True)
         spawn(["--child", "config", "--d", str(d), "--config", cfg, *common], args.timeout,
