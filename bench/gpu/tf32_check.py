@@ -63,6 +63,7 @@ SWEEP = {64: ["64,64,4,0", "128,64,8,0", "128,32,8,0", "64,32,4,0", "128,32,4,0"
                "64,32,4,0:S_CHUNK=2", "64,32,4,0:S_CHUNK=0", "64,32,4,0:TF32_SPLIT=1",
                "64,32,4,0:TF32_SPLIT=2"]}
 WARMUP, REPS = 3, 10
+QUICK = ("dense gqa", "causal 70x131", "scale 1.0", "long")  # --quick: these cases only
 PEAK_SRC = """
 __kernel void tf32_peak(__global float *out, const int iters) {
   const uint lid = get_local_id(0);
@@ -190,7 +191,10 @@ def child_config(args) -> None:
     emit({**base, "build_s": round(time.perf_counter() - t0, 2), "ptxas": report}, args.json)
     rng = np.random.default_rng(20261129 + d)
     n_fail = 0
-    for name, call in accuracy_cases(mc, rng, d, args.emulate):
+    cases = accuracy_cases(mc, rng, d, args.emulate)
+    if args.quick:  # sweep entries: the main paths only
+        cases = [c for c in cases if c[0].startswith(QUICK)]
+    for name, call in cases:
         try:
             out, lse = nv.run(ctx, queue, dev, call, config=cfg, use_ptx=use_ptx,
                               extra_options=flags)
@@ -374,6 +378,10 @@ def main() -> int:
     ap.add_argument("--no-peak", action="store_true")
     ap.add_argument("--emulate", action="store_true", help="USE_PTX=0 on any device (PoCL)")
     ap.add_argument("--time-anyway", action="store_true")
+    ap.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=540.0,
+                    help="seconds: no new config is started past this (the device's command "
+                         "limit is 600 s)")
     ap.add_argument("--nvcc-regs", action="store_true", help="registers by nvcc, no GPU needed")
     ap.add_argument("--fp16", action="store_true", help="--nvcc-regs: the 16-bit build")
     ap.add_argument("--child", choices=["peak", "config", "torch"], help=argparse.SUPPRESS)
@@ -415,13 +423,22 @@ def main() -> int:
     start = time.perf_counter()
     if not (args.no_peak or args.emulate):
         spawn(["--child", "peak", *own], 60, args.json, {"child": "peak"})
-    for d, cfg in configs:
+    n_first = len(configs) if args.config else len(args.d)  # the rest: --sweep entries
+    reserve = 0 if (args.no_torch or args.emulate) else 60
+    for i, (d, cfg) in enumerate(configs):
+        left = args.budget - reserve - (time.perf_counter() - start)
+        if left < 30:
+            emit({"d": d, "config": cfg, "error": "skipped: --budget spent"}, args.json)
+            continue
         print(f"\n== D={d} config BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS[:macros] = {cfg}", flush=True)
-        spawn(["--child", "config", "--d", str(d), "--config", cfg, *common], args.timeout,
-              args.json, {"d": d, "config": cfg})
+        spawn(["--child", "config", "--d", str(d), "--config", cfg, *common,
+               *(["--quick"] if i >= n_first else [])], min(args.timeout, left), args.json,
+              {"d": d, "config": cfg})
     if not (args.no_torch or args.emulate):
         print("\n== PyTorch SDPA float32", flush=True)
-        spawn(["--child", "torch", *own], 240, args.json, {"child": "torch"})
+        left = args.budget + 50 - (time.perf_counter() - start)
+        spawn(["--child", "torch", *own], max(30.0, min(240.0, left)), args.json,
+              {"child": "torch"})
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
     if os.path.exists(args.json):
         recs = [json.loads(ln) for ln in open(args.json) if ln.strip()]
