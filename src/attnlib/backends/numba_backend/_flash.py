@@ -103,6 +103,26 @@ def _gemm(fn, trans_a, trans_b, m, n, kk, alpha, a, lda, b, ldb, beta, c, ldc, b
                c, pi + 20)
 
 
+@intrinsic
+def _wide_vectors(typingctx):
+    """Let LLVM vectorise the calling function with 512-bit registers where the CPU has them.
+
+    numba compiles for the host CPU, and LLVM's tuning for recent Xeons prefers 256-bit vectors
+    (``prefer-256-bit``), so AVX-512 machines run the element-wise softmax passes at half width.
+    This sets the two LLVM string attributes that lift it, on the function being compiled only
+    (llvmlite's attribute set knows no string attributes, so it is added to the set directly);
+    on CPUs without AVX-512 LLVM ignores them. The exp pass: 25.5-28 -> 18-19 us per 256 x 256
+    tile here (same bits)."""
+
+    def codegen(context, builder, signature, args):
+        attrs = builder.function.attributes
+        set.add(attrs, '"prefer-vector-width"="512"')
+        set.add(attrs, '"min-legal-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 @njit(cache=True, fastmath=FASTMATH)
 def _col_max(st, n, nr, m_new):
     """m_new[r] = max(m_new[r], max_j st[j, r]) on the transposed (key-major) score tile.
@@ -110,6 +130,7 @@ def _col_max(st, n, nr, m_new):
     Elementwise across rows, so LLVM vectorises it (a per-row reduction does not vectorise
     without 'nnan'). A NaN score may be missed here; it still reaches its row through exp.
     """
+    _wide_vectors()
     for j in range(n):
         col = st[j * nr : (j + 1) * nr]
         for r in range(nr):
@@ -156,6 +177,7 @@ def _exp2_f32(st, n, nr, mu, l_i, e_bits, e_val):
     """In place ``st = 2**(st - mu[row])`` (scores in log2 units, :func:`_pow2`), ``l_i +=
     column sums``, in one vectorised pass over the tile. ``e_bits`` / ``e_val`` (scratch of
     the earlier two-pass version, which stored the ``2**k`` bits to memory) are unused."""
+    _wide_vectors()
     for j in range(n):
         sc = st[j * nr : (j + 1) * nr]
         for r in range(nr):
@@ -255,6 +277,7 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
     across rows and vectorise. float32 scores are in log2 units (q pre-scaled by
     ``scale * log2(e)``, FlashAttention-2's exp2 trick); float64 in natural units.
     """
+    _wide_vectors()  # the O rescale, Q load and epilogue loops
     d_qk = q.shape[3]
     d_v = v.shape[3]
     use_mask = mask.shape[0] > 0
