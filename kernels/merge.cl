@@ -7,20 +7,27 @@
  * computed around m = max_i lse_i; states with lse = -inf are skipped (their out is never used), so
  * merging only empty states gives (0, -inf).
  *
- * One work-group of WG work-items per row. Each state's weight exp(lse_i - m) is computed once per
- * row into __local (CHUNK states at a time) and shared by every column; the max and the sum of the
- * weights are reduced in __local in a fixed tree order, and work-item c accumulates columns c,
- * c + WG, ... over the states in index order, so results are deterministic. (The version before
- * ran one work-item per 32 columns and recomputed exp for every state past 8 per column: 85 us for
- * a 64-state flash-decoding merge of 32 rows on an H200, bench/RESULTS.md.)
+ * Work-groups of WG work-items: CW columns of one row (grid dimension 0 runs over the row's column
+ * chunks), the states split over G = WG / CW groups of work-items (state i goes to group i % G),
+ * so that a work-item has few states and issues their loads together: the weighted sum is a
+ * round trip or two to memory instead of one per UNROLL states (the decode merge of 64 states
+ * took 7.7 us on an H200 with one work-item per column walking all states, third session).
+ * Each state's weight exp(lse_i - m) is computed once per work-group into __local (CHUNK states
+ * at a time) and shared by its columns; the max and the sum of the weights are reduced in
+ * __local in a fixed tree order, and the G partial sums of a column are added in group order, so
+ * results are deterministic.
  *
  * IN_KIND: storage kind of the partial outs (0 float, 1 half, 2 bfloat16, 3 double); STORE_KIND:
  * that of the merged out; ACC_KIND: 0 float, 1 double (also the type of every lse). WG: a power of
- * two, the work-group size.
+ * two, the work-group size; G: a power of two dividing it.
  */
-#if !defined(IN_KIND) || !defined(STORE_KIND) || !defined(ACC_KIND) || !defined(WG)
-#error "IN_KIND, STORE_KIND, ACC_KIND and WG must be defined"
+#if !defined(IN_KIND) || !defined(STORE_KIND) || !defined(ACC_KIND) || !defined(WG) || !defined(G)
+#error "IN_KIND, STORE_KIND, ACC_KIND, WG and G must be defined"
 #endif
+#if WG % G
+#error "G must divide WG"
+#endif
+#define CW (WG / G)
 
 #include "storage.h"
 
@@ -52,8 +59,9 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
     m = red[0];
     barrier(CLK_LOCAL_MEM_FENCE);
     if (m == NEG_INF) { /* every state empty (uniform across the work-group) */
-        for (int c = lid; c < DV; c += WG) ST(out, r * DV + c, (acc_t)0);
-        if (lid == 0) lse_out[(b * H + h) * S + s] = NEG_INF;
+        const int c = get_group_id(0) * CW + lid;
+        if (lid < CW && c < DV) ST(out, r * DV + c, (acc_t)0);
+        if (lid == 0 && get_group_id(0) == 0) lse_out[(b * H + h) * S + s] = NEG_INF;
         return;
     }
     /* -- sum of the weights exp(lse_i - m); empty states weigh 0 */
@@ -70,41 +78,48 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
     }
     sum = red[0];
 
-    /* -- out = sum_i w_i out_i / sum: columns c0 + lid, CHUNK states' weights at a time */
-    for (int c0 = 0; c0 < DV; c0 += WG) {
-        const int c = c0 + lid;
-        acc_t o = 0;
-        for (int i0 = 0; i0 < n_states; i0 += CHUNK) {
-            const int n = min(CHUNK, n_states - i0);
-            barrier(CLK_LOCAL_MEM_FENCE);
-            for (int i = lid; i < n; i += WG) {
-                const acc_t li = lses[(i0 + i) * l_stride + loff];
-                w_s[i] = li == NEG_INF ? (acc_t)0 : exp(li - m);
+    /* -- out = sum_i w_i out_i / sum: column c of this chunk, states grp, grp + G, ... */
+    const int grp = lid / CW;
+    const int c = get_group_id(0) * CW + lid % CW;
+    acc_t o = 0;
+    for (int i0 = 0; i0 < n_states; i0 += CHUNK) {
+        const int n = min(CHUNK, n_states - i0);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int i = lid; i < n; i += WG) {
+            const acc_t li = lses[(i0 + i) * l_stride + loff];
+            w_s[i] = li == NEG_INF ? (acc_t)0 : exp(li - m);
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (c < DV) {
+            /* UNROLL unconditional loads issued before their FMAs, so that they are in flight
+             * together (a load under a branch was issued one state at a time: 13 us for 64
+             * states on the H200, run 8). Every partial state is written by attn_fwd (an empty
+             * one as out 0, lse -inf); a state with w = 0 is dropped by a select, never
+             * multiplied, so whatever its out holds cannot leak. */
+            int i = grp;
+            for (; i + G * (UNROLL - 1) < n; i += G * UNROLL) {
+                acc_t x[UNROLL];
+                for (int u = 0; u < UNROLL; ++u)
+                    x[u] = LD_IN(outs, (i0 + i + G * u) * o_stride + r * DV + c);
+                for (int u = 0; u < UNROLL; ++u) {
+                    const acc_t wi = w_s[i + G * u];
+                    o += wi != 0 ? wi * x[u] : (acc_t)0;
+                }
             }
-            barrier(CLK_LOCAL_MEM_FENCE);
-            if (c < DV) {
-                /* UNROLL unconditional loads issued before their FMAs, so that they are in
-                 * flight together (a load under a branch was issued one state at a time: 13 us
-                 * for 64 states on the H200, run 8). Every partial state is written by attn_fwd
-                 * (an empty one as out 0, lse -inf); a state with w = 0 is dropped by a select,
-                 * never multiplied, so whatever its out holds cannot leak. */
-                int i = 0;
-                for (; i + UNROLL <= n; i += UNROLL) {
-                    acc_t x[UNROLL];
-                    for (int u = 0; u < UNROLL; ++u)
-                        x[u] = LD_IN(outs, (i0 + i + u) * o_stride + r * DV + c);
-                    for (int u = 0; u < UNROLL; ++u) {
-                        const acc_t wi = w_s[i + u];
-                        o += wi != 0 ? wi * x[u] : (acc_t)0;
-                    }
-                }
-                for (; i < n; ++i) {
-                    const acc_t wi = w_s[i];
-                    if (wi != 0) o += wi * LD_IN(outs, (i0 + i) * o_stride + r * DV + c);
-                }
+            for (; i < n; i += G) {
+                const acc_t wi = w_s[i];
+                if (wi != 0) o += wi * LD_IN(outs, (i0 + i) * o_stride + r * DV + c);
             }
         }
-        if (c < DV) ST(out, r * DV + c, o / sum);
     }
-    if (lid == 0) lse_out[(b * H + h) * S + s] = m + log(sum);
+#if G > 1 /* the groups' partial sums of each column, added in group order */
+    barrier(CLK_LOCAL_MEM_FENCE);
+    red[lid] = o;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (grp == 0) {
+        for (int g2 = 1; g2 < G; ++g2) o += red[g2 * CW + lid];
+    }
+#endif
+    if (grp == 0 && c < DV) ST(out, r * DV + c, o / sum);
+    if (lid == 0 && get_group_id(0) == 0) lse_out[(b * H + h) * S + s] = m + log(sum);
 }

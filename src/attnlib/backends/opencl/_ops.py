@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
-from ._attention import MergeConfig, merge_wg
+from ._attention import launch_merge
 from ._runtime import KernelConfig
 
 if TYPE_CHECKING:
@@ -109,13 +109,10 @@ def merge_states(be: OpenCLBackend, outs: Sequence[Any], lses: Sequence[Any]) ->
     o_buf = _stack_device(queue, outs, dtype)
     l_buf = _stack_device(queue, [np.asarray(x, acc) if not is_cl_array(x) else x for x in lses],
                           acc)
-    wg = merge_wg(dv)
-    cfg = MergeConfig(IN_KIND=store_kind(dtype), STORE_KIND=store_kind(dtype),
-                      ACC_KIND=int(acc == np.float64), WG=wg)
-    i64, i32 = np.int64, np.int32
-    args = [o_buf, i64(n_rows * dv), l_buf, i64(n_rows), i64(h * s), i64(1), i64(s),
-            i32(len(outs)), i32(s), i32(h), i32(dv), i64(n_rows), out.data, lse.data]
-    be.launch(queue.context, queue, "merge.cl", cfg, "merge_states", (wg, n_rows), (wg, 1), args)
+    # LSEs are (B, H, S) per state: strides (state, batch, row, head) = (n_rows, H S, 1, S)
+    launch_merge(be, queue, o_buf, n_rows * dv, l_buf, (n_rows, h * s, 1, s), len(outs), s, h,
+                 dv, n_rows, out.data, lse.data, store_kind(dtype), store_kind(dtype),
+                 int(acc == np.float64))
     return _finish(host, out, lse)
 
 
