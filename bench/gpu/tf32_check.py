@@ -140,6 +140,10 @@ def accuracy_cases(mc, rng, d, emulate):
     q, k, v = (mc.rand(rng, s, f32) for s in ((1, n, 2, d), (1, n + 37, 2, d), (1, n + 37, 2, d)))
     out.append((f"long {n}x{n + 37} causal", mc.dense_call(q, k, v, causal=True)))
     out.append((f"long {n}x{n + 37}", mc.dense_call(q, k, v)))
+    # many keys: O's float32 sums over thousands of keys (one add per key tile)
+    m = 300 if emulate else 8200
+    q, k, v = (mc.rand(rng, s, f32) for s in ((1, 40, 2, d), (1, m, 1, d), (1, m, 1, d)))
+    out.append((f"long keys 40x{m}", mc.dense_call(q, k, v)))
     return out
 
 
