@@ -14,7 +14,7 @@
 // (part_o[(split * n_out_rows + orow) * HEAD_DIM + col], part_l[split * n_out_rows + orow]);
 // SPLIT=0: out (storage dtype) and lse directly.
 //
-// Compile-time sizes (-D): HEAD_DIM (= Dv, 64 or 128), BLOCK_N, WARPS, STAGES (>= 2), IS_BF16,
+// Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_N, WARPS, STAGES (>= 2), IS_BF16,
 // SOFTCAP, ALIBI, SCALE_POS (scale > 0), SPLIT, USE_PTX (0: the exact emulation of nv_warp.h).
 
 #include "nv_warp.h"

@@ -165,6 +165,18 @@ def test_decode_configs(config):
     run_and_check(call, splits=2, config=config)
 
 
+@pytest.mark.parametrize("d,dtype", [(32, "float16"), (96, "bfloat16"), (256, "float16")])
+def test_decode_extra_head_dims(d, dtype):
+    """Head dims built with their default configs but not yet dispatched (EXTRA_HEAD_DIMS):
+    D=96 runs 3 warps (12 16-byte chunks per row), D=256 two buffers."""
+    from attnlib.backends.opencl import _nvidia_decode
+
+    assert d in _nvidia_decode.EXTRA_HEAD_DIMS
+    rng = rng_for("decode extra", d)
+    call = decode_call(rng, dtype, b=2, q_len=2, klens=[211, 60], hq=8, hkv=2, d=d)
+    run_and_check(call, splits=3)
+
+
 def test_not_applicable_here():
     """The dispatch needs NVIDIA sm_80+; on other devices the portable kernels run."""
     from attnlib.backends.opencl import _nvidia_decode

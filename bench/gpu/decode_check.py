@@ -5,9 +5,10 @@
 Parts, each in its own process with a timeout (a kernel fault poisons its OpenCL context), every
 result or error one JSON line (stdout and --json), a summary table at the end:
   check    the PTX build against the float64 oracle by the SPEC rule (bench/gpu/mma_common.py):
-           fp16/bf16, D 64/128, GQA 4/8, q_len 1 and 3 causal, splits with empty ones, ring
-           cache, window+softcap+alibi, NaN in hidden v; and one call through the backend's
-           dispatch (OpenCLBackend.attention must take the decode kernel)
+           fp16/bf16, D 64/128 (then 32/96/256, not yet dispatched, in a second process),
+           GQA 4/8, q_len 1 and 3 causal, splits with empty ones, ring cache,
+           window+softcap+alibi, NaN in hidden v; and one call through the backend's dispatch
+           (OpenCLBackend.attention must take the decode kernel)
   verbose  ptxas registers / spills / shared memory (-cl-nv-verbose) of every config timed
   time     decode (32 q heads, 8 kv heads, D=128, fp16) B=1/8192, B=8/8192, B=1/131072: kernel
            time by OpenCL profiling events (decode + merge.cl span, median of REPS), L2 hot
@@ -74,7 +75,7 @@ def child_check(args) -> None:
     cl, be, queue = cl_env()
     rng = np.random.default_rng(7)
     for dname, dt in mc.DTYPES.items():
-        for d in (64, 128):
+        for d in args.dims:
             for name, call, splits in check_cases(mc, rng, dt, d):
                 rec = {"part": "check", "dtype": dname, "d": d, "case": name, "splits": splits}
                 try:
@@ -87,7 +88,7 @@ def child_check(args) -> None:
                 except Exception:  # noqa: BLE001
                     emit({**rec, "ok": False, "error": traceback.format_exc()[-1500:]},
                          args.json)
-    if args.emulate:
+    if args.emulate or args.dims != [64, 128]:
         return
     # the backend's own dispatch: a GQA decode call must run the decode kernel
     q, k, v = (mc.rand(rng, s, np.float16) for s in ((2, 1, 32, 128), (2, 700, 8, 128),
@@ -350,6 +351,7 @@ def main() -> int:
     ap.add_argument("--child", choices=["check", "verbose", "time", "e2e", "torch"],
                     help=argparse.SUPPRESS)
     ap.add_argument("--shape", type=int, nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--dims", type=int, nargs="*", default=[64, 128], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         try:
@@ -368,6 +370,10 @@ def main() -> int:
     start = time.perf_counter()
     spawn(["--child", "check", *own], 240 if args.emulate else args.timeout, args.json,
           {"child": "check"})
+    # head dims built but not dispatched yet (EXTRA_HEAD_DIMS): own process, a fault there
+    # must not poison the rest
+    spawn(["--child", "check", "--dims", "32", "96", "256", *own],
+          240 if args.emulate else args.timeout, args.json, {"child": "check extra dims"})
     if not args.emulate:
         spawn(["--child", "verbose", *own], args.timeout, args.json, {"child": "verbose"})
         for b, n in SHAPES:

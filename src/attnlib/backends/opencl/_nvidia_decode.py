@@ -6,8 +6,8 @@ query rows (q_len * group: the query heads of one kv head packed as rows of one 
 through cp.async buffers and multiplies with ``mma.sync.m16n8k16`` (float32 accumulators), so the
 per-key work is ~2 mma + ~2 ldmatrix + a few dozen softmax instructions per warp and 16 keys,
 instead of the portable kernel's ~78 warp instructions per key: the cache streams at memory speed.
-With several splits the partial states go to merge.cl (the same launch as the portable path's
-flash-decoding); with one split the kernel writes out and lse itself.
+With several splits the partial states go to merge.cl (``_attention.launch_merge``, as the
+portable path's flash-decoding); with one split the kernel writes out and lse itself.
 
 Covered: every :class:`~attnlib.backends.base.AttnCall` with float16/bfloat16, D == Dv in
 :data:`HEAD_DIMS`, no mask, at most 16 packed rows per sequence: causal (any alignment, q_len > 1
@@ -28,20 +28,24 @@ import numpy as np
 from ..base import AttnCall
 from . import _nvidia_mma, _pool
 from ._arrays import store_kind
-from ._attention import MergeConfig, merge_wg
+from ._attention import launch_merge
 from ._runtime import launch
 
-__all__ = ["applicable", "run", "HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS", "choose_splits",
-           "build_options", "local_bytes"]
+__all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS",
+           "choose_splits", "build_options", "local_bytes"]
 
-#: head dims (D == Dv) the kernel is built for
+#: head dims (D == Dv) the dispatch sends to the kernel
 HEAD_DIMS = (64, 128)
+#: head dims the kernel also builds for and passes the emulated tests with, not dispatched until
+#: checked on the device (bench/gpu/decode_check.py --extra-dims)
+EXTRA_HEAD_DIMS = (32, 96, 256)
 #: packed query rows (q_len * group) of one sequence the kernel takes: one m16 tile
 MAX_ROWS = 16
 #: (BLOCK_N, WARPS, STAGES) per head dim: 4 warps of 16 keys per 64-key tile, 3 buffers in
 #: flight (D=128: 109 KB of local memory, two work-groups per SM). Not yet swept on the H200:
 #: bench/gpu/decode_check.py does that.
-DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (64, 4, 3)}
+DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (64, 4, 3),
+                   32: (64, 4, 4), 96: (48, 3, 4), 256: (64, 4, 2)}
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
@@ -209,14 +213,10 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
                      (n_cols * threads, hkv, splits), (threads, 1, 1), args)
         evts = [evt]
         if splits > 1:
-            wg = merge_wg(d)
-            mcfg = MergeConfig(IN_KIND=store_kind(_F32), STORE_KIND=store_kind(dtype),
-                               ACC_KIND=0, WG=wg)
-            margs = [part_o, i64(n_out_rows * d), part_l, i64(n_out_rows), i64(sq_arr * hq),
-                     i64(hq), i64(1), i32(splits), i32(sq_arr), i32(hq), i32(d),
-                     i64(n_out_rows), out.base_data, lse.base_data]
-            evts.append(be.launch(ctx, queue, "merge.cl", mcfg, "merge_states",
-                                  (wg, n_out_rows), (wg, 1), margs))
+            evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
+                                     (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
+                                     n_out_rows, out.base_data, lse.base_data,
+                                     store_kind(_F32), store_kind(dtype), 0))
         for e in evts:
             out.add_event(e)
             lse.add_event(e)
