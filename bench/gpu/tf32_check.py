@@ -49,16 +49,18 @@ __device__ inline long clamp(long x, long a, long b) { return x < a ? a : (x > b
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PERF = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128)]
-DEFAULTS = {64: (64, 64, 4, 0), 128: (64, 32, 4, 0)}
+DEFAULTS = {64: (128, 32, 4, 0), 128: (64, 32, 4, 0)}
 # --sweep: tilings, then macro A/Bs on the defaults: S summed over 2 k-steps by the tensor core
 # (S_CHUNK=2: half the float32 adds), one chain over all of D (S_CHUNK=0: the accuracy the
 # tensor core's own accumulation gives), lo unrounded (TF32_SPLIT=1) and hi truncated too (=2).
-# Registers by nvcc here (--nvcc-regs): D=64 64,64,4,0 169; 128,64,8,0 170; 128,32,8,0 128;
-# 128,32,4,0 (two m-tiles per warp) 255; 128,64,8,1 255 + 68 B spill. D=128 64,32,4,0 168;
-# 128,32,8,0 171; 64,16,4,0 128; 128,32,4,0 255; 64,32,4,2 255 + 16 B spill; none spill else.
-SWEEP = {64: ["64,64,4,0", "128,64,8,0", "128,32,8,0", "64,32,4,0", "128,32,4,0", "128,64,8,1",
-              "64,64,4,0:S_CHUNK=2", "64,64,4,0:S_CHUNK=0", "64,64,4,0:TF32_SPLIT=1",
-              "64,64,4,0:TF32_SPLIT=2"],
+# Registers by nvcc here (--nvcc-regs): D=64 128,32,4,0 (two m-tiles per warp) 255; 64,64,4,0
+# 176; 128,64,8,0 172; 128,64,4,0 255 + 4 B spill; 64,32,4,0 131; 128,64,8,1 255. D=128
+# 64,32,4,0 168; 128,32,8,0 174; 64,16,4,0 128; 128,32,4,0 255 + 160 B spill; 64,32,4,2 255 +
+# 16 B spill; 64,64,4,0 168. SASS instructions per tf32 mma in the key loop (its growth from
+# BLOCK_N 32 to 64): D=64 two m-tiles 5.8, one 8.5; D=128 one m-tile 8.2.
+SWEEP = {64: ["128,32,4,0", "64,64,4,0", "128,64,8,0", "128,64,4,0", "64,32,4,0", "128,64,8,1",
+              "128,32,4,0:S_CHUNK=2", "128,32,4,0:S_CHUNK=0", "128,32,4,0:TF32_SPLIT=1",
+              "128,32,4,0:TF32_SPLIT=2"],
          128: ["64,32,4,0", "128,32,8,0", "64,16,4,0", "128,32,4,0", "64,32,4,2", "64,64,4,0",
                "64,32,4,0:S_CHUNK=2", "64,32,4,0:S_CHUNK=0", "64,32,4,0:TF32_SPLIT=1",
                "64,32,4,0:TF32_SPLIT=2"]}
