@@ -189,14 +189,15 @@ def test_not_applicable_here():
 
 
 def test_choose_splits():
-    """B=1, 8 kv heads on 132 SMs fills the resident slots; long batches take one split."""
+    """H200 (132 SMs, two D=128 work-groups each): whole waves of work-groups, fewest splits on
+    ties, at least two tiles per split; long batches take one split."""
     from attnlib.backends.opencl import _nvidia_decode as nd
 
     cfg = nd.DEFAULT_CONFIGS[128]
-    per_cu = nd.SM_LOCAL_BYTES // nd.local_bytes(128, cfg)
-    assert per_cu == 2
-    assert nd.choose_splits(132, 8, 131072 // 64, 128, cfg) == 33
-    assert nd.choose_splits(132, 8, 8192 // 64, 128, cfg) == 33
-    assert nd.choose_splits(132, 64, 8192 // 64, 128, cfg) == 5
+    assert nd.SM_LOCAL_BYTES // nd.local_bytes(128, cfg) == 2
+    assert nd.choose_splits(132, 8, 131072 // 64, 128, cfg) == 33   # 264 groups of 63 tiles
+    assert nd.choose_splits(132, 8, 8192 // 64, 128, cfg) == 32     # 256 groups of 4 tiles
+    assert nd.choose_splits(132, 64, 8192 // 64, 128, cfg) == 4     # 256 groups, not 5 (320)
+    assert nd.choose_splits(132, 8, 16, 128, cfg) == 8              # 2 tiles per split
     assert nd.choose_splits(132, 512, 4096 // 64, 128, cfg) == 1
     assert nd.choose_splits(132, 8, 3, 128, cfg) == 1

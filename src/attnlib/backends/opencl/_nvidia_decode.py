@@ -99,14 +99,22 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
 
 def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
                   config: tuple) -> int:
-    """Key splits per (sequence, kv head): enough work-groups for one full wave of the resident
-    slots (work-groups per SM by local memory, at most 4), each split keeping at least
-    MIN_TILES_PER_SPLIT tiles. B=1, 8 kv heads on 132 SMs at D=128: 33 splits (264 groups)."""
+    """Key splits per (sequence, kv head): the count that minimises waves x tiles per split,
+    a wave being one work-group per resident slot (work-groups per SM by local memory, at most
+    4); ties go to fewer splits (less merging), each split keeps at least MIN_TILES_PER_SPLIT
+    tiles. A partial last wave costs a whole one here: the kernel is memory bound only while
+    enough work-groups keep loads in flight. H200 (132 SMs, 2 slots each at D=128): B=1 / 8 kv
+    heads / 131072 keys 33 splits (264 groups), B=8 / 8192 keys 4 (256 groups, not 5 = 320)."""
     per_cu = max(1, min(4, SM_LOCAL_BYTES // local_bytes(head_dim, config)))
     target = compute_units * per_cu
     if pairs >= target or key_tiles < 2 * MIN_TILES_PER_SPLIT:
         return 1
-    return max(1, min(-(-target // pairs), key_tiles // MIN_TILES_PER_SPLIT))
+    best, best_cost = 1, None
+    for s in range(1, min(2 * -(-target // pairs), key_tiles // MIN_TILES_PER_SPLIT) + 1):
+        cost = -(-pairs * s // target) * -(-key_tiles // s)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def kernel_path() -> Path:
