@@ -6,13 +6,15 @@
     python bench/numba_vs_torch.py --single        # also: one thread each, CPU time (load-proof)
     python bench/numba_vs_torch.py --single --prefill-only   # the two prefill tables only
     python bench/numba_vs_torch.py --opencl --reps 3  # the prefill cases on opencl (PoCL) too
+    python bench/numba_vs_torch.py --prefill-only --isolated  # neither timed in the other's wake
 
 Same process, same data: numba gets the bshd arrays attnlib takes, torch the same values as
 contiguous (B, H, S, D) tensors. Each case alternates the two (numba, torch, numba, ...) so load
 from other processes hits both alike; the median of the repeats is reported. Back to back, a call
 right after PyTorch's shares the cores with PyTorch's OpenMP threads, which spin for a while
 after each call; ``--steady`` times each call after an untimed call of the same library (the
-steady state of a program that calls one of them repeatedly), for both alike.
+steady state of a program that calls one of them repeatedly), for both alike; ``--isolated``
+also pauses 30 ms before that untimed call, so PyTorch's workers have stopped spinning.
 Speed ratio = torch time / numba time (> 1: numba faster). FLOPs = 4 * B * H * D * visible pairs.
 """
 
@@ -44,17 +46,25 @@ CLOCK = time.perf_counter  # --single switches to time.process_time (CPU time, o
 
 
 STEADY = False  # --steady: an untimed call of the same library before each timed one
+# --isolated: as --steady, plus a pause before that untimed call, longer than PyTorch's OpenMP
+# workers spin after a call (~8 ms here), so neither library shares the cores with the other's
+# leftover threads (the untimed call absorbs part of the after-idle cost)
+GAP_S = 0.0
 
 
 def _time_pair(f_a, f_b, reps: int) -> tuple[float, float]:
     f_a(), f_b()  # warm (compile, caches)
     ta, tb = [], []
     for _ in range(reps):
+        if GAP_S:
+            time.sleep(GAP_S)
         if STEADY:
             f_a()
         t0 = CLOCK()
         f_a()
         ta.append(CLOCK() - t0)
+        if GAP_S:
+            time.sleep(GAP_S)
         if STEADY:
             f_b()
         t0 = CLOCK()
@@ -252,9 +262,13 @@ def main() -> None:
                     help="time each call after an untimed call of the same library, so that "
                          "neither is timed while the other's worker threads still spin "
                          "(PyTorch's OpenMP pool does after each call) or while warming up")
+    ap.add_argument("--isolated", action="store_true",
+                    help="as --steady, with a 30 ms pause before each untimed call, so that "
+                         "PyTorch's spinning OpenMP workers have stopped before numba's calls")
     args = ap.parse_args()
-    global STEADY
-    STEADY = args.steady
+    global STEADY, GAP_S
+    STEADY = args.steady or args.isolated
+    GAP_S = 0.03 if args.isolated else 0.0
     import numba
     import torch
 
