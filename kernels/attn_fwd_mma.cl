@@ -19,7 +19,8 @@
 // accuracy.  Fragments are read from local memory with plain 32/64-bit loads (no ldmatrix) and
 // Q_IN_REGS means 0: Q kept in local memory as float32 and split every tile, 1: hi and lo in
 // registers, 2: hi in registers and lo in local memory.  The tile walk, masking and online
-// softmax are shared with the 16-bit kernel.
+// softmax are shared with the 16-bit kernel.  Tuning options (-D, defaults below): KV_STAGES
+// (K/V buffers), S_CHUNK (k-steps per float32 add of S), TF32_SPLIT (attn_fwd_mma_tf32.h).
 
 #ifndef IS_TF32
 #define IS_TF32 0
@@ -66,6 +67,9 @@
 // transform and c > 0 (then max(s) c = max(s c)).
 #ifndef HIDDEN_NONFINITE  // 0: skip the inf/NaN-in-hidden-v handling (the version measured first)
 #define HIDDEN_NONFINITE 1
+#endif
+#ifndef KV_STAGES  // K/V tile buffers: 2 (cp.async of tile t+1 under tile t's math) or 1
+#define KV_STAGES 2
 #endif
 #ifndef S_CHUNK  // float32: k-steps of S summed by the tensor core before a float32 add
 #define S_CHUNK 1
@@ -318,8 +322,13 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
                   const int sq_arr, const int n_heads, const int group, const int ring,
                   const float qk_scale, const float cap) {
   __local ELEM sQ[BLOCK_M * LDSQ] __attribute__((aligned(16)));
+#if KV_STAGES == 1
+  __local ELEM sK[BLOCK_N * LDSK] __attribute__((aligned(16)));
+  __local ELEM sV[BLOCK_N * LDSV] __attribute__((aligned(16)));
+#else
   __local ELEM sK[2 * BLOCK_N * LDSK] __attribute__((aligned(16)));
   __local ELEM sV[2 * BLOCK_N * LDSV] __attribute__((aligned(16)));
+#endif
 #if !USE_PTX
   __local uint scr_all[WARPS * 256];
   __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
@@ -464,6 +473,13 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
   }
 
   for (int t = t_first; t <= t_last; t++) {
+#if KV_STAGES == 1
+    // -- one K/V buffer (tile t+1 is loaded after every warp is done with tile t): half the
+    // local memory, so that more work-groups share an SM and overlap each other's loads
+    const int buf = 0;
+    CP_WAIT0();
+    barrier(CLK_LOCAL_MEM_FENCE);
+#else
     const int buf = (t - t_first) & 1;
     // -- tile t has landed; after the barrier no warp still reads tile t-1's buffer, so the
     // prefetch of tile t+1 into it overlaps this tile's math (one barrier per tile)
@@ -473,6 +489,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
       LOAD_KV(t + 1, buf ^ 1)
       CP_COMMIT();
     }
+#endif
     __local const ELEM *sKb = sK + buf * BLOCK_N * LDSK;
     __local const ELEM *sVb = sV + buf * BLOCK_N * LDSV;
     const int n0 = t * BLOCK_N;
@@ -790,6 +807,13 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
         }
       }
     }
+#if KV_STAGES == 1
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (t < t_last) {
+      LOAD_KV(t + 1, 0)
+      CP_COMMIT();
+    }
+#endif
   }
   CP_WAIT0();
 

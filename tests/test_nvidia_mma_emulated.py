@@ -68,10 +68,11 @@ def _check(q, k, v, slopes, kw, out, lse):
 # (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS), -D options: every float32 Q placement (0: local, split
 # every tile; 1: hi and lo in registers; 2: hi in registers, lo in local), one and two m-tiles
 # per warp, S summed over 2 k-steps / in one chain, lo passed unrounded (the mma truncates it) /
-# hi truncated too
+# hi truncated too, one K/V buffer, 16-key tiles
 F32_CONFIGS = [((64, 32, 4, 0), ()), ((32, 16, 1, 2), ()), ((64, 64, 2, 1), ()),
                ((64, 32, 2, 0), ("-DS_CHUNK=2", "-DTF32_SPLIT=1")),
-               ((32, 32, 1, 2), ("-DS_CHUNK=0", "-DTF32_SPLIT=2"))]
+               ((32, 32, 1, 2), ("-DS_CHUNK=0", "-DTF32_SPLIT=2")),
+               ((128, 32, 4, 0), ("-DKV_STAGES=1",)), ((128, 16, 4, 0), ())]
 
 
 @pytest.mark.parametrize("config,extra", F32_CONFIGS,

@@ -18,8 +18,9 @@ FLOPs: 4 B H S^2 D, halved for causal; 3xTF32 issues three tf32 mma per product,
 ceiling is a third of the tf32 mma.sync rate measured first.
 Here, with PoCL (emulated PTX, tiny shapes):  python bench/gpu/tf32_check.py --emulate
 Registers and spills without a GPU, where CUDA's nvcc is installed (the kernel translated to
-CUDA C++ and compiled for sm_90; on the fp16 kernel this matched the H200's OpenCL report:
-255 registers, 12 B spill stores at D=128 128,64,4,0):
+CUDA C++ and compiled for sm_90; a rough guide only: it matched the H200's OpenCL report for
+the fp16 kernel, but NVIDIA's OpenCL took 255 registers for float32 tilings where nvcc took
+128-174):
     python bench/gpu/tf32_check.py --nvcc-regs [--sweep] [--config ...] [--fp16]
 """
 
@@ -49,21 +50,19 @@ __device__ inline long clamp(long x, long a, long b) { return x < a ? a : (x > b
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PERF = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128)]
-DEFAULTS = {64: (128, 32, 4, 0), 128: (64, 32, 4, 0)}
-# --sweep: tilings, then macro A/Bs on the defaults: S summed over 2 k-steps by the tensor core
-# (S_CHUNK=2: half the float32 adds), one chain over all of D (S_CHUNK=0: the accuracy the
-# tensor core's own accumulation gives), lo unrounded (TF32_SPLIT=1) and hi truncated too (=2).
-# Registers by nvcc here (--nvcc-regs): D=64 128,32,4,0 (two m-tiles per warp) 255; 64,64,4,0
-# 176; 128,64,8,0 172; 128,64,4,0 255 + 4 B spill; 64,32,4,0 131; 128,64,8,1 255. D=128
-# 64,32,4,0 168; 128,32,8,0 174; 64,16,4,0 128; 128,32,4,0 255 + 160 B spill; 64,32,4,2 255 +
-# 16 B spill; 64,64,4,0 168. SASS instructions per tf32 mma in the key loop (its growth from
-# BLOCK_N 32 to 64): D=64 two m-tiles 5.8, one 8.5; D=128 one m-tile 8.2.
-SWEEP = {64: ["128,32,4,0", "64,64,4,0", "128,64,8,0", "128,64,4,0", "64,32,4,0", "128,64,8,1",
-              "128,32,4,0:S_CHUNK=2", "128,32,4,0:S_CHUNK=0", "128,32,4,0:TF32_SPLIT=1",
-              "128,32,4,0:TF32_SPLIT=2"],
-         128: ["64,32,4,0", "128,32,8,0", "64,16,4,0", "128,32,4,0", "64,32,4,2", "64,64,4,0",
-               "64,32,4,0:S_CHUNK=2", "64,32,4,0:S_CHUNK=0", "64,32,4,0:TF32_SPLIT=1",
-               "64,32,4,0:TF32_SPLIT=2"]}
+DEFAULTS = {64: (128, 64, 4, 0), 128: (128, 32, 8, 0)}
+# --sweep. Run 3 on the H200 (commit 20edf73, bench/gpu/logs/s3-run3-tf32.log) measured at most
+# 8 warps per SM (NVIDIA's OpenCL takes 255 registers whatever the tiling) and two m-tiles
+# per warp best (D=64 128,64,4,0: 41.7 TFLOP/s; D=128 128,32,4,0 reached 30.0 with 4 warps per
+# SM, its 138 KB of local memory leaving room for one work-group). So: two m-tiles per warp and
+# 8 warps per SM (BLOCK_M 256 with 8 warps, or 16-key tiles / one K/V buffer for two
+# work-groups of 4), then macro A/Bs: TF32_SPLIT=1 (lo unrounded), 2 (hi truncated too),
+# S_CHUNK=2 (half the float32 adds of S), 0 (the tensor core's own accumulation of S).
+SWEEP = {64: ["128,64,4,0", "256,64,8,0", "256,32,8,0", "128,32,4,0", "128,64,4,0:TF32_SPLIT=1",
+              "128,64,4,0:TF32_SPLIT=2", "128,64,4,0:S_CHUNK=2", "128,64,4,0:S_CHUNK=0"],
+         128: ["128,32,8,0", "256,32,8,0", "256,16,8,0", "128,16,4,0", "128,32,4,0:KV_STAGES=1",
+               "256,32,8,0:TF32_SPLIT=1", "128,32,8,0:TF32_SPLIT=1", "128,32,8,0:TF32_SPLIT=2",
+               "128,32,8,0:S_CHUNK=2"]}
 WARMUP, REPS = 3, 10
 QUICK = ("dense gqa", "causal 70x131", "scale 1.0", "long")  # --quick: these cases only
 PEAK_SRC = """
