@@ -201,3 +201,48 @@ def test_choose_splits():
     assert nd.choose_splits(132, 8, 16, 128, cfg) == 8              # 2 tiles per split
     assert nd.choose_splits(132, 512, 4096 // 64, 128, cfg) == 1
     assert nd.choose_splits(132, 8, 3, 128, cfg) == 1
+
+
+_OCLGRIND_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_nvidia_decode_emulated import decode_call, run_and_check
+from attnlib.testing._helpers import rng_for
+call = decode_call(rng_for("ocg"), "float16", b=1, q_len=2, klens=[45], hq=4, hkv=1, d=32,
+                   window=(30, None))
+call.v[0, 44, 0, 3] = np.nan
+run_and_check(call, splits=2, config=(32, 2, 2))
+call = decode_call(rng_for("ocg2"), "bfloat16", b=2, q_len=1, klens=[40, 9], hq=2, hkv=1, d=32)
+run_and_check(call, splits=1, config=(32, 2, 3))
+print("decode cases ran")
+"""
+
+
+def test_decode_oclgrind():
+    """The emulated kernel and its merge under Oclgrind (data races, uninitialised reads, out of
+    bounds), small: the split path with the hidden-inf/NaN scan, and the direct-write path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here / "oclgrind"))
+    try:
+        import run_oclgrind
+    finally:
+        sys.path.pop(0)
+    import pyopencl as cl
+
+    if not any("oclgrind" in p.name.lower() for p in cl.get_platforms()):
+        pytest.skip("Oclgrind's OpenCL platform is not installed")
+    env = run_oclgrind.oclgrind_env()
+    proc = subprocess.run([sys.executable, "-c", _OCLGRIND_SCRIPT.format(tests=str(here))],
+                          env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "decode cases ran" in proc.stdout
+    reports = [b for b in run_oclgrind.report_blocks(proc.stderr)
+               if not run_oclgrind.is_harmless(b)]
+    assert not reports, "\n\n".join(reports[:3])
