@@ -106,6 +106,8 @@ CASES = [
     ("window softcap alibi q_len 2", "float16",
      dict(b=2, q_len=2, klens=[260, 97], hq=8, hkv=2, d=128), 4,
      {"window": (70, 0), "softcap": 20.0, "alibi": True}),
+    ("q_len 3 over 2 keys: a row sees nothing", "float16",
+     dict(b=1, q_len=3, klens=[2], hq=8, hkv=2, d=64), 2, {}),
     ("alibi not causal bf16 d64", "bfloat16",
      dict(b=1, q_len=1, klens=[129], hq=4, hkv=1, d=64), 2, {"causal": False, "alibi": True}),
 ]

@@ -15,7 +15,8 @@ result or error one JSON line (stdout and --json), a summary table at the end:
            (back-to-back) and cold (a 256 MB write before each rep), per (BLOCK_N, WARPS,
            STAGES) and split count; TB/s = 2 B n 8 128 2 bytes / time; plus the wall time per
            call of back-to-back calls (host included) for the default config
-  e2e      attnlib.attention_with_kvcache (the public path, dispatch included), pipelined
+  e2e      attnlib.attention_with_kvcache (the public path, dispatch included), pipelined; the
+           same with use_mma=False (the portable kernel) beside it
   torch    PyTorch SDPA flash / cudnn / efficient, enable_gqa=True, on the same shapes: events
            (hot and cold) and pipelined
 Here, with PoCL (emulated PTX, check part only):  python bench/gpu/decode_check.py --emulate
@@ -239,15 +240,21 @@ def child_e2e(args) -> None:
         cache.update(kh, kh, p)
     q = rng.standard_normal((b, 1, HQ, D), dtype=np.float32).astype(np.float16)
     qd = attnlib.to_device(q, backend="opencl")
-    out = attnlib.attention_with_kvcache(qd, cache)
-    out.queue.finish()
-    t0 = time.perf_counter()
-    for _ in range(REPS):
-        attnlib.attention_with_kvcache(qd, cache)
-    out.queue.finish()
-    t = (time.perf_counter() - t0) / REPS
-    emit({"part": "e2e", "batch": b, "cache_len": n, "pipelined_us": t * 1e6,
-          "pipelined_TBps": nbytes(b, n) / t / 1e12}, args.json)
+    be = attnlib.get_backend("opencl")
+    rec = {"part": "e2e", "batch": b, "cache_len": n}
+    for name, use_mma in (("", True), ("portable_", False)):  # portable: use_mma=False
+        be.use_mma = use_mma
+        out = attnlib.attention_with_kvcache(qd, cache)
+        out.queue.finish()
+        t0 = time.perf_counter()
+        for _ in range(REPS):
+            attnlib.attention_with_kvcache(qd, cache)
+        out.queue.finish()
+        t = (time.perf_counter() - t0) / REPS
+        rec[f"{name}pipelined_us"] = t * 1e6
+        rec[f"{name}pipelined_TBps"] = nbytes(b, n) / t / 1e12
+    be.use_mma = True
+    emit(rec, args.json)
 
 
 def child_torch(args) -> None:
@@ -339,7 +346,8 @@ def summary(recs: list[dict]) -> None:
     for r in recs:
         if r.get("part") == "e2e":
             print(f"e2e attention_with_kvcache B={r['batch']} n={r['cache_len']}: "
-                  f"{r['pipelined_us']:.1f} us per call pipelined")
+                  f"{r['pipelined_us']:.1f} us per call pipelined (portable kernel: "
+                  f"{r['portable_pipelined_us']:.1f} us)")
 
 
 def main() -> int:
