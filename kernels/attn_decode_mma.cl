@@ -145,19 +145,6 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     t_last = min(t0 + n_t - 1, t_first + per - 1);
   }
 
-  // -- Q rows (plain 16-byte loads; zero padding rows)
-  __global const ushort *qh = q + q_off + qb * q_sb + (long)hk * group * q_sh;
-  for (int c = tid; c < 16 * CHUNKS; c += THREADS) {
-    const int r = c / CHUNKS, ch = c % CHUNKS;
-    __local ushort *dst = sQ + r * LDS + ch * 8;
-    if (r < nrows) {
-      *(__local uint4 *)dst =
-          *(__global const uint4 *)(qh + (qrow0 + r / group) * q_sr + (r % group) * q_sh + ch * 8);
-    } else {
-      ZERO16(dst);
-    }
-  }
-
   __global const ushort *kh = k + k_off + kb * k_sb + hk * k_sh;
   __global const ushort *vh = v + v_off + kb * v_sb + hk * v_sh;
 // Checked tile load: keys outside [lo_blk, hi_blk] are zero-filled (never read), ring rows wrap.
@@ -204,6 +191,20 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     CP_COMMIT();
     ld_t++;
     ld_buf = ld_buf + 1 == STAGES ? 0 : ld_buf + 1;
+  }
+
+  // -- Q rows (plain 16-byte loads, zero padding rows), after the K/V loads are in flight:
+  // a load's latency before the first cp.async would delay the whole stream
+  __global const ushort *qh = q + q_off + qb * q_sb + (long)hk * group * q_sh;
+  for (int c = tid; c < 16 * CHUNKS; c += THREADS) {
+    const int r = c / CHUNKS, ch = c % CHUNKS;
+    __local ushort *dst = sQ + r * LDS + ch * 8;
+    if (r < nrows) {
+      *(__local uint4 *)dst =
+          *(__global const uint4 *)(qh + (qrow0 + r / group) * q_sr + (r % group) * q_sh + ch * 8);
+    } else {
+      ZERO16(dst);
+    }
   }
 
   barrier(CLK_LOCAL_MEM_FENCE);  // sQ written
