@@ -3,7 +3,8 @@
     source .gpu/setup.sh && python3 bench/gpu/decode_check.py --json $OUT/decode.jsonl
 
 Parts, each in its own process with a timeout (a kernel fault poisons its OpenCL context), every
-result or error one JSON line (stdout and --json), a summary table at the end:
+result or error one JSON line (stdout and --json), a summary table at the end. Order: check,
+then per shape time and torch, verbose, e2e, and the check of head dims not yet dispatched:
   check    the PTX build against the float64 oracle by the SPEC rule (bench/gpu/mma_common.py):
            fp16/bf16, D 64/128 (then 32/96/256, not yet dispatched, in a second process),
            GQA 4/8, q_len 1 and 3 causal, splits with empty ones, ring cache,
@@ -372,7 +373,7 @@ def summary(recs: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="JSON lines file (default $OUT or /tmp)")
-    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per child")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per child")
     ap.add_argument("--emulate", action="store_true", help="USE_PTX=0, check part only")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--child", choices=["check", "verbose", "time", "e2e", "torch"],
@@ -397,21 +398,22 @@ def main() -> int:
     start = time.perf_counter()
     spawn(["--child", "check", *own], 240 if args.emulate else args.timeout, args.json,
           {"child": "check"})
-    # head dims built but not dispatched yet (EXTRA_HEAD_DIMS): own process, a fault there
-    # must not poison the rest
-    spawn(["--child", "check", "--dims", "32", "96", "256", *own],
-          240 if args.emulate else args.timeout, args.json, {"child": "check extra dims"})
-    if not args.emulate:
-        spawn(["--child", "verbose", *own], args.timeout, args.json, {"child": "verbose"})
+    if not args.emulate:  # timings first: they matter most if the run is cut short
         for b, n in SHAPES:
             shape = ["--shape", str(b), str(n)]
             spawn(["--child", "time", *shape, *own], args.timeout, args.json,
                   {"child": "time", "shape": (b, n)})
-            spawn(["--child", "e2e", *shape, *own], 90, args.json, {"child": "e2e",
-                                                                    "shape": (b, n)})
             if not args.no_torch:
                 spawn(["--child", "torch", *shape, *own], 90, args.json,
                       {"child": "torch", "shape": (b, n)})
+        spawn(["--child", "verbose", *own], args.timeout, args.json, {"child": "verbose"})
+        for b, n in SHAPES:
+            spawn(["--child", "e2e", "--shape", str(b), str(n), *own], 90, args.json,
+                  {"child": "e2e", "shape": (b, n)})
+    # head dims built but not dispatched yet (EXTRA_HEAD_DIMS): own process, a fault there
+    # must not poison the rest
+    spawn(["--child", "check", "--dims", "32", "96", "256", *own],
+          240 if args.emulate else args.timeout, args.json, {"child": "check extra dims"})
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
     recs = [json.loads(ln) for ln in open(args.json) if ln.strip()]
     summary(recs)
