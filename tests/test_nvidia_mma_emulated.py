@@ -118,7 +118,8 @@ def test_tf32_rounding_emulated():
     from attnlib.backends.opencl import _nvidia_mma
 
     header = (_nvidia_mma.kernel_path().parent / "attn_fwd_mma_tf32.h").read_text()
-    src = "#define USE_PTX 0\n" + header + """
+    # TF32_SPLIT 0: lo rounded by cvt.rna too (the split that holds 22 bits of x)
+    src = "#define USE_PTX 0\n#define TF32_SPLIT 0\n" + header + """
 __kernel void split(__global const float *x, __global uint *hi, __global uint *lo) {
   const int i = get_global_id(0);
   uint h, l;

@@ -52,12 +52,12 @@ HEAD_DIMS = (64, 128)
 #: (bench/RESULTS.md); 4 warps x 32 rows, 2 work-groups per SM (registers: 246-255 per thread)
 DEFAULT_CONFIGS = {64: (128, 64, 4, 1), 128: (128, 64, 4, 0)}
 #: float32 (3xTF32), same fields; Q_IN_REGS 0: Q in local memory, split every tile, 1: its tf32
-#: hi and lo in registers, 2: hi in registers, lo in local memory. The fastest of the H200 sweep
-#: (run 3 on commit 20edf73, bench/gpu/logs/s3-run3-tf32.log; kernel time): D=64 41.7 / 33.4
-#: TFLOP/s (causal), 1.23 / 1.15x PyTorch's efficient fp32; D=128 34.4 / 29.6, 0.76 / 0.73x.
-#: 255 registers, no spill; local memory 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and
-#: 135 KiB.
-DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (128, 32, 8, 0)}
+#: hi and lo in registers, 2: hi in registers, lo in local memory. The fastest of the H200
+#: sweeps (kernel time; bench/RESULTS.md, third session): D=64 (run 3, commit 20edf73) 41.7 / 33.4
+#: TFLOP/s (causal), 1.23 / 1.15x PyTorch's efficient fp32; D=128 (run 4, commit 85d5197, two
+#: m-tiles per warp, TF32_SPLIT=1) 51.3-52.1 / 37.2-40.5, 1.15 / 0.93-0.95x (with (128,32,8,0):
+#: 34.4 / 29.6). Local memory 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and 203 KiB.
+DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
