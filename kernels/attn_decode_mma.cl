@@ -13,6 +13,9 @@
 // SPLIT=1: the state is written as a float32 partial (out / l, lse) in the layout merge.cl reads
 // (part_o[(split * n_out_rows + orow) * HEAD_DIM + col], part_l[split * n_out_rows + orow]);
 // SPLIT=0: out (storage dtype) and lse directly.
+// FUSED_MERGE=1 (with SPLIT): no merge.cl launch; the last work-group of a (sequence, kv head) to
+// finish (a counter per pair, atomic_inc after a GPU-scope fence; the last one resets it to 0)
+// merges the n_splits partials itself (flash-decoding's reduction, CUDA's threadFenceReduction).
 //
 // Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_N, WARPS, STAGES (>= 2), IS_BF16,
 // SOFTCAP, ALIBI, SCALE_POS (scale > 0), SPLIT, USE_PTX (0: the exact emulation of nv_warp.h).
@@ -48,6 +51,12 @@
 #define CP_PENDING 3
 #else
 #error "STAGES must be 2..5"
+#endif
+#ifndef FUSED_MERGE
+#define FUSED_MERGE 0
+#endif
+#if FUSED_MERGE && !SPLIT
+#error "FUSED_MERGE needs SPLIT"
 #endif
 #ifndef RESCALE_THRESH
 #define RESCALE_THRESH 8.0f
@@ -91,6 +100,7 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
                      __global const int *tiles,    // (n_seq', 2): sequence, 0 (see the module)
                      __global const long *seqs,    // (n_seq, SEQ_FIELDS)
                      __global const float *alibi,  // (n_seq, Hq) slopes * log2(e), when ALIBI
+                     __global uint *counters,      // (n_cols, n_kv_heads) zeros, FUSED_MERGE
                      const long q_off, const long q_sb, const long q_sr, const long q_sh,
                      const long k_off, const long k_sb, const long k_sr, const long k_sh,
                      const long v_off, const long v_sb, const long v_sr, const long v_sh,
@@ -102,6 +112,9 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
 #if !USE_PTX
   __local uint scr_all[WARPS * 256];
   __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
+#endif
+#if FUSED_MERGE
+  __local int last_wg;
 #endif
   __local int v_flag;  // = t + 1 when tile t's V held inf/NaN (a new value per tile: no reset)
   __local ushort *sKV = (__local ushort *)smem;
@@ -419,9 +432,89 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     *(__global float2 *)(part_o + (split * n_out_rows + orow) * HEAD_DIM + col) =
         (float2)(o0 * inv, o1 * inv);
     if (col == 0) part_l[split * n_out_rows + orow] = lse_r;
+#if FUSED_MERGE
+    GLOBAL_FENCE();  // this thread's partial writes before the counter (threadFenceReduction)
+#endif
 #else
     out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv, o1 * inv);
     if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_r;
 #endif
   }
+#if FUSED_MERGE
+  // -- the last split of this (sequence, kv head) merges all partials (merge.cl's rule:
+  // lse = M + log sum_s e^(lse_s - M), out = sum_s e^(lse_s - M) out_s / sum; empty states
+  // (lse_s = -inf) weigh 0, NaN propagates)
+  barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);  // every thread fenced; sO/sM reads done
+  if (tid == 0) {
+    __global uint *cnt = counters + get_group_id(0) * get_num_groups(1) + hk;
+    const uint done = atomic_inc(cnt);
+    last_wg = done == (uint)(n_splits - 1);
+    if (last_wg) *cnt = 0u;  // every split has counted: ready for the next launch
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (!last_wg) return;  // uniform in the work-group
+  GLOBAL_FENCE();
+  // weights in __local (the K/V buffers: the host keeps n_splits * 16 floats within them)
+  __local float *sW = (__local float *)smem;
+  volatile __global const float *vl = part_l, *vo = part_o;  // other SMs' writes: no L1
+  for (int idx = tid; idx < n_splits * nrows; idx += THREADS) {
+    const int sp_ = idx / nrows, r = idx % nrows;
+    const long orow = (qb * sq_arr + qrow0 + r / group) * n_heads + hk * group + r % group;
+    sW[sp_ * 16 + r] = vl[sp_ * n_out_rows + orow];
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (tid < nrows) {
+    float mm = -INFINITY;
+    for (int j = 0; j < n_splits; j++) {
+      const float x = sW[j * 16 + tid];
+      mm = (x > mm || isnan(x)) ? x : mm;
+    }
+    sM[tid] = mm;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int idx = tid; idx < n_splits * nrows; idx += THREADS) {
+    const int sp_ = idx / nrows, r = idx % nrows;
+    const float x = sW[sp_ * 16 + r], mm = sM[r];
+    sW[sp_ * 16 + r] = (x == -INFINITY || mm == -INFINITY) ? 0.f : exp(x - mm);
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (tid < nrows) {
+    float sum = 0.f;
+    for (int j = 0; j < n_splits; j++) sum += sW[j * 16 + tid];
+    sL[tid] = sum;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int idx = tid; idx < nrows * (HEAD_DIM / 2); idx += THREADS) {
+    const int r = idx / (HEAD_DIM / 2), col = 2 * (idx % (HEAD_DIM / 2));
+    const long row = qrow0 + r / group;
+    const int h = hk * group + r % group;
+    const long orow = (qb * sq_arr + row) * n_heads + h;
+    float o0 = 0.f, o1 = 0.f;
+    int j = 0;
+    for (; j + 8 <= n_splits; j += 8) {  // 8 loads in flight before their FMAs
+      float2 x[8];
+      UNROLL for (int u = 0; u < 8; u++) {
+        volatile __global const float *pp = vo + ((j + u) * n_out_rows + orow) * HEAD_DIM + col;
+        x[u] = (float2)(pp[0], pp[1]);
+      }
+      UNROLL for (int u = 0; u < 8; u++) {
+        const float wt = sW[(j + u) * 16 + r];
+        o0 += wt != 0.f ? wt * x[u].x : 0.f;  // a select: an empty state's out never leaks
+        o1 += wt != 0.f ? wt * x[u].y : 0.f;
+      }
+    }
+    for (; j < n_splits; j++) {
+      const float wt = sW[j * 16 + r];
+      volatile __global const float *pp = vo + (j * n_out_rows + orow) * HEAD_DIM + col;
+      const float x0 = pp[0], x1 = pp[1];
+      o0 += wt != 0.f ? wt * x0 : 0.f;
+      o1 += wt != 0.f ? wt * x1 : 0.f;
+    }
+    const float mm = sM[r], sum = sL[r];
+    const bool empty = mm == -INFINITY;
+    const float inv = empty ? 0.f : 1.f / sum;
+    out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv, o1 * inv);
+    if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = empty ? -INFINITY : mm + log(sum);
+  }
+#endif
 }

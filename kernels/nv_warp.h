@@ -45,6 +45,8 @@
 #define CP_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
 // wait until at most N (a literal or macro of one) groups are still in flight
 #define CP_WAIT(N) asm volatile("cp.async.wait_group " XSTR(N) ";" ::: "memory")
+// orders this thread's global writes before (and reads after) at GPU scope (__threadfence)
+#define GLOBAL_FENCE() asm volatile("fence.acq_rel.gpu;" ::: "memory")
 
 inline float shfl_xor(float x, int m) {
   uint r;
@@ -190,4 +192,5 @@ inline int emu_any(int pred, __local uint *scr) {
 #define CP_ASYNC16(DST, SRC) (*(__local uint4 *)(DST) = *(__global const uint4 *)(SRC))
 #define CP_COMMIT()
 #define CP_WAIT(N)
+#define GLOBAL_FENCE() mem_fence(CLK_GLOBAL_MEM_FENCE)
 #endif

@@ -63,12 +63,12 @@ def reference(call: AttnCall, dtype) -> tuple[np.ndarray, np.ndarray]:
     return out, lse
 
 
-def run_and_check(call: AttnCall, *, splits, config=None):
+def run_and_check(call: AttnCall, *, splits, config=None, fused=False):
     from attnlib.backends.opencl import _nvidia_decode
 
     be = attnlib.get_backend("opencl")
     out, lse = _nvidia_decode.run(be, be.queue, call, config=config, splits=splits,
-                                  use_ptx=False)
+                                  use_ptx=False, fused=fused)
     ref, ref_lse = reference(call, np.float64)
     naive, _ = reference(call, call.dtype)
     assert out.dtype == call.dtype and lse.dtype == np.float32
@@ -120,6 +120,25 @@ def test_decode_emulated(name, dtype, shape, splits, opts):
     if kw.pop("alibi", False):
         kw["alibi"] = np.linspace(0.05, 0.4, shape["hq"] * shape["b"]).reshape(shape["b"], -1)
     run_and_check(decode_call(rng, dtype, **shape, **kw), splits=splits)
+
+
+FUSED = ["gqa4 d128 splits with empty ones", "mha q_len 3 causal varlen",
+         "window softcap alibi q_len 2", "q_len 3 over 2 keys: a row sees nothing"]
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_decode_fused_merge(name):
+    """FUSED_MERGE: the last work-group of each (sequence, kv head) merges the splits (empty
+    splits, rows that see nothing, several sequences); twice, as the counters must be reset."""
+    _, dtype, shape, splits, opts = next(c for c in CASES if c[0] == name)
+    rng = rng_for("decode fused", name)
+    kw = dict(opts)
+    if kw.pop("alibi", False):
+        kw["alibi"] = np.linspace(0.05, 0.4, shape["hq"] * shape["b"]).reshape(shape["b"], -1)
+    call = decode_call(rng, dtype, **shape, **kw)
+    first = run_and_check(call, splits=splits, fused=True)
+    again = run_and_check(call, splits=splits, fused=True)
+    np.testing.assert_array_equal(first, again)
 
 
 def test_decode_hidden_nan():

@@ -39,9 +39,13 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (8, 8192), (1, 131072)]
-CONFIGS = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 2), (128, 8, 2), (64, 2, 4), (32, 2, 4)]
-SPLITS = {(1, 8192): [None, 16, 33, 66], (8, 8192): [None, 2, 5, 8],
-          (1, 131072): [None, 16, 66, 132]}
+# run 4 dropped (64,4,2) (spills, never best) and (128,8,2) (never best)
+CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (64, 2, 4), (32, 2, 4)]
+SPLITS = {(1, 8192): [None, 8, 16, 33], (8, 8192): [None, 2, 4],
+          (1, 131072): [None, 16, 66]}
+# merge variants timed for every (config, splits): merge.cl after the kernel, or "fused": the
+# last work-group of each (sequence, kv head) merges (FUSED_MERGE=1, one launch)
+VARIANTS = ["", "fused"]
 REPS, WARMUP = 30, 3
 
 
@@ -77,20 +81,27 @@ def child_check(args) -> None:
 
     cl, be, queue = cl_env()
     rng = np.random.default_rng(7)
+    dims = nd.HEAD_DIMS + nd.EXTRA_HEAD_DIMS  # the extra ones run the kernel directly
     for dname, dt in mc.DTYPES.items():
         for d in args.dims:
             for name, call, splits in check_cases(mc, rng, dt, d):
-                rec = {"part": "check", "dtype": dname, "d": d, "case": name, "splits": splits}
-                try:
-                    if not args.emulate and not nd.applicable(be.device, call):
-                        emit({**rec, "ok": False, "error": "not applicable"}, args.json)
+                for variant in VARIANTS:
+                    if variant == "fused" and splits == 1:
                         continue
-                    out, lse = nd.run(be, queue, call, splits=splits, use_ptx=not args.emulate)
-                    ok, err, tol, lerr = mc.check(call, out, lse)
-                    emit({**rec, "ok": ok, "err": err, "tol": tol, "lse_err": lerr}, args.json)
-                except Exception:  # noqa: BLE001
-                    emit({**rec, "ok": False, "error": traceback.format_exc()[-1500:]},
-                         args.json)
+                    rec = {"part": "check", "dtype": dname, "d": d, "case": name,
+                           "splits": splits, "variant": variant}
+                    try:
+                        if not args.emulate and not nd.applicable(be.device, call, dims):
+                            emit({**rec, "ok": False, "error": "not applicable"}, args.json)
+                            continue
+                        out, lse = nd.run(be, queue, call, splits=splits,
+                                          use_ptx=not args.emulate, fused=variant == "fused")
+                        ok, err, tol, lerr = mc.check(call, out, lse)
+                        emit({**rec, "ok": ok, "err": err, "tol": tol, "lse_err": lerr},
+                             args.json)
+                    except Exception:  # noqa: BLE001
+                        emit({**rec, "ok": False, "error": traceback.format_exc()[-1500:]},
+                             args.json)
     if args.emulate or args.dims != [64, 128]:
         return
     # the backend's own dispatch: a GQA decode call must run the decode kernel
@@ -138,10 +149,10 @@ def check_cases(mc, rng, dt, d):
     yield "window+softcap+alibi q_len 2", call, 4
 
 
-def config_options(be, cfg, split, verbose=False):
+def config_options(be, cfg, split, verbose=False, fused=False):
     from attnlib.backends.opencl import _nvidia_decode as nd
 
-    return list(nd.build_options(D, np.float16, cfg, split=split)) + (
+    return list(nd.build_options(D, np.float16, cfg, split=split, fused=fused)) + (
         ["-cl-nv-verbose"] if verbose else [])
 
 
@@ -150,12 +161,13 @@ def child_verbose(args) -> None:
 
     cl, be, queue = cl_env()
     for cfg in CONFIGS:
-        for split in (False, True):
+        for split in (False, True, "fused"):
             rec = {"part": "verbose", "config": cfg, "split": split,
                    "local_bytes": nd.local_bytes(D, cfg)}
             try:
                 prg = cl.Program(be.context, nd.kernel_text()).build(
-                    options=config_options(be, cfg, split, True), devices=[be.device])
+                    options=config_options(be, cfg, bool(split), True, split == "fused"),
+                    devices=[be.device])
                 log = prg.get_build_info(be.device, cl.program_build_info.LOG)
                 rec["ptxas"] = [ln.strip() for ln in log.splitlines()
                                 if "registers" in ln or "spill" in ln or "smem" in ln][:4]
@@ -175,13 +187,65 @@ def _decode_call(cla, queue, b, n):
     k = rng.standard_normal((b, n, HKV, D), dtype=np.float32).astype(np.float16)
     v = rng.standard_normal((b, n, HKV, D), dtype=np.float32).astype(np.float16)
     qd, kd, vd = (cla.to_device(queue, x) for x in (q, k, v))
+    ref = _reference(q, k, v)
     del k, v
     i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
     ar = np.arange(b)
-    return AttnCall(q=qd, k=kd, v=vd, q_batch=i64(ar), q_row0=i64(ar * 0), q_len=i64(ar * 0 + 1),
-                    k_batch=i64(ar), k_row0=i64(ar * 0), k_len=i64(ar * 0 + n),
-                    q_pos0=i64(ar * 0 + n - 1), k_pos0=i64(ar * 0), causal_hi=i64(ar * 0),
-                    scale=1.0 / np.sqrt(D), need_lse=False)
+    return ref, AttnCall(
+        q=qd, k=kd, v=vd, q_batch=i64(ar), q_row0=i64(ar * 0), q_len=i64(ar * 0 + 1),
+        k_batch=i64(ar), k_row0=i64(ar * 0), k_len=i64(ar * 0 + n),
+        q_pos0=i64(ar * 0 + n - 1), k_pos0=i64(ar * 0), causal_hi=i64(ar * 0),
+        scale=1.0 / np.sqrt(D), need_lse=False)
+
+
+def _reference(q, k, v):
+    """float32 (out, lse) of the timing call (one query row sees every key), per kv head."""
+    b, g = q.shape[0], HQ // HKV
+    out = np.empty((b, HQ, D), np.float32)
+    lse = np.empty((b, HQ), np.float32)
+    for i in range(b):
+        for h in range(HKV):
+            qh = q[i, 0, h * g:(h + 1) * g].astype(np.float32)
+            s = qh @ k[i, :, h].astype(np.float32).T / np.float32(np.sqrt(D))
+            m = s.max(axis=1, keepdims=True)
+            p = np.exp(s - m)
+            tot = p.sum(axis=1, keepdims=True)
+            out[i, h * g:(h + 1) * g] = (p @ v[i, :, h].astype(np.float32)) / tot
+            lse[i, h * g:(h + 1) * g] = (m + np.log(tot))[:, 0]
+    return out, lse
+
+
+def _verify(ref, out, lse) -> dict:
+    """Max errors of one timed variant's result against the float32 reference (fp16 output
+    rounding of values ~0.01-0.1 is ~5e-5; a wrong merge is off by ~0.01 or more)."""
+    o = out.get().astype(np.float32)[:, 0]
+    ls = lse.get()[:, :, 0]
+    err, lerr = float(np.abs(o - ref[0]).max()), float(np.abs(ls - ref[1]).max())
+    return {"ok": bool(err < 5e-4 and lerr < 1e-3), "err": err, "lse_err": lerr}
+
+
+def child_floor(args) -> None:
+    """Event duration of an empty kernel on the decode grid (the launch floor every kernel
+    event holds), and of two back to back (what a second launch adds)."""
+    cl, be, queue = cl_env()
+    prg = cl.Program(be.context, "__kernel void nop(__global int *x) {}").build()
+    knl = cl.Kernel(prg, "nop")
+    buf = cl.Buffer(be.context, cl.mem_flags.READ_WRITE, 64)
+    knl.set_arg(0, buf)
+    for splits in (1, 4, 32, 66):
+        grid = (128, HKV, splits)
+        for _ in range(WARMUP):
+            cl.enqueue_nd_range_kernel(queue, knl, grid, (128, 1, 1))
+        queue.finish()
+        one, two = [], []
+        for _ in range(REPS):
+            e1 = cl.enqueue_nd_range_kernel(queue, knl, grid, (128, 1, 1))
+            e2 = cl.enqueue_nd_range_kernel(queue, knl, grid, (128, 1, 1))
+            e2.wait()
+            one.append((e1.profile.end - e1.profile.start) * 1e-3)
+            two.append((e2.profile.end - e1.profile.start) * 1e-3)
+        emit({"part": "floor", "grid": grid, "empty_kernel_us": float(np.median(one)),
+              "two_empty_span_us": float(np.median(two))}, args.json)
 
 
 def child_time(args) -> None:
@@ -191,49 +255,66 @@ def child_time(args) -> None:
 
     cl, be, queue = cl_env()
     b, n = args.shape
-    call = _decode_call(cla, queue, b, n)
+    ref, call = _decode_call(cla, queue, b, n)
     flush = cl.Buffer(be.context, cl.mem_flags.READ_WRITE, 256 << 20)
     zero = np.zeros(1, np.uint32)
     for cfg in CONFIGS:
         for splits in SPLITS[(b, n)]:
             tiles = -(-n // cfg[0])
             used = splits or nd.choose_splits(be.facts.compute_units, b * HKV, tiles, D, cfg)
-            rec = {"part": "time", "batch": b, "cache_len": n, "config": cfg,
-                   "splits": used, "auto_splits": splits is None}
-            try:
-                for _ in range(WARMUP):
-                    nd.run(be, queue, call, config=cfg, splits=used)
-                queue.finish()
-                for mode in ("hot", "cold"):
-                    spans, kern = [], []
-                    for _ in range(REPS):
-                        if mode == "cold":
-                            cl.enqueue_fill_buffer(queue, flush, zero, 0, 256 << 20)
-                        ev: list = []
-                        nd.run(be, queue, call, config=cfg, splits=used, events=ev)
-                        ev[-1].wait()
-                        spans.append((ev[-1].profile.end - ev[0].profile.start) * 1e-9)
-                        kern.append(sum((e.profile.end - e.profile.start) for e in ev) * 1e-9)
-                    # kernels: decode + merge durations; span: first start to last end (also
-                    # any idle gap while the host enqueues the merge)
-                    t = float(np.median(kern))
-                    rec[f"{mode}_kernels_us"] = t * 1e6
-                    rec[f"{mode}_span_us"] = float(np.median(spans)) * 1e6
-                    rec[f"{mode}_TBps"] = nbytes(b, n) / t / 1e12
-                if splits is None and cfg == nd.DEFAULT_CONFIGS[D]:
-                    queue.finish()
-                    t0 = time.perf_counter()
-                    for _ in range(REPS):
-                        nd.run(be, queue, call)
-                    queue.finish()
-                    rec["pipelined_wall_us"] = (time.perf_counter() - t0) / REPS * 1e6
-                    rec["gated_us"] = gated_time(cl, be, queue, call, nd) * 1e6
-            except Exception:  # noqa: BLE001
-                rec["error"] = traceback.format_exc()[-1500:]
-            emit(rec, args.json)
+            for variant in VARIANTS:
+                if variant == "fused" and used == 1:
+                    continue
+                rec = {"part": "time", "batch": b, "cache_len": n, "config": cfg,
+                       "splits": used, "auto_splits": splits is None, "variant": variant}
+                emit(time_one(cl, be, queue, call, nd, ref, flush, zero, cfg, used, variant,
+                              rec, splits is None and cfg == nd.DEFAULT_CONFIGS[D]), args.json)
 
 
-def gated_time(cl, be, queue, call, nd) -> float:
+def time_one(cl, be, queue, call, nd, ref, flush, zero, cfg, used, variant, rec, wall):
+    fused = variant == "fused"
+    b, n = rec["batch"], rec["cache_len"]
+    try:
+        out, lse = nd.run(be, queue, call, config=cfg, splits=used, fused=fused)
+        rec.update(_verify(ref, out, lse))
+        for _ in range(WARMUP):
+            nd.run(be, queue, call, config=cfg, splits=used, fused=fused)
+        queue.finish()
+        for mode in ("hot", "cold"):
+            spans, kern, dec, mrg = [], [], [], []
+            for _ in range(REPS):
+                if mode == "cold":
+                    cl.enqueue_fill_buffer(queue, flush, zero, 0, 256 << 20)
+                ev: list = []
+                nd.run(be, queue, call, config=cfg, splits=used, fused=fused, events=ev)
+                ev[-1].wait()
+                spans.append((ev[-1].profile.end - ev[0].profile.start) * 1e-9)
+                kern.append(sum((e.profile.end - e.profile.start) for e in ev) * 1e-9)
+                dec.append((ev[0].profile.end - ev[0].profile.start) * 1e-9)
+                mrg.append(sum((e.profile.end - e.profile.start) for e in ev[1:]) * 1e-9)
+            # kernels: decode + merge durations; span: first start to last end (also any idle
+            # gap while the host enqueues the merge); decode / merge: each kernel's own
+            t = float(np.median(kern))
+            rec[f"{mode}_kernels_us"] = t * 1e6
+            rec[f"{mode}_decode_us"] = float(np.median(dec)) * 1e6
+            rec[f"{mode}_merge_us"] = float(np.median(mrg)) * 1e6
+            rec[f"{mode}_span_us"] = float(np.median(spans)) * 1e6
+            rec[f"{mode}_TBps"] = nbytes(b, n) / t / 1e12
+        # back-to-back calls (launch gaps included, host not): what a decode loop sees
+        rec["gated_us"] = gated_time(cl, be, queue, call, nd, cfg, used, fused) * 1e6
+        if wall:
+            queue.finish()
+            t0 = time.perf_counter()
+            for _ in range(REPS):
+                nd.run(be, queue, call, fused=fused)
+            queue.finish()
+            rec["pipelined_wall_us"] = (time.perf_counter() - t0) / REPS * 1e6
+    except Exception:  # noqa: BLE001
+        rec["error"] = traceback.format_exc()[-1500:]
+    return rec
+
+
+def gated_time(cl, be, queue, call, nd, cfg, splits, fused) -> float:
     """Seconds per call of REPS calls enqueued behind a user event and then released: the GPU
     runs them back to back (launch gaps included, host time not), as CUDA streams let
     PyTorch's decode steps run."""
@@ -241,7 +322,7 @@ def gated_time(cl, be, queue, call, nd) -> float:
     cl.enqueue_barrier(queue, wait_for=[gate])
     ev: list = []
     for _ in range(REPS):
-        nd.run(be, queue, call, events=ev)
+        nd.run(be, queue, call, config=cfg, splits=splits, fused=fused, events=ev)
     gate.set_status(cl.command_execution_status.COMPLETE)
     ev[-1].wait()
     return (ev[-1].profile.end - ev[0].profile.start) * 1e-9 / REPS
@@ -342,6 +423,10 @@ def summary(recs: list[dict]) -> None:
     print("\n== summary")
     checks = [r for r in recs if r.get("part") == "check"]
     bad = [r for r in checks if not r.get("ok")]
+    wrong = [r for r in recs if r.get("part") == "time" and r.get("ok") is False]
+    for r in wrong:
+        print(f"  WRONG timed result {r['batch']},{r['cache_len']} {r['config']} "
+              f"{r['splits']} {r.get('variant')}: err {r.get('err')} lse {r.get('lse_err')}")
     print(f"check: {len(checks) - len(bad)}/{len(checks)} correct"
           + "".join(f"\n  FAIL {r.get('dtype')} D={r.get('d')} {r.get('case')}: "
                     f"{r.get('err', r.get('error', ''))}" for r in bad))
@@ -350,9 +435,13 @@ def summary(recs: list[dict]) -> None:
             print(f"verbose {r['config']} split={r['split']}: {r.get('ptxas', r.get('error'))}")
     torch = {(r["batch"], r["cache_len"], r["torch"]): r for r in recs
              if r.get("part") == "torch" and "hot_us" in r}
-    print("| B, n | BLOCK_N,WARPS,STAGES | splits | cold us | cold TB/s | hot us | gated us "
-          "| torch flash cold / hot / pipelined us |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in recs:
+        if r.get("part") == "floor":
+            print(f"floor grid {r['grid']}: empty kernel {r['empty_kernel_us']:.1f} us, two "
+                  f"back to back {r['two_empty_span_us']:.1f} us (first start to last end)")
+    print("| B, n | BLOCK_N,WARPS,STAGES | splits | merge | ok | cold us (decode + merge) "
+          "| cold TB/s | hot us (decode + merge) | gated us | torch flash cold / hot / pipelined |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in recs:
         if r.get("part") != "time" or "cold_kernels_us" not in r:
             continue
@@ -360,9 +449,13 @@ def summary(recs: list[dict]) -> None:
         tf = (f"{fl['cold_us']:.1f} / {fl['hot_us']:.1f} / {fl['pipelined_wall_us']:.1f}"
               if fl else "-")
         gated = f"{r['gated_us']:.1f}" if "gated_us" in r else "-"
+        cold = f"{r['cold_kernels_us']:.1f} ({r['cold_decode_us']:.1f} + {r['cold_merge_us']:.1f})"
+        hot = f"{r['hot_kernels_us']:.1f} ({r['hot_decode_us']:.1f} + {r['hot_merge_us']:.1f})"
+        ok = "ok" if r.get("ok") else f"WRONG {r.get('err', -1):.2g}"
         print(f"| {r['batch']}, {r['cache_len']} | {','.join(map(str, r['config']))} | "
-              f"{r['splits']}{'*' if r['auto_splits'] else ''} | {r['cold_kernels_us']:.1f} | "
-              f"{r['cold_TBps']:.2f} | {r['hot_kernels_us']:.1f} | {gated} | {tf} |")
+              f"{r['splits']}{'*' if r['auto_splits'] else ''} | "
+              f"{r.get('variant') or 'merge.cl'} | {ok} | {cold} | "
+              f"{r['cold_TBps']:.2f} | {hot} | {gated} | {tf} |")
     for r in recs:
         if r.get("part") == "e2e":
             print(f"e2e attention_with_kvcache B={r['batch']} n={r['cache_len']}: "
@@ -376,7 +469,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per child")
     ap.add_argument("--emulate", action="store_true", help="USE_PTX=0, check part only")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--child", choices=["check", "verbose", "time", "e2e", "torch"],
+    ap.add_argument("--child", choices=["check", "verbose", "time", "e2e", "torch", "floor"],
                     help=argparse.SUPPRESS)
     ap.add_argument("--shape", type=int, nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128], help=argparse.SUPPRESS)
@@ -384,7 +477,7 @@ def main() -> int:
     if args.child:
         try:
             {"check": child_check, "verbose": child_verbose, "time": child_time,
-             "e2e": child_e2e, "torch": child_torch}[args.child](args)
+             "e2e": child_e2e, "torch": child_torch, "floor": child_floor}[args.child](args)
         except Exception:  # noqa: BLE001
             emit({"child": args.child, "shape": args.shape,
                   "error": traceback.format_exc()[-3000:]}, args.json)
@@ -399,6 +492,7 @@ def main() -> int:
     spawn(["--child", "check", *own], 240 if args.emulate else args.timeout, args.json,
           {"child": "check"})
     if not args.emulate:  # timings first: they matter most if the run is cut short
+        spawn(["--child", "floor", *own], 60, args.json, {"child": "floor"})
         for b, n in SHAPES:
             shape = ["--shape", str(b), str(n)]
             spawn(["--child", "time", *shape, *own], args.timeout, args.json,

@@ -32,7 +32,7 @@ from ._attention import launch_merge
 from ._runtime import launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS",
-           "choose_splits", "build_options", "local_bytes"]
+           "choose_splits", "build_options", "local_bytes", "fused_fits", "FUSED_MERGE"]
 
 #: head dims (D == Dv) the dispatch sends to the kernel
 HEAD_DIMS = (64, 128)
@@ -46,6 +46,9 @@ MAX_ROWS = 16
 #: bench/gpu/decode_check.py does that.
 DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (64, 4, 3),
                    32: (64, 4, 4), 96: (48, 3, 4), 256: (64, 4, 2)}
+#: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch); off until
+#: the H200 measures it (bench/gpu/decode_check.py, variant "fused")
+FUSED_MERGE = False
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
@@ -57,18 +60,19 @@ _F32 = np.dtype(np.float32)
 _lock = threading.Lock()
 _programs: dict[tuple, Any] = {}
 _kernels: dict[tuple, Any] = {}
+_counter_bufs: dict[tuple, Any] = {}
 
 
-def applicable(device: Any, call: AttnCall) -> bool:
+def applicable(device: Any, call: AttnCall, head_dims: tuple = HEAD_DIMS) -> bool:
     """True when this kernel can run ``call`` on ``device``: NVIDIA sm_80+, float16/bfloat16,
-    D == Dv in HEAD_DIMS, no mask, at most MAX_ROWS packed rows per sequence, arrays read in
-    place with 16-byte aligned rows."""
+    D == Dv in ``head_dims`` (the dispatch: HEAD_DIMS), no mask, at most MAX_ROWS packed rows
+    per sequence, arrays read in place with 16-byte aligned rows."""
     cc = _nvidia_mma.compute_capability(device)
     if cc is None or cc[0] < 8:
         return False
     if call.dtype not in _DTYPES or call.mask_view is not None:
         return False
-    if call.head_dim != call.head_dim_v or call.head_dim not in HEAD_DIMS:
+    if call.head_dim != call.head_dim_v or call.head_dim not in head_dims:
         return False
     group = call.n_heads // call.n_kv_heads
     if call.n_seq == 0 or int(np.max(call.q_len)) * group > MAX_ROWS:
@@ -87,14 +91,20 @@ def local_bytes(head_dim: int, config: tuple) -> int:
 
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
                   alibi: bool = False, scale_pos: bool = True, split: bool = False,
-                  use_ptx: bool = True) -> tuple[str, ...]:
+                  use_ptx: bool = True, fused: bool = False) -> tuple[str, ...]:
     block_n, warps, stages = config
     return (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_N={block_n}", f"-DWARPS={warps}",
         f"-DSTAGES={stages}", f"-DIS_BF16={int(np.dtype(dtype) == _nvidia_mma._BF16)}",
         f"-DSOFTCAP={int(softcap)}", f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}",
-        f"-DSPLIT={int(split)}", f"-DUSE_PTX={int(use_ptx)}",
+        f"-DSPLIT={int(split)}", f"-DUSE_PTX={int(use_ptx)}", f"-DFUSED_MERGE={int(fused)}",
     )
+
+
+def fused_fits(head_dim: int, config: tuple, splits: int) -> bool:
+    """The fused merge keeps splits x 16 weights in the K/V buffers."""
+    block_n, _, stages = config
+    return splits * 16 * 4 <= stages * 2 * block_n * (head_dim + 8) * 2
 
 
 def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
@@ -154,15 +164,32 @@ def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
     return prg
 
 
+def _counters(ctx: Any, queue: Any, n: int) -> Any:
+    """A zeroed uint buffer of >= n counters per queue (the kernels leave it zeroed; launches
+    of one in-order queue never overlap)."""
+    import pyopencl as cl
+
+    key = ("decode counters", ctx.int_ptr, queue.int_ptr)
+    with _lock:
+        buf = _counter_bufs.get(key)
+        if buf is None or buf.size < 4 * n:
+            buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, 4 * max(n, 1024))
+            cl.enqueue_fill_buffer(queue, buf, np.zeros(1, np.uint32), 0, buf.size)
+            _counter_bufs[key] = buf
+    return buf
+
+
 def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
-        splits: int | None = None, use_ptx: bool | None = None,
+        splits: int | None = None, use_ptx: bool | None = None, fused: bool | None = None,
         events: list | None = None) -> tuple[Any, Any]:
     """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
 
     ``be`` is the OpenCL backend (device, compute units, merge.cl launches); ``config`` =
     (BLOCK_N, WARPS, STAGES) overrides :data:`DEFAULT_CONFIGS`; ``splits`` the key splits
     (default :func:`choose_splits`, or the backend's ``num_splits``); ``use_ptx=False`` builds the
-    emulated kernel (any OpenCL device; for checks only); ``events`` receives the kernels' events.
+    emulated kernel (any OpenCL device; for checks only); ``fused`` (default FUSED_MERGE) merges
+    the splits in the kernel's last work-group per pair instead of merge.cl; ``events`` receives
+    the kernels' events.
     """
     import pyopencl as cl
 
@@ -189,9 +216,11 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
             key_tiles = -(-int(np.max(call.k_len)) // block_n)
             splits = choose_splits(be.facts.compute_units, n_cols * hkv, key_tiles, d, config)
         splits = max(1, int(splits))
+        fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
+            d, config, splits)
         opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                              alibi=call.alibi is not None, scale_pos=call.scale > 0,
-                             split=splits > 1, use_ptx=use_ptx)
+                             split=splits > 1, use_ptx=use_ptx, fused=fused)
         slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
                   if call.alibi is not None else np.zeros(1, np.float32))
         alibi_buf = _nvidia_mma._memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
@@ -208,11 +237,13 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         if splits > 1:
             part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
             part_l = _pool.scratch(queue, splits * n_out_rows * 4)
-            dst = [alibi_buf, alibi_buf, part_o, part_l]  # out, lse unused
+            dst = [out.base_data if fused else alibi_buf, lse.base_data if fused else alibi_buf,
+                   part_o, part_l]
         else:
             dst = [out.base_data, lse.base_data, alibi_buf, alibi_buf]
+        counters = _counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
         threads = 32 * warps
-        args = [qb, kb, vb, *dst, tile_buf, seq_buf, alibi_buf,
+        args = [qb, kb, vb, *dst, tile_buf, seq_buf, alibi_buf, counters,
                 i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows),
                 np.float32(qk_scale), np.float32(cap)]
@@ -220,7 +251,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
                      lambda: get_program(ctx, device, opts), "attn_decode_mma", queue,
                      (n_cols * threads, hkv, splits), (threads, 1, 1), args)
         evts = [evt]
-        if splits > 1:
+        if splits > 1 and not fused:
             evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
                                      (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
                                      n_out_rows, out.base_data, lse.base_data,
