@@ -74,6 +74,23 @@
 #ifndef S_CHUNK  // float32: k-steps of S summed by the tensor core before a float32 add
 #define S_CHUNK 1
 #endif
+// Causal scheduling options (0 = off; the 16-bit build is unchanged with both off):
+// HEADS_INNER=1: grid (n_tiles * n_heads, 1), work-group id = tile * n_heads + head, so every
+// head of the heaviest tile (the table is sorted by key tiles) starts first: a global
+// longest-first order (with heads on dimension 1, only each head's row of the grid is sorted
+// and the heaviest blocks of the last heads start late, leaving a tail wave).  The host sets
+// the grid to match (_nvidia_mma.run(heads_inner=True)).
+#ifndef HEADS_INNER
+#define HEADS_INNER 0
+#endif
+// WARP_SKIP=1: a warp skips the key tiles that none of its own rows can see (on the causal
+// diagonal, warp w of BLOCK_M / BLOCK_N tiles needs only those up to its rows), leaving the
+// tensor cores of its SM sub-partition to the warps that do.  Exact: such a tile would leave
+// m, l and O unchanged.  The emulated build computes the tile and restores m, l and O instead
+// (so the tests catch a skip that drops a visible key).
+#ifndef WARP_SKIP
+#define WARP_SKIP 0
+#endif
 #ifndef RESCALE_THRESH
 #define RESCALE_THRESH 8.0f
 #endif
@@ -337,8 +354,13 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
   const int tid = get_local_id(0), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
   if (tid == 0) v_flag = 0;
+#if HEADS_INNER
+  const int h = get_group_id(0) % n_heads, hk = h / group, wg = get_group_id(0) / n_heads;
+  const int s = tiles[2 * wg], m0 = tiles[2 * wg + 1];
+#else
   const int h = get_group_id(1), hk = h / group;
   const int s = tiles[2 * get_group_id(0)], m0 = tiles[2 * get_group_id(0) + 1];
+#endif
   __global const long *sp = seqs + (long)s * SEQ_FIELDS;
   const long qb = sp[0], qrow0 = sp[1];
   const int qlen = (int)sp[2];
@@ -362,6 +384,13 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
       rhi[mt][hf] = row_hi(i, base, dhi, klen);
     }
   }
+#if WARP_SKIP
+  // keys this warp's rows can see lie in [w_lo, w_hi] (row ranges move with the row; rows past
+  // nrows are never stored and see nothing here)
+  const int w_last = min(wrow0 + 16 * M_TILES, nrows) - 1;
+  const int w_lo = row_lo(m0 + wrow0, base, dlo, klen);
+  const int w_hi = w_last >= wrow0 ? row_hi(m0 + w_last, base, dhi, klen) : -1;
+#endif
 #if ALIBI
   const float slope = alibi[(long)s * n_heads + h];
 #endif
@@ -534,6 +563,23 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     }
 #endif
 
+#if WARP_SKIP
+    const bool w_skip = n0 > w_hi || n0 + BLOCK_N - 1 < w_lo;
+#if USE_PTX
+    if (!w_skip) {  // (the tile's math below, up to the K/V reload, is not re-indented)
+#else
+    float o_keep[M_TILES][NT_O][4], m_keep[M_TILES][2], l_keep[M_TILES][2];
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+      UNROLL for (int hf = 0; hf < 2; hf++) {
+        m_keep[mt][hf] = m_i[mt][hf];
+        l_keep[mt][hf] = l_i[mt][hf];
+      }
+      UNROLL for (int nd = 0; nd < NT_O; nd++) {
+        UNROLL for (int c = 0; c < 4; c++) o_keep[mt][nd][c] = o[mt][nd][c];
+      }
+    }
+#endif
+#endif
     // -- S = Q K^T
     float sacc[M_TILES][NT_S][4];
     UNROLL for (int mt = 0; mt < M_TILES; mt++) {
@@ -807,6 +853,23 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
         }
       }
     }
+#if WARP_SKIP
+#if USE_PTX
+    }
+#else
+    if (w_skip) {
+      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+        UNROLL for (int hf = 0; hf < 2; hf++) {
+          m_i[mt][hf] = m_keep[mt][hf];
+          l_i[mt][hf] = l_keep[mt][hf];
+        }
+        UNROLL for (int nd = 0; nd < NT_O; nd++) {
+          UNROLL for (int c = 0; c < 4; c++) o[mt][nd][c] = o_keep[mt][nd][c];
+        }
+      }
+    }
+#endif
+#endif
 #if KV_STAGES == 1
     barrier(CLK_LOCAL_MEM_FENCE);
     if (t < t_last) {

@@ -91,6 +91,39 @@ def test_mma_f32_configs(config, extra):
     _check(q, k, v, None, kw, out, lse)
 
 
+# causal scheduling options: WARP_SKIP (a warp skips key tiles its rows cannot see; emulated, the
+# tile is computed and then discarded, so a skip of a visible key shows as an error) and
+# heads_inner (grid order tile * n_heads + head), on shapes where warps skip on the diagonal
+# (bottom-right causal, Sq < Sk), at a window's left edge, and past the last valid row
+SCHED_CASES = [
+    ("f32 causal skip+inner", "float32", (2, 77, 101, 4, 2, 64), (128, 32, 4, 0),
+     ("-DWARP_SKIP=1",), True, {"causal": True}),
+    ("f32 window skip", "float32", (1, 70, 90, 2, 1, 64), (64, 16, 2, 0),
+     ("-DWARP_SKIP=1",), False, {"window": (9, 3)}),
+    ("f32 causal Sq>Sk inner", "float32", (1, 90, 37, 3, 1, 64), (64, 32, 2, 0),
+     ("-DWARP_SKIP=1", "-DKV_STAGES=1"), True, {"causal": True}),
+    ("f16 causal skip+inner", "float16", (1, 100, 131, 2, 2, 64), (64, 32, 4, 1),
+     ("-DWARP_SKIP=1",), True, {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,config,extra,inner,opts", SCHED_CASES,
+                         ids=[c[0] for c in SCHED_CASES])
+def test_mma_sched_options(name, dtype, shape, config, extra, inner, opts):
+    from attnlib.backends.opencl import _nvidia_mma
+
+    be = attnlib.get_backend("opencl")
+    b, sq, sk, hq, hkv, d = shape
+    q, k, v = qkv(rng_for("mma sched", name), b, sq, sk, hq, hkv, d, dtype=dtype)
+    v[0, sk - 1, 0, 3] = np.nan  # hidden from some rows (causal / window): must not leak
+    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
+                            alibi_slopes=None, causal=opts.get("causal", False),
+                            window=opts.get("window"), softcap=None)
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, config=config,
+                               use_ptx=False, extra_options=extra, heads_inner=inner)
+    _check(q, k, v, None, opts, out, lse)
+
+
 def test_mma_f32_nonfinite_v_unmasked():
     """inf/NaN in V at keys every row sees (no mask: the tiles take the unmasked path; every
     float32 V tile is scanned for them, so the 3xTF32 split never meets inf: inf - inf would

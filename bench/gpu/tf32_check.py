@@ -180,11 +180,14 @@ def child_config(args) -> None:
     d = args.d[0]
     tiling, _, macros = args.config[0].partition(":")
     cfg = tuple(int(x) for x in tiling.split(","))
-    extra = tuple(f"-D{m}" for m in macros.split("+") if m)
-    base = {"d": d, "config": cfg, "extra": " ".join(extra)}
+    names = [m for m in macros.split("+") if m]
+    # HEADS_INNER=1 is a host option too (the grid's shape): passed to run(), which adds the -D
+    inner = "HEADS_INNER=1" in names
+    extra = tuple(f"-D{m}" for m in names if m != "HEADS_INNER=1")
+    base = {"d": d, "config": cfg, "extra": " ".join(extra + (("HEADS_INNER",) if inner else ()))}
     use_ptx = not args.emulate
     flags = extra + (() if args.emulate else ("-cl-nv-verbose",))
-    opts = nv.build_options(d, np.float32, cfg, use_ptx=use_ptx) + flags
+    opts = nv.build_options(d, np.float32, cfg, use_ptx=use_ptx, heads_inner=inner) + flags
     t0 = time.perf_counter()
     try:
         prg = nv.get_program(ctx, dev, opts)
@@ -202,7 +205,7 @@ def child_config(args) -> None:
     for name, call in cases:
         try:
             out, lse = nv.run(ctx, queue, dev, call, config=cfg, use_ptx=use_ptx,
-                              extra_options=flags)
+                              extra_options=flags, heads_inner=inner)
             with np.errstate(invalid="ignore"):
                 res = check(mc, call, out, lse)
             n_fail += not res["ok"]
@@ -227,7 +230,7 @@ def child_config(args) -> None:
         for causal in (False, True):
             try:
                 call = mc.dense_call(q, k, v, causal=causal)
-                kw = dict(config=cfg, use_ptx=use_ptx, extra_options=flags)
+                kw = dict(config=cfg, use_ptx=use_ptx, extra_options=flags, heads_inner=inner)
                 for _ in range(WARMUP):
                     nv.run(ctx, queue, dev, call, **kw)
                 queue.finish()

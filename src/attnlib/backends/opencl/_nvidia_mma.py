@@ -58,6 +58,11 @@ DEFAULT_CONFIGS = {64: (128, 64, 4, 1), 128: (128, 64, 4, 0)}
 #: m-tiles per warp, TF32_SPLIT=1) 51.3-52.1 / 37.2-40.5, 1.15 / 0.93-0.95x (with (128,32,8,0):
 #: 34.4 / 29.6). Local memory 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and 203 KiB.
 DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
+#: grid order (kernel -DHEADS_INNER): False: (tile, head) on dimensions 0, 1, so only each
+#: head's row of the grid runs heaviest tile first; True: one dimension, tile * n_heads + head,
+#: every head of the heaviest tile first (longest-first over the whole grid; a model of the
+#: causal tail wave predicts 1.86 -> 1.53 ms at (4,16,2048,128) on the H200, not yet measured)
+HEADS_INNER = False
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
@@ -137,8 +142,8 @@ def applicable(device: Any, call: AttnCall) -> bool:
 
 
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
-                  alibi: bool = False, scale_pos: bool = True,
-                  use_ptx: bool = True) -> tuple[str, ...]:
+                  alibi: bool = False, scale_pos: bool = True, use_ptx: bool = True,
+                  heads_inner: bool = False) -> tuple[str, ...]:
     block_m, block_n, warps, q_in_regs = config
     return (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
@@ -146,7 +151,7 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
         f"-DIS_BF16={int(np.dtype(dtype) == _BF16)}",
         f"-DIS_TF32={int(np.dtype(dtype) == _F32)}", f"-DSOFTCAP={int(softcap)}",
         f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}", f"-DUSE_PTX={int(use_ptx)}",
-    )
+    ) + (("-DHEADS_INNER=1",) if heads_inner else ())
 
 
 def default_config(dtype: Any, head_dim: int) -> tuple:
@@ -286,12 +291,14 @@ def _view(ctx: Any, x: Any) -> tuple[Any, int, tuple[int, int, int], Any]:
 
 def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | None = None,
         use_ptx: bool | None = None, extra_options: tuple[str, ...] = (),
-        wait_for: Any = None, events: list | None = None) -> tuple[Any, Any]:
+        heads_inner: bool | None = None, wait_for: Any = None,
+        events: list | None = None) -> tuple[Any, Any]:
     """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
 
     ``config`` = (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) overrides :data:`DEFAULT_CONFIGS`
     (:data:`DEFAULT_CONFIGS_F32` for float32);
     ``use_ptx=False`` builds the emulated kernel (any OpenCL device; for layout checks only);
+    ``heads_inner`` (default :data:`HEADS_INNER`) picks the grid order (see there);
     ``events``, when given, receives the kernel's event (for timing).
     """
     import pyopencl as cl
@@ -301,6 +308,8 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     block_m, block_n, warps = config[0], config[1], config[2]
     if use_ptx is None:
         use_ptx = compute_capability(device) is not None
+    if heads_inner is None:
+        heads_inner = HEADS_INNER
     dtype = call.dtype
     bq, sq_arr, hq, _ = call.q.shape
     hkv = call.k.shape[2]
@@ -313,7 +322,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     if n_tiles and hq:
         opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                              alibi=call.alibi is not None, scale_pos=call.scale > 0,
-                             use_ptx=use_ptx) + tuple(extra_options)
+                             use_ptx=use_ptx, heads_inner=heads_inner) + tuple(extra_options)
         slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
                   if call.alibi is not None else np.zeros(1, np.float32))
         alibi_buf = _memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
@@ -326,13 +335,14 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
             qk_scale, cap = call.scale * _LOG2E, 0.0
         i64, i32 = np.int64, np.int32
         threads = 32 * warps
+        grid = (n_tiles * hq * threads, 1) if heads_inner else (n_tiles * threads, hq)
         args = [qb, kb, vb, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf,
                 i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
                 np.float32(qk_scale), np.float32(cap)]
         evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
                      lambda: get_program(ctx, device, opts), "attn_fwd_mma", queue,
-                     (n_tiles * threads, hq), (threads, 1), args, wait_for=wait_for)
+                     grid, (threads, 1), args, wait_for=wait_for)
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:
