@@ -58,6 +58,9 @@
 #if FUSED_MERGE && !SPLIT
 #error "FUSED_MERGE needs SPLIT"
 #endif
+#ifndef FUSED_UNROLL
+#define FUSED_UNROLL 16
+#endif
 #ifndef RESCALE_THRESH
 #define RESCALE_THRESH 8.0f
 #endif
@@ -402,9 +405,11 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
       sM[warp * 16 + r] = m_i[hf];
       sL[warp * 16 + r] = l_i[hf];
     }
-    UNROLL for (int nd = 0; nd < NT_O; nd++) {
-      *(__local float2 *)(sO + (warp * 16 + r) * HEAD_DIM + nd * 8 + 2 * tg) =
-          (float2)(o[nd][2 * hf], o[nd][2 * hf + 1]);
+    if (r < nrows) {  // padding rows are never read
+      UNROLL for (int nd = 0; nd < NT_O; nd++) {
+        *(__local float2 *)(sO + (warp * 16 + r) * HEAD_DIM + nd * 8 + 2 * tg) =
+            (float2)(o[nd][2 * hf], o[nd][2 * hf + 1]);
+      }
     }
   }
   barrier(CLK_LOCAL_MEM_FENCE);
@@ -484,36 +489,37 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     sL[tid] = sum;
   }
   barrier(CLK_LOCAL_MEM_FENCE);
-  for (int idx = tid; idx < nrows * (HEAD_DIM / 2); idx += THREADS) {
-    const int r = idx / (HEAD_DIM / 2), col = 2 * (idx % (HEAD_DIM / 2));
+  // 4 columns per item, FUSED_UNROLL 16-byte loads in flight per thread (32 splits x 4 rows:
+  // 2 round trips to L2 with 128 threads)
+  for (int idx = tid; idx < nrows * (HEAD_DIM / 4); idx += THREADS) {
+    const int r = idx / (HEAD_DIM / 4), col = 4 * (idx % (HEAD_DIM / 4));
     const long row = qrow0 + r / group;
     const int h = hk * group + r % group;
     const long orow = (qb * sq_arr + row) * n_heads + h;
-    float o0 = 0.f, o1 = 0.f;
+    float4 o4 = (float4)(0.f);
     int j = 0;
-    for (; j + 8 <= n_splits; j += 8) {  // 8 loads in flight before their FMAs
-      float2 x[8];
-      UNROLL for (int u = 0; u < 8; u++) {
-        volatile __global const float *pp = vo + ((j + u) * n_out_rows + orow) * HEAD_DIM + col;
-        x[u] = (float2)(pp[0], pp[1]);
+    for (; j + FUSED_UNROLL <= n_splits; j += FUSED_UNROLL) {  // loads before their FMAs
+      float4 x[FUSED_UNROLL];
+      UNROLL for (int u = 0; u < FUSED_UNROLL; u++) {
+        x[u] = *(volatile __global const float4 *)(vo + ((j + u) * n_out_rows + orow) * HEAD_DIM
+                                                   + col);
       }
-      UNROLL for (int u = 0; u < 8; u++) {
+      UNROLL for (int u = 0; u < FUSED_UNROLL; u++) {
         const float wt = sW[(j + u) * 16 + r];
-        o0 += wt != 0.f ? wt * x[u].x : 0.f;  // a select: an empty state's out never leaks
-        o1 += wt != 0.f ? wt * x[u].y : 0.f;
+        o4 += wt != 0.f ? wt * x[u] : (float4)(0.f);  // a select: empty states never leak
       }
     }
     for (; j < n_splits; j++) {
       const float wt = sW[j * 16 + r];
-      volatile __global const float *pp = vo + (j * n_out_rows + orow) * HEAD_DIM + col;
-      const float x0 = pp[0], x1 = pp[1];
-      o0 += wt != 0.f ? wt * x0 : 0.f;
-      o1 += wt != 0.f ? wt * x1 : 0.f;
+      const float4 x = *(volatile __global const float4 *)(vo + (j * n_out_rows + orow) * HEAD_DIM
+                                                           + col);
+      o4 += wt != 0.f ? wt * x : (float4)(0.f);
     }
     const float mm = sM[r], sum = sL[r];
     const bool empty = mm == -INFINITY;
-    const float inv = empty ? 0.f : 1.f / sum;
-    out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv, o1 * inv);
+    o4 *= empty ? 0.f : 1.f / sum;
+    *(__global uint2 *)(out + (orow * HEAD_DIM + col) / 2) =
+        (uint2)(pack2(o4.x, o4.y), pack2(o4.z, o4.w));
     if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = empty ? -INFINITY : mm + log(sum);
   }
 #endif

@@ -141,6 +141,13 @@ def test_decode_fused_merge(name):
     np.testing.assert_array_equal(first, again)
 
 
+def test_decode_fused_merge_many_splits():
+    """19 splits (the fused merge's 16-load batches, then the rest), the last 5 empty."""
+    rng = rng_for("decode fused many")
+    call = decode_call(rng, "float16", b=2, q_len=1, klens=[1333, 700], hq=8, hkv=2, d=64)
+    run_and_check(call, splits=19, config=(32, 2, 2), fused=True)
+
+
 def test_decode_hidden_nan():
     """inf/NaN in v of keys hidden by causal (q_len 3: the last key is seen only by the last
     row) or by the window must not reach the rows that do not see them."""
