@@ -23,11 +23,21 @@ LAYOUTS = ("bshd", "bhsd")
 
 
 # ---- arrays -------------------------------------------------------------------------------------
+_ARRAY_ATTRS = ("shape", "dtype", "strides", "get")
+#: types seen to have every attribute of _ARRAY_ATTRS (pyopencl sets ``shape`` per instance, so the
+#: type is remembered after its first array passed; the test ran ~9 times per attention() call)
+_array_types: set[type] = {np.ndarray}
+
+
 def is_array(x: Any) -> bool:
     """numpy arrays, and device arrays that look like them (pyopencl.array.Array)."""
-    if isinstance(x, np.ndarray):
+    t = type(x)
+    if t in _array_types or isinstance(x, np.ndarray):
         return True
-    return all(hasattr(x, a) for a in ("shape", "dtype", "strides", "get"))
+    if all(hasattr(x, a) for a in _ARRAY_ATTRS):
+        _array_types.add(t)
+        return True
+    return False
 
 
 def is_device_array(x: Any) -> bool:
