@@ -8,15 +8,21 @@ then per shape time and torch, verbose, e2e, and the check of head dims not yet 
   check    the PTX build against the float64 oracle by the SPEC rule (bench/gpu/mma_common.py):
            fp16/bf16, D 64/128 (then 32/96/256, not yet dispatched, in a second process),
            GQA 4/8, q_len 1 and 3 causal, splits with empty ones, ring cache,
-           window+softcap+alibi, NaN in hidden v; and one call through the backend's dispatch
-           (OpenCLBackend.attention must take the decode kernel)
+           window+softcap+alibi, NaN in hidden v; each case with merge.cl and "fused" (the
+           kernel's last work-group per (sequence, kv head) merges the splits, FUSED_MERGE=1);
+           and one call through the backend's dispatch (OpenCLBackend.attention must take the
+           decode kernel)
+  floor    event duration of an empty kernel on the decode grid, one and two back to back
   verbose  ptxas registers / spills / shared memory (-cl-nv-verbose) of every config timed
   time     decode (32 q heads, 8 kv heads, D=128, fp16) B=1/8192, B=8/8192, B=1/131072: kernel
            time by OpenCL profiling events (decode + merge.cl durations, median of REPS), L2 hot
            (back-to-back) and cold (a 256 MB write before each rep), per (BLOCK_N, WARPS,
-           STAGES) and split count; TB/s = 2 B n 8 128 2 bytes / time; for the default config
-           also the wall time per call of back-to-back calls (host included) and "gated": REPS
-           calls queued behind a user event, released at once, timed first start to last end
+           STAGES), split count and merge variant (merge.cl / fused), each kernel's own
+           duration too (decode_us, merge_us); every variant's result checked against a float32
+           reference first (ok, err); TB/s = 2 B n 8 128 2 bytes / time; "gated": REPS calls
+           queued behind a user event, released at once, timed first start to last end (per
+           call: GPU back to back, launch gaps included); for the default config also the wall
+           time per call of back-to-back calls (host included)
   e2e      attnlib.attention_with_kvcache (the public path, dispatch included), pipelined; the
            same with use_mma=False (the portable kernel) beside it
   torch    PyTorch SDPA flash / cudnn / efficient, enable_gqa=True, on the same shapes: events
