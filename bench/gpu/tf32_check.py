@@ -16,6 +16,16 @@ causal and not; then PyTorch SDPA float32 (efficient, math) on the same shapes. 
 and every error is one JSON line (stdout and --json); a summary table ends the run.
 FLOPs: 4 B H S^2 D, halved for causal; 3xTF32 issues three tf32 mma per product, so its
 ceiling is a third of the tf32 mma.sync rate measured first.
+Causal scheduling candidates (D=128 default first, then HEADS_INNER=1: grid order tile * n_heads
++ head, longest-first over all heads, a host option that run() takes; WARP_SKIP=1: a warp skips
+key tiles none of its rows sees; S_CHUNK=2; BLOCK_M 128 with two m-tiles per warp; the D=64
+default once), in one run of about two minutes:
+    source .gpu/setup.sh && python3 bench/gpu/tf32_check.py --config 128:256,32,8,0 \
+      128:256,32,8,0:HEADS_INNER=1 128:256,32,8,0:WARP_SKIP=1 \
+      128:256,32,8,0:HEADS_INNER=1+WARP_SKIP=1 128:256,32,8,0:HEADS_INNER=1+WARP_SKIP=1+S_CHUNK=2 \
+      128:128,32,4,0:KV_STAGES=1+HEADS_INNER=1+WARP_SKIP=1 \
+      64:128,64,4,0 64:128,64,4,0:HEADS_INNER=1 64:128,64,4,0:HEADS_INNER=1+WARP_SKIP=1 \
+      --no-peak --json $OUT/tf32.jsonl
 Here, with PoCL (emulated PTX, tiny shapes):  python bench/gpu/tf32_check.py --emulate
 Registers and spills without a GPU, where CUDA's nvcc is installed (the kernel translated to
 CUDA C++ and compiled for sm_90; a rough guide only: it matched the H200's OpenCL report for
@@ -181,9 +191,13 @@ def child_config(args) -> None:
     tiling, _, macros = args.config[0].partition(":")
     cfg = tuple(int(x) for x in tiling.split(","))
     names = [m for m in macros.split("+") if m]
-    # HEADS_INNER=1 is a host option too (the grid's shape): passed to run(), which adds the -D
-    inner = "HEADS_INNER=1" in names
-    extra = tuple(f"-D{m}" for m in names if m != "HEADS_INNER=1")
+    # HEADS_INNER=0/1 is a host option too (the grid's shape): passed to run(), which adds the
+    # -D; without it, the module's default
+    inner = bool(nv.HEADS_INNER)
+    for m in names:
+        if m.startswith("HEADS_INNER="):
+            inner = m != "HEADS_INNER=0"
+    extra = tuple(f"-D{m}" for m in names if not m.startswith("HEADS_INNER="))
     base = {"d": d, "config": cfg, "extra": " ".join(extra + (("HEADS_INNER",) if inner else ()))}
     use_ptx = not args.emulate
     flags = extra + (() if args.emulate else ("-cl-nv-verbose",))
@@ -360,17 +374,21 @@ def summary(recs: list[dict], peak: float | None) -> None:
               f"worst err/tol {worst:.2f}")
     torch = {(tuple(r["shape"]), r["causal"], r["torch"]): r["tflops"]
              for r in recs if "torch" in r and "tflops" in r}
-    print("| B,H,S,D | causal | config | ms | TFLOP/s | of 3xTF32 ceiling | torch efficient |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    # "vs first": this row's time over the first config's time on the same shape and causality
+    print("| B,H,S,D | causal | config | ms | TFLOP/s | of 3xTF32 ceiling | vs first "
+          "| torch efficient |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    first: dict = {}
     for r in recs:
         if "tflops" not in r or "config" not in r:
             continue
         shape, causal = tuple(r["shape"]), r["causal"]
         frac = f"{3 * r['tflops'] / peak:.0%}" if peak else "-"
         eff = torch.get((shape, causal, "efficient"))
+        speed = first.setdefault((shape, causal), r["ms"]) / r["ms"]
         print(f"| {','.join(map(str, shape))} | {'yes' if causal else 'no'} | "
               f"{','.join(map(str, r['config']))} {r.get('extra', '')} | {r['ms']:.3f} | "
-              f"{r['tflops']:.1f} | {frac} | "
+              f"{r['tflops']:.1f} | {frac} | {speed:.3f}x | "
               f"{f'{eff:.1f}' if eff else '-'} |")
 
 
