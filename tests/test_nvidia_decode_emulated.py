@@ -221,7 +221,7 @@ def test_choose_splits():
     ties, at least two tiles per split; long batches take one split."""
     from attnlib.backends.opencl import _nvidia_decode as nd
 
-    cfg = nd.DEFAULT_CONFIGS[128]
+    cfg = (64, 4, 3)  # 109 KB: two work-groups per SM
     assert nd.SM_LOCAL_BYTES // nd.local_bytes(128, cfg) == 2
     assert nd.choose_splits(132, 8, 131072 // 64, 128, cfg) == 33   # 264 groups of 63 tiles
     assert nd.choose_splits(132, 8, 8192 // 64, 128, cfg) == 32     # 256 groups of 4 tiles
@@ -229,6 +229,12 @@ def test_choose_splits():
     assert nd.choose_splits(132, 8, 16, 128, cfg) == 8              # 2 tiles per split
     assert nd.choose_splits(132, 512, 4096 // 64, 128, cfg) == 1
     assert nd.choose_splits(132, 8, 3, 128, cfg) == 1
+    # the default (128-key tiles, 144 KB: one work-group per SM): the splits H200 run 5 timed
+    cfg = nd.DEFAULT_CONFIGS[128]
+    assert nd.SM_LOCAL_BYTES // nd.local_bytes(128, cfg) == 1
+    assert nd.choose_splits(132, 8, 131072 // 128, 128, cfg) == 16
+    assert nd.choose_splits(132, 8, 8192 // 128, 128, cfg) == 16
+    assert nd.choose_splits(132, 64, 8192 // 128, 128, cfg) == 2
 
 
 _OCLGRIND_SCRIPT = """

@@ -41,14 +41,16 @@ HEAD_DIMS = (64, 128)
 EXTRA_HEAD_DIMS = (32, 96, 256)
 #: packed query rows (q_len * group) of one sequence the kernel takes: one m16 tile
 MAX_ROWS = 16
-#: (BLOCK_N, WARPS, STAGES) per head dim: 4 warps of 16 keys per 64-key tile, 3 buffers in
-#: flight (D=128: 109 KB of local memory, two work-groups per SM). Not yet swept on the H200:
-#: bench/gpu/decode_check.py does that.
-DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (64, 4, 3),
+#: (BLOCK_N, WARPS, STAGES) per head dim. D=128: 128-key tiles, 4 warps of 32 keys, 2 buffers
+#: (144 KB of local memory, 221 registers), the fastest of H200 run 5 (bench/RESULTS.md, third
+#: session) with the fused merge: 23.1 / 81.7 / 143.7 us at B=1/8192, B=8/8192, B=1/131072
+#: (32 q / 8 kv heads, fp16; (64,4,3): 23.8 / - / 149.2). D=64 and the rest: not swept.
+DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
                    32: (64, 4, 4), 96: (48, 3, 4), 256: (64, 4, 2)}
-#: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch); off until
-#: the H200 measures it (bench/gpu/decode_check.py, variant "fused")
-FUSED_MERGE = False
+#: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch). H200
+#: run 5: 25.1 -> 23.8 us at B=1/8192 (default tiling then), 87.2 -> 81.7 at B=8, 146.7 -> 143.7
+#: at 131072; every check case correct with it
+FUSED_MERGE = True
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)

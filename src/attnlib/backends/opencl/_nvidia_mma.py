@@ -61,8 +61,14 @@ DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
 #: grid order (kernel -DHEADS_INNER): False: (tile, head) on dimensions 0, 1, so only each
 #: head's row of the grid runs heaviest tile first; True: one dimension, tile * n_heads + head,
 #: every head of the heaviest tile first (longest-first over the whole grid; a model of the
-#: causal tail wave predicts 1.86 -> 1.53 ms at (4,16,2048,128) on the H200, not yet measured)
+#: causal tail wave predicted 1.86 -> 1.53 ms at (4,16,2048,128) on the H200)
 HEADS_INNER = False
+#: float32 head dims that run HEADS_INNER and -DWARP_SKIP=1 (a warp skips key tiles none of its
+#: rows sees): H200 run 5 (bench/RESULTS.md, third session), D=128 causal 1.866 -> 1.498 ms at
+#: (4,16,2048) and 6.786 -> 5.338 at (1,16,8192), 1.13 / 1.18x PyTorch's efficient; not causal
+#: unchanged (51.1 / 51.8 TFLOP/s). Not measured for D=64 or 16-bit types, which keep the old
+#: order.
+F32_SCHEDULED = (128,)
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
@@ -308,9 +314,12 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     block_m, block_n, warps = config[0], config[1], config[2]
     if use_ptx is None:
         use_ptx = compute_capability(device) is not None
-    if heads_inner is None:
-        heads_inner = HEADS_INNER
     dtype = call.dtype
+    scheduled = dtype == _F32 and d in F32_SCHEDULED
+    if heads_inner is None:
+        heads_inner = HEADS_INNER or scheduled
+    if scheduled and not any("WARP_SKIP" in o for o in extra_options):
+        extra_options = ("-DWARP_SKIP=1", *extra_options)
     bq, sq_arr, hq, _ = call.q.shape
     hkv = call.k.shape[2]
     is_dev = _is_cl_array(call.q)
