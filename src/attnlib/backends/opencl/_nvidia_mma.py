@@ -63,11 +63,12 @@ DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
 #: every head of the heaviest tile first (longest-first over the whole grid; a model of the
 #: causal tail wave predicted 1.86 -> 1.53 ms at (4,16,2048,128) on the H200)
 HEADS_INNER = False
-#: float32 head dims that run HEADS_INNER and -DWARP_SKIP=1 (a warp skips key tiles none of its
-#: rows sees): H200 run 5 (bench/RESULTS.md, third session), D=128 causal 1.866 -> 1.498 ms at
-#: (4,16,2048) and 6.786 -> 5.338 at (1,16,8192), 1.13 / 1.18x PyTorch's efficient; not causal
-#: unchanged (51.1 / 51.8 TFLOP/s). Not measured for D=64 or 16-bit types, which keep the old
-#: order.
+#: Causal calls run HEADS_INNER and -DWARP_SKIP=1 (a warp skips key tiles none of its rows sees),
+#: float32 only at the head dims listed here. H200 (bench/RESULTS.md, third session): float32
+#: D=128 causal (run 5) 1.866 -> 1.498 ms at (4,16,2048) and 6.786 -> 5.338 at (1,16,8192),
+#: 1.13 / 1.18x PyTorch's efficient; fp16/bf16 causal (run 7) +5% to +20% (1,16,8192,128:
+#: 251 -> 301 TFLOP/s), outputs bit-identical; not causal they lost up to 10% (D=64) and stay
+#: off. float32 D=64 was not measured with them.
 F32_SCHEDULED = (128,)
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
@@ -315,7 +316,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     if use_ptx is None:
         use_ptx = compute_capability(device) is not None
     dtype = call.dtype
-    scheduled = dtype == _F32 and d in F32_SCHEDULED
+    scheduled = call.causal_hi is not None and (dtype != _F32 or d in F32_SCHEDULED)
     if heads_inner is None:
         heads_inner = HEADS_INNER or scheduled
     if scheduled and not any("WARP_SKIP" in o for o in extra_options):
