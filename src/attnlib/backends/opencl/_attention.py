@@ -297,7 +297,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         hq // hkv)
     max_rows = int(rows.max()) if n_seq else 0
     if be.use_mma and max_rows > DECODE_ROWS:
-        from . import _nvidia_mma  # NVIDIA tensor cores (sm_80+), fp16/bf16 prefill
+        from . import _nvidia_mma  # NVIDIA tensor cores (sm_80+): fp16/bf16, float32 as 3xTF32
 
         if _nvidia_mma.applicable(be.device, call):
             return _nvidia_mma.run(ctx, queue, be.device, call)
