@@ -10,7 +10,9 @@ Options (``attnlib.get_backend("opencl", **options)``):
 * ``tiles``: ``(BLOCK_M, BLOCK_N, THREADS_M, THREADS_N)`` forcing the forward tiling;
 * ``num_splits``: force the number of key splits (flash-decoding) per query block;
 * ``use_mma``: on NVIDIA sm_80+ devices run float16/bfloat16/float32 prefill on tensor cores
-  (``_nvidia_mma``, default True); decoding-shaped calls always take the split-KV kernel.
+  (``_nvidia_mma``, default True), and float16/bfloat16 calls of at most 16 packed query rows
+  per kv head (decoding, GQA heads packed) on the tensor-core split-KV decode kernel
+  (``_nvidia_decode``); float32 decoding keeps the portable split-KV kernel.
   float32 there runs "3xTF32": each operand split as hi + lo in tf32, three tf32 ``mma.sync``
   per product, float32 accumulation (float32-class accuracy by the SPEC's rule);
   ``use_mma=False`` keeps float32 (and float16/bfloat16) on the portable FMA kernels.
