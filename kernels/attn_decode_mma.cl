@@ -61,39 +61,6 @@
 #ifndef FUSED_UNROLL
 #define FUSED_UNROLL 16
 #endif
-#ifndef RESCALE_THRESH
-#define RESCALE_THRESH 8.0f
-#endif
-#if SOFTCAP || ALIBI || !SCALE_POS
-#define FOLD 0
-#else
-#define FOLD 1
-#endif
-#define LN2 0.6931471805599453f
-
-#define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
-
-// inf/NaN in a 16-bit value (exponent all ones), in either half of a 32-bit word
-#if IS_BF16
-#define EXP16 0x7f80u
-#define MANT16 0x007fu
-#else
-#define EXP16 0x7c00u
-#define MANT16 0x03ffu
-#endif
-#define NONFINITE16(B) (((B) & EXP16) == EXP16)
-#define NONFINITE2(W) (NONFINITE16(W) || NONFINITE16((W) >> 16))
-inline float nonfinite_value(uint b) {
-  return (b & MANT16) ? NAN : ((b & 0x8000u) ? -INFINITY : INFINITY);
-}
-
-// Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
-inline int row_lo(long i, long base, long dlo, int klen) {
-  return (int)clamp(i + base + dlo, 0L, (long)klen);
-}
-inline int row_hi(long i, long base, long dhi, int klen) {
-  return (int)clamp(i + base + dhi, -1L, (long)klen - 1);
-}
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
 void attn_decode_mma(__global const ushort *q, __global const ushort *k,

@@ -11,8 +11,9 @@
 //
 // Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_M, BLOCK_N (multiple of 16),
 // WARPS, IS_BF16, IS_TF32, Q_IN_REGS, SOFTCAP, ALIBI, SCALE_POS (scale > 0), USE_PTX.  USE_PTX=0
-// replaces every warp-level PTX instruction by an exact emulation through local memory and
-// barriers (for checking the fragment layouts with PoCL on a CPU; slow, never used for speed).
+// replaces every warp-level PTX instruction (nv_warp.h, shared with attn_decode_mma.cl) by an
+// exact emulation through local memory and barriers (for checking the fragment layouts with PoCL
+// on a CPU; slow, never used for speed).
 //
 // IS_TF32=1: float32 storage, "3xTF32" products (attn_fwd_mma_tf32.h): each operand split as
 // hi + lo in tf32, three mma.sync.m16n8k8 tf32 per product, float32 accumulators: float32-class
@@ -63,8 +64,6 @@
 #if BLOCK_N % (THREADS / CHUNKS)
 #error "BLOCK_N must be a multiple of 32 * WARPS / (HEAD_DIM / 8)"
 #endif
-// Fold the scale into the exponent (p = 2^(s c - m) as one FMA) when the scores need no other
-// transform and c > 0 (then max(s) c = max(s c)).
 #ifndef HIDDEN_NONFINITE  // 0: skip the inf/NaN-in-hidden-v handling (the version measured first)
 #define HIDDEN_NONFINITE 1
 #endif
@@ -91,207 +90,15 @@
 #ifndef WARP_SKIP
 #define WARP_SKIP 0
 #endif
-#ifndef RESCALE_THRESH
-#define RESCALE_THRESH 8.0f
-#endif
-#if SOFTCAP || ALIBI || !SCALE_POS
-#define FOLD 0
-#else
-#define FOLD 1
-#endif
 #define LOG2E 1.4426950408889634f
-#define LN2 0.6931471805599453f
 
-#if IS_BF16
-#define MMA_TYPE "bf16"
-#else
-#define MMA_TYPE "f16"
-#endif
-
+#include "nv_warp.h"
 #if USE_PTX
-// ---------------------------------------------------------------- NVIDIA: inline PTX
-#define UNROLL _Pragma("unroll")
 #define SCR_DECL
 #define SCR_ARG
-
-#define MMA(D, A, B0, B1)                                                                       \
-  asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "                   \
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"                               \
-      : "=f"((D)[0]), "=f"((D)[1]), "=f"((D)[2]), "=f"((D)[3])                                  \
-      : "r"((A)[0]), "r"((A)[1]), "r"((A)[2]), "r"((A)[3]), "r"(B0), "r"(B1),                  \
-        "f"((D)[0]), "f"((D)[1]), "f"((D)[2]), "f"((D)[3]))
-
-#define LDSM_X4(R, BASE, OFF)                                                                   \
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"                 \
-               : "=r"((R)[0]), "=r"((R)[1]), "=r"((R)[2]), "=r"((R)[3])                         \
-               : "r"((uint)(size_t)((BASE) + (OFF))) : "memory")
-
-#define LDSM_X4_T(R, BASE, OFF)                                                                 \
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"           \
-               : "=r"((R)[0]), "=r"((R)[1]), "=r"((R)[2]), "=r"((R)[3])                         \
-               : "r"((uint)(size_t)((BASE) + (OFF))) : "memory")
-
-#define CP_ASYNC16(DST, SRC)                                                                    \
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"                                      \
-               :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
-#define CP_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
-#define CP_WAIT0() asm volatile("cp.async.wait_group 0;" ::: "memory")
-#define CP_WAIT1() asm volatile("cp.async.wait_group 1;" ::: "memory")
-
-inline float shfl_xor1(float x) {
-  uint r;
-  asm volatile("shfl.sync.bfly.b32 %0, %1, 1, 0x1f, 0xffffffff;" : "=r"(r) : "r"(as_uint(x)));
-  return as_float(r);
-}
-inline float shfl_xor2(float x) {
-  uint r;
-  asm volatile("shfl.sync.bfly.b32 %0, %1, 2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(as_uint(x)));
-  return as_float(r);
-}
-inline int warp_any(int pred) {
-  uint r;
-  asm volatile("{ .reg .pred p; setp.ne.u32 p, %1, 0; vote.sync.any.pred p, p, 0xffffffff; "
-               "selp.u32 %0, 1, 0, p; }" : "=r"(r) : "r"(pred));
-  return (int)r;
-}
-#define WARP_ANY(P) warp_any(P)
-#define SHFL_XOR1(X) shfl_xor1(X)
-#define SHFL_XOR2(X) shfl_xor2(X)
-
-inline float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// two floats -> packed pair, lo in bits 0..15 (PTX cvt puts its first source in the high half)
-inline uint pack2(float lo, float hi) {
-  uint r;
-  asm("cvt.rn." MMA_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-#else
-// ---------------------------------------------------------------- emulation (any OpenCL device)
-// Each warp-level instruction: every lane publishes its operands in a per-warp scratch area, a
-// barrier, then each lane reads what the PTX ISA says it receives.  The callers keep every such
-// call in work-group-uniform control flow.
-#define UNROLL
+#else  // the emulation's per-warp scratch area, passed to the helpers that need it
 #define SCR_DECL , __local uint *scr
 #define SCR_ARG , scr
-
-inline float bits_to_float(uint b) {
-#if IS_BF16
-  return as_float(b << 16);
-#else
-  ushort h = (ushort)b;
-  return vload_half(0, (const __private half *)&h);
-#endif
-}
-
-inline uint f2bits(float x) {
-#if IS_BF16
-  uint u = as_uint(x);
-  if (isnan(x)) return (u >> 16) | 0x40u;
-  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;   // round to nearest even
-#else
-  // float -> binary16, round to nearest even, by integer arithmetic
-  uint u = as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  if (a >= 0x7f800000u) return sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u);
-  if (a >= 0x477ff000u) return sign | 0x7c00u;          // rounds to >= 65520: inf
-  if (a < 0x38800000u) {                                  // subnormal half (or zero)
-    if (a < 0x33000000u) return sign;
-    uint m = (a & 0x7fffffu) | 0x800000u, sh = 126u - (a >> 23);
-    uint r = m >> sh, rem = m & ((1u << sh) - 1u), half_ = 1u << (sh - 1u);
-    if (rem > half_ || (rem == half_ && (r & 1u))) r++;
-    return sign | r;
-  }
-  uint r = (a - 0x38000000u) >> 13, rem = a & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
-  return sign | r;
-#endif
-}
-
-inline uint pack2(float lo, float hi) { return f2bits(lo) | (f2bits(hi) << 16); }
-inline float ex2(float x) { return exp2(x); }
-
-// A (16x16, row): a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
-inline float emu_a(__local uint *scr, int row, int k) {
-  int reg = ((k >> 3) << 1) | (row >> 3);
-  int ln = ((row & 7) << 2) | ((k & 7) >> 1);
-  return bits_to_float((scr[ln * 8 + reg] >> ((k & 1) * 16)) & 0xffffu);
-}
-// B (16x8, col): b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
-inline float emu_b(__local uint *scr, int k, int n) {
-  int reg = 4 + (k >> 3);
-  int ln = (n << 2) | ((k & 7) >> 1);
-  return bits_to_float((scr[ln * 8 + reg] >> ((k & 1) * 16)) & 0xffffu);
-}
-
-inline void emu_mma(float *d, const uint *a, uint b0, uint b1, __local uint *scr) {
-  int lane = get_local_id(0) & 31;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (int r = 0; r < 4; r++) scr[lane * 8 + r] = a[r];
-  scr[lane * 8 + 4] = b0;
-  scr[lane * 8 + 5] = b1;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  int g = lane >> 2, t = lane & 3;
-  for (int c = 0; c < 4; c++) {
-    int row = g + ((c >> 1) << 3), col = 2 * t + (c & 1);
-    float acc = d[c];
-    for (int kk = 0; kk < 16; kk++) acc += emu_a(scr, row, kk) * emu_b(scr, kk, col);
-    d[c] = acc;
-  }
-}
-#define MMA(D, A, B0, B1) emu_mma((D), (A), (B0), (B1), scr)
-
-// ldmatrix x4: lanes 8i..8i+7 give the row addresses of matrix i; lane l receives from matrix i
-// row l/4, columns 2(l%4), 2(l%4)+1 (with .trans: rows 2(l%4), 2(l%4)+1 of column l/4).
-inline void emu_ldsm(uint *r, __local const ushort *base, int off, int trans, __local uint *scr) {
-  int lane = get_local_id(0) & 31;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  scr[lane * 8] = (uint)off;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  int g = lane >> 2, t = lane & 3;
-  for (int i = 0; i < 4; i++) {
-    uint lo, hi;
-    if (!trans) {
-      int o = (int)scr[(i * 8 + g) * 8] + 2 * t;
-      lo = base[o];
-      hi = base[o + 1];
-    } else {
-      lo = base[(int)scr[(i * 8 + 2 * t) * 8] + g];
-      hi = base[(int)scr[(i * 8 + 2 * t + 1) * 8] + g];
-    }
-    r[i] = lo | (hi << 16);
-  }
-}
-#define LDSM_X4(R, BASE, OFF) emu_ldsm((R), (BASE), (OFF), 0, scr)
-#define LDSM_X4_T(R, BASE, OFF) emu_ldsm((R), (BASE), (OFF), 1, scr)
-
-inline float emu_shfl(float x, int m, __local uint *scr) {
-  int lane = get_local_id(0) & 31;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  scr[lane * 8] = as_uint(x);
-  barrier(CLK_LOCAL_MEM_FENCE);
-  return as_float(scr[(lane ^ m) * 8]);
-}
-inline int emu_any(int pred, __local uint *scr) {
-  int lane = get_local_id(0) & 31, r = 0;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  scr[lane * 8] = (uint)(pred != 0);
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (int i = 0; i < 32; i++) r |= (int)scr[i * 8];
-  return r;
-}
-#define WARP_ANY(P) emu_any((P), scr)
-#define SHFL_XOR1(X) emu_shfl((X), 1, scr)
-#define SHFL_XOR2(X) emu_shfl((X), 2, scr)
-
-#define CP_ASYNC16(DST, SRC) (*(__local uint4 *)(DST) = *(__global const uint4 *)(SRC))
-#define CP_COMMIT()
-#define CP_WAIT0()
-#define CP_WAIT1()
 #endif
 
 #if IS_TF32
@@ -302,30 +109,6 @@ inline int emu_any(int pred, __local uint *scr) {
 #define OUT2 uint
 #define OUT_PACK(A, B) pack2(A, B)
 #endif
-
-#define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
-
-// inf/NaN in a 16-bit value (exponent all ones), in either half of a 32-bit word
-#if IS_BF16
-#define EXP16 0x7f80u
-#define MANT16 0x007fu
-#else
-#define EXP16 0x7c00u
-#define MANT16 0x03ffu
-#endif
-#define NONFINITE16(B) (((B) & EXP16) == EXP16)
-#define NONFINITE2(W) (NONFINITE16(W) || NONFINITE16((W) >> 16))
-inline float nonfinite_value(uint b) {
-  return (b & MANT16) ? NAN : ((b & 0x8000u) ? -INFINITY : INFINITY);
-}
-
-// Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
-inline int row_lo(long i, long base, long dlo, int klen) {
-  return (int)clamp(i + base + dlo, 0L, (long)klen);
-}
-inline int row_hi(long i, long base, long dhi, int klen) {
-  return (int)clamp(i + base + dhi, -1L, (long)klen - 1);
-}
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
 void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const ELEM *v,
@@ -453,7 +236,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #if IS_TF32
   // Q fragments of k-step kk: rows g, g + 8 of the m-tile, columns 8 kk + 2t, 8 kk + 2t + 1 as
   // k = t, t + 4 (a product's k order is free: both values are one float2, in Q and in K)
-  CP_WAIT1();
+  CP_WAIT(1);
   barrier(CLK_LOCAL_MEM_FENCE);
 #define Q_PTR(KK, MT) (sQ + (wrow0 + (MT) * 16 + g) * LDSQ + (KK) * 8 + 2 * tg)
 #if Q_IN_REGS
@@ -482,7 +265,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #endif
 #elif Q_IN_REGS
   uint qa[KSTEPS_QK][M_TILES][4];
-  CP_WAIT1();
+  CP_WAIT(1);
   barrier(CLK_LOCAL_MEM_FENCE);
   UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
     UNROLL for (int mt = 0; mt < M_TILES; mt++) {
@@ -506,13 +289,13 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     // -- one K/V buffer (tile t+1 is loaded after every warp is done with tile t): half the
     // local memory, so that more work-groups share an SM and overlap each other's loads
     const int buf = 0;
-    CP_WAIT0();
+    CP_WAIT(0);
     barrier(CLK_LOCAL_MEM_FENCE);
 #else
     const int buf = (t - t_first) & 1;
     // -- tile t has landed; after the barrier no warp still reads tile t-1's buffer, so the
     // prefetch of tile t+1 into it overlaps this tile's math (one barrier per tile)
-    CP_WAIT0();
+    CP_WAIT(0);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (t < t_last) {
       LOAD_KV(t + 1, buf ^ 1)
@@ -731,8 +514,8 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
         UNROLL for (int nt = 0; nt < NT_S; nt++) {
           mx = fmax(mx, fmax(sacc[mt][nt][2 * hf], sacc[mt][nt][2 * hf + 1]));
         }
-        mx = fmax(mx, SHFL_XOR1(mx));
-        mx = fmax(mx, SHFL_XOR2(mx));
+        mx = fmax(mx, SHFL_XOR(mx, 1));
+        mx = fmax(mx, SHFL_XOR(mx, 2));
 #if FOLD
         mx *= qk_scale;
 #endif
@@ -878,14 +661,14 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     }
 #endif
   }
-  CP_WAIT0();
+  CP_WAIT(0);
 
   // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf
   UNROLL for (int mt = 0; mt < M_TILES; mt++) {
     UNROLL for (int hf = 0; hf < 2; hf++) {
       float l = l_i[mt][hf];
-      l += SHFL_XOR1(l);
-      l += SHFL_XOR2(l);
+      l += SHFL_XOR(l, 1);
+      l += SHFL_XOR(l, 2);
       const float inv = l == 0.f ? 0.f : 1.f / l;
       const int r = wrow0 + mt * 16 + g + 8 * hf;
       if (r < nrows) {

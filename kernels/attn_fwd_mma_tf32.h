@@ -68,7 +68,8 @@ inline void emu_mma_tf32(float *d, const uint *a, uint b0, uint b1, __local uint
 //   1: hi = rna(x), lo = x - hi         the mma reads lo's top 19 bits (truncation): 2^-22 |x|
 //   2: hi = x & ~0x1fff, lo = x - hi    truncated hi, |lo| < 2^-10 |x|: 2^-21 |x|, 2 integer/
 //                                       float instructions and no cvt
-#ifndef TF32_SPLIT /* 1: on the H200 (run 4) 51.3 vs 46.8 TFLOP/s at D=128, every case within the rule */
+// default 1: on the H200 (run 4) 51.3 vs 46.8 TFLOP/s at D=128, every case within the rule
+#ifndef TF32_SPLIT
 #define TF32_SPLIT 1
 #endif
 #if TF32_SPLIT == 2

@@ -1,14 +1,14 @@
-// Warp-level NVIDIA instructions for the tensor-core decode kernel (attn_decode_mma.cl):
-// mma.sync.m16n8k16 (f32 accumulate), ldmatrix x4 (plain and .trans), cp.async 16-byte copies,
-// shuffles, vote.any, ex2.approx and the f32 -> f16/bf16 pair conversion.
+// What the two tensor-core kernels (attn_fwd_mma.cl, attn_decode_mma.cl) share: the warp-level
+// NVIDIA instructions -- mma.sync.m16n8k16 (f32 accumulate), ldmatrix x4 (plain and .trans),
+// cp.async 16-byte copies, shuffles, vote.any, ex2.approx and the f32 -> f16/bf16 pair
+// conversion -- and the masking / non-finite helpers and softmax constants.
 //
 // USE_PTX=1: inline PTX (NVIDIA's OpenCL, sm_80+).  USE_PTX=0: an exact emulation in plain
 // OpenCL C for any device (PoCL in CI): each lane publishes its operands in a per-warp scratch
 // area `scr` (256 uints, declared by the kernel), a barrier, then each lane reads what the PTX
 // ISA says it receives.  Every such call must sit in work-group-uniform control flow.
-// The layouts are the ones kernels/attn_fwd_mma.cl uses (same ISA tables).
 //
-// Needs IS_BF16 and USE_PTX defined.
+// Needs IS_BF16, USE_PTX, SOFTCAP, ALIBI and SCALE_POS defined.
 
 #define XSTR_(X) #X
 #define XSTR(X) XSTR_(X)
@@ -48,10 +48,14 @@
 // orders this thread's global writes before (and reads after) at GPU scope (__threadfence)
 #define GLOBAL_FENCE() asm volatile("fence.acq_rel.gpu;" ::: "memory")
 
-inline float shfl_xor(float x, int m) {
+inline float shfl_xor1(float x) {
   uint r;
-  asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;"
-               : "=r"(r) : "r"(as_uint(x)), "r"(m));
+  asm volatile("shfl.sync.bfly.b32 %0, %1, 1, 0x1f, 0xffffffff;" : "=r"(r) : "r"(as_uint(x)));
+  return as_float(r);
+}
+inline float shfl_xor2(float x) {
+  uint r;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, 2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(as_uint(x)));
   return as_float(r);
 }
 inline int warp_any(int pred) {
@@ -61,7 +65,8 @@ inline int warp_any(int pred) {
   return (int)r;
 }
 #define WARP_ANY(P) warp_any(P)
-#define SHFL_XOR(X, M) shfl_xor((X), (M))
+// M: the literal 1 or 2 (the lane mask is an immediate of the instruction)
+#define SHFL_XOR(X, M) shfl_xor##M(X)
 
 inline float ex2(float x) {
   float y;
@@ -194,3 +199,42 @@ inline int emu_any(int pred, __local uint *scr) {
 #define CP_WAIT(N)
 #define GLOBAL_FENCE() mem_fence(CLK_GLOBAL_MEM_FENCE)
 #endif
+
+// ---------------------------------------------------------------- shared by both kernels
+// Lazy rescaling: (l, O) are rescaled only when a row's running max grows by more than this
+// (log2 units).
+#ifndef RESCALE_THRESH
+#define RESCALE_THRESH 8.0f
+#endif
+// Fold the scale into the exponent (p = 2^(s c - m) as one FMA) when the scores need no other
+// transform and c > 0 (then max(s) c = max(s c)).
+#if SOFTCAP || ALIBI || !SCALE_POS
+#define FOLD 0
+#else
+#define FOLD 1
+#endif
+#define LN2 0.6931471805599453f
+
+#define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
+
+// inf/NaN in a 16-bit value (exponent all ones), in either half of a 32-bit word
+#if IS_BF16
+#define EXP16 0x7f80u
+#define MANT16 0x007fu
+#else
+#define EXP16 0x7c00u
+#define MANT16 0x03ffu
+#endif
+#define NONFINITE16(B) (((B) & EXP16) == EXP16)
+#define NONFINITE2(W) (NONFINITE16(W) || NONFINITE16((W) >> 16))
+inline float nonfinite_value(uint b) {
+  return (b & MANT16) ? NAN : ((b & 0x8000u) ? -INFINITY : INFINITY);
+}
+
+// Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
+inline int row_lo(long i, long base, long dlo, int klen) {
+  return (int)clamp(i + base + dlo, 0L, (long)klen);
+}
+inline int row_hi(long i, long base, long dhi, int klen) {
+  return (int)clamp(i + base + dhi, -1L, (long)klen - 1);
+}
