@@ -148,9 +148,9 @@ def test_tf32_rounding_emulated():
     carries into the exponent, inf/NaN kept; the split hi + lo holds 22 bits of x."""
     import pyopencl as cl
 
-    from attnlib.backends.opencl import _nvidia_mma
+    from attnlib.backends.opencl._runtime import kernel_source
 
-    header = (_nvidia_mma.kernel_path().parent / "attn_fwd_mma_tf32.h").read_text()
+    header = kernel_source("attn_fwd_mma_tf32.h")
     # TF32_SPLIT 0: lo rounded by cvt.rna too (the split that holds 22 bits of x)
     src = "#define USE_PTX 0\n#define TF32_SPLIT 0\n" + header + """
 __kernel void split(__global const float *x, __global uint *hi, __global uint *lo) {

@@ -164,6 +164,7 @@ def config_options(be, cfg, split, verbose=False, fused=False):
 
 def child_verbose(args) -> None:
     from attnlib.backends.opencl import _nvidia_decode as nd
+    from attnlib.backends.opencl._runtime import kernel_source
 
     cl, be, queue = cl_env()
     for cfg in CONFIGS:
@@ -171,7 +172,7 @@ def child_verbose(args) -> None:
             rec = {"part": "verbose", "config": cfg, "split": split,
                    "local_bytes": nd.local_bytes(D, cfg)}
             try:
-                prg = cl.Program(be.context, nd.kernel_text()).build(
+                prg = cl.Program(be.context, kernel_source("attn_decode_mma.cl")).build(
                     options=config_options(be, cfg, bool(split), True, split == "fused"),
                     devices=[be.device])
                 log = prg.get_build_info(be.device, cl.program_build_info.LOG)

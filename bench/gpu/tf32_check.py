@@ -313,7 +313,7 @@ def nvcc_regs(configs, fp16: bool) -> None:
     sys.path.insert(0, HERE)
     import mma_common as mc
 
-    text = mc.nv.kernel_text()
+    text = mc.nv.kernel_source("attn_fwd_mma.cl")
     text = text.replace("__kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))",
                         "KERNEL_HEAD")
     text = re.sub(r"__local\s+(\w+)\s+(\w+)\s*\[[^\]]*\]", r"__shared__ \1 \2[64]", text)

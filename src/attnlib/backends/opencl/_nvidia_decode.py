@@ -18,9 +18,7 @@ other head dims go to the portable kernel.
 
 from __future__ import annotations
 
-import re
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,7 +58,6 @@ _DTYPES = (np.dtype(np.float16), _nvidia_mma._BF16)
 _F32 = np.dtype(np.float32)
 
 _lock = threading.Lock()
-_programs: dict[tuple, Any] = {}
 _kernels: dict[tuple, Any] = {}
 _counter_bufs: dict[tuple, Any] = {}
 
@@ -127,43 +124,6 @@ def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
-
-
-def kernel_path() -> Path:
-    here = Path(__file__).resolve()
-    for cand in (here.parents[2] / "kernels", here.parents[4] / "kernels"):
-        if (cand / "attn_decode_mma.cl").is_file():
-            return cand / "attn_decode_mma.cl"
-    raise FileNotFoundError("attn_decode_mma.cl not found beside attnlib or in the source tree")
-
-
-def kernel_text() -> str:
-    """attn_decode_mma.cl with its ``#include "x.h"`` lines replaced by the headers beside it."""
-    path = kernel_path()
-    return re.sub(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$',
-                  lambda m: (path.parent / m.group(1)).read_text(), path.read_text(),
-                  flags=re.MULTILINE)
-
-
-def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
-    """Build (once per context, device and options) and return the program."""
-    import pyopencl as cl
-
-    key = (ctx.int_ptr, device.int_ptr, options)
-    with _lock:
-        prg = _programs.get(key)
-        if prg is None:
-            try:
-                prg = cl.Program(ctx, kernel_text()).build(options=list(options),
-                                                           devices=[device])
-            except cl.Error as exc:
-                from ...errors import KernelBuildError
-
-                raise KernelBuildError(
-                    f"attn_decode_mma.cl failed to build for {device.name} with options "
-                    f"{' '.join(options)}: {exc}") from exc
-            _programs[key] = prg
-    return prg
 
 
 def _counters(ctx: Any, queue: Any, n: int) -> Any:
@@ -250,7 +210,8 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows),
                 np.float32(qk_scale), np.float32(cap)]
         evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
-                     lambda: get_program(ctx, device, opts), "attn_decode_mma", queue,
+                     lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl"),
+                     "attn_decode_mma", queue,
                      (n_cols * threads, hkv, splits), (threads, 1, 1), args)
         evts = [evt]
         if splits > 1 and not fused:

@@ -30,10 +30,8 @@ the handling itself was checked through the emulated kernel only (bench/RESULTS.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -41,7 +39,7 @@ import numpy as np
 
 from ..base import AttnCall
 from . import _pool
-from ._runtime import launch
+from ._runtime import build_program, kernel_source, launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
            "default_config", "build_options"]
@@ -167,41 +165,17 @@ def default_config(dtype: Any, head_dim: int) -> tuple:
     return table[head_dim]
 
 
-def kernel_path() -> Path:
-    here = Path(__file__).resolve()
-    for cand in (here.parents[2] / "kernels", here.parents[4] / "kernels"):
-        if (cand / "attn_fwd_mma.cl").is_file():
-            return cand / "attn_fwd_mma.cl"
-    raise FileNotFoundError("attn_fwd_mma.cl not found beside attnlib or in the source tree")
-
-
-def kernel_text() -> str:
-    """attn_fwd_mma.cl with its ``#include "x.h"`` lines replaced by the headers beside it (one
-    source text: pyopencl's cache key covers the headers, no -I path needed)."""
-    path = kernel_path()
-    return re.sub(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$',
-                  lambda m: (path.parent / m.group(1)).read_text(), path.read_text(),
-                  flags=re.MULTILINE)
-
-
-def get_program(ctx: Any, device: Any, options: tuple[str, ...]) -> Any:
-    """Build (once per context, device and options) and return the program."""
-    import pyopencl as cl
-
-    key = (ctx.int_ptr, device.int_ptr, options)
+def get_program(ctx: Any, device: Any, options: tuple[str, ...],
+                filename: str = "attn_fwd_mma.cl") -> Any:
+    """Build (once per context, device, file and options) and return the program of one of the
+    tensor-core kernels (this one, or attn_decode_mma.cl for _nvidia_decode), headers inlined,
+    with NVIDIA's default OpenCL C version (no -cl-std)."""
+    key = (ctx.int_ptr, device.int_ptr, filename, options)
     with _lock:
         prg = _programs.get(key)
         if prg is None:
-            src = kernel_text()
-            try:
-                prg = cl.Program(ctx, src).build(options=list(options), devices=[device])
-            except cl.Error as exc:
-                from ...errors import KernelBuildError
-
-                raise KernelBuildError(
-                    f"attn_fwd_mma.cl failed to build for {device.name} with options "
-                    f"{' '.join(options)}: {exc}") from exc
-            _programs[key] = prg
+            prg = _programs[key] = build_program(ctx, filename, kernel_source(filename),
+                                                 options, std=None, devices=[device])
     return prg
 
 

@@ -156,19 +156,22 @@ class ProgramCache:
         return src
 
 
-def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...]) -> Any:
-    """Build ``source``; a failure raises KernelBuildError naming the file, options and log."""
+def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...], *,
+                  std: str | None = "CL1.2", devices: list | None = None) -> Any:
+    """Build ``source`` (for ``devices``, default every device of ``ctx``; ``std=None``: the
+    compiler's default OpenCL C version); a failure raises KernelBuildError naming the file,
+    options and log."""
     import pyopencl as cl
 
-    opts = list(options) + ["-cl-std=CL1.2"]
+    opts = list(options) + ([f"-cl-std={std}"] if std else [])
     try:
-        return cl.Program(ctx, source).build(options=opts)
+        return cl.Program(ctx, source).build(options=opts, devices=devices)
     except cl.Error as exc:
         log = str(exc)
+        names = ", ".join(d.name.strip() for d in (devices or ctx.devices))
         raise KernelBuildError(
-            f"opencl: building kernels/{filename} failed on "
-            f"{', '.join(d.name.strip() for d in ctx.devices)} with options {' '.join(opts)}:\n"
-            f"{log}"
+            f"opencl: building kernels/{filename} failed on {names} with options "
+            f"{' '.join(opts)}:\n{log}"
         ) from exc
 
 
