@@ -11,7 +11,7 @@ import pytest
 import attnlib
 from attnlib.backends.base import AttnCall
 from attnlib.testing._helpers import randn, rng_for
-from attnlib.testing.reference import attend
+from attnlib.testing.reference import reference_call
 from attnlib.testing.tolerance import assert_rule
 
 pytest.importorskip("pyopencl")
@@ -32,45 +32,14 @@ def make_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0
         alibi=None if alibi is None else np.asarray(alibi, np.float32), ring=ring)
 
 
-def reference(call: AttnCall, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """out, lse of ``call`` from the oracle's per-sequence ``attend`` (``dtype``: float64 for
-    the reference, the inputs' dtype for the naive same-dtype run)."""
-    q, k, v = call.q, call.k, call.v
-    bq, sq_arr, hq, _ = q.shape
-    out = np.zeros((bq, sq_arr, hq, v.shape[3]))
-    lse = np.full((bq, hq, sq_arr), -np.inf)
-    for s in range(call.n_seq):
-        qb, qr, ql = int(call.q_batch[s]), int(call.q_row0[s]), int(call.q_len[s])
-        kb, kr, kl = int(call.k_batch[s]), int(call.k_row0[s]), int(call.k_len[s])
-        rows = kr + np.arange(kl)
-        if call.ring:
-            rows = np.where(rows >= call.ring, rows - call.ring, rows)
-        qpos = call.q_pos0[s] + np.arange(ql)
-        kpos = call.k_pos0[s] + np.arange(kl)
-        dd = kpos[None, :] - qpos[:, None]
-        vis = np.ones((ql, kl), bool)
-        if call.causal_hi is not None:
-            vis &= dd <= call.causal_hi[s]
-        if call.window_left is not None:
-            vis &= -call.window_left <= dd
-        if call.window_right is not None:
-            vis &= dd <= call.window_right
-        o, ls = attend(q[qb, qr:qr + ql], k[kb, rows], v[kb, rows], qpos, kpos, vis,
-                       scale=call.scale, softcap=call.softcap,
-                       alibi=None if call.alibi is None else call.alibi[s], dtype=dtype)
-        out[qb, qr:qr + ql] = o
-        lse[qb, :, qr:qr + ql] = ls
-    return out, lse
-
-
 def run_and_check(call: AttnCall, *, splits, config=None, fused=False):
     from attnlib.backends.opencl import _nvidia_decode
 
     be = attnlib.get_backend("opencl")
     out, lse = _nvidia_decode.run(be, be.queue, call, config=config, splits=splits,
                                   use_ptx=False, fused=fused)
-    ref, ref_lse = reference(call, np.float64)
-    naive, _ = reference(call, call.dtype)
+    ref, ref_lse = reference_call(call)
+    naive, _ = reference_call(call, call.dtype)
     assert out.dtype == call.dtype and lse.dtype == np.float32
     assert_rule(out, ref, naive)
     finite = np.isfinite(ref_lse)

@@ -71,60 +71,19 @@ def seq_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0,
         scale=float(scale if scale is not None else 1.0 / np.sqrt(q.shape[3])), ring=ring)
 
 
-def reference(call: AttnCall, work_dtype=np.float64, round_to=None):
-    """out (Bq, Sq, Hq, Dv), lse (Bq, Hq, Sq) of ``call`` in ``work_dtype``; with ``round_to``,
-    every intermediate is rounded to that dtype (the SPEC's naive same-dtype computation)."""
-    rnd = (lambda x: x.astype(round_to).astype(work_dtype)) if round_to else (lambda x: x)
-    q, k, v = (np.asarray(x).astype(work_dtype) for x in (call.q, call.k, call.v))
-    bq, sq, hq, _ = q.shape
-    group = hq // k.shape[2]
-    out = np.zeros((bq, sq, hq, v.shape[3]), work_dtype)
-    lse = np.full((bq, hq, sq), -np.inf, work_dtype)
-    for s in range(call.n_seq):
-        qb, qr, ql = int(call.q_batch[s]), int(call.q_row0[s]), int(call.q_len[s])
-        kb, kr, kl = int(call.k_batch[s]), int(call.k_row0[s]), int(call.k_len[s])
-        rows = kr + np.arange(kl)
-        if call.ring:
-            rows = np.where(rows >= call.ring, rows - call.ring, rows)
-        qpos = call.q_pos0[s] + np.arange(ql)
-        kpos = call.k_pos0[s] + np.arange(kl)
-        dd = kpos[None, :] - qpos[:, None]
-        vis = np.ones((ql, kl), bool)
-        if call.causal_hi is not None:
-            vis &= dd <= call.causal_hi[s]
-        if call.window_left is not None:
-            vis &= -call.window_left <= dd
-        if call.window_right is not None:
-            vis &= dd <= call.window_right
-        for h in range(hq):
-            qq = q[qb, qr:qr + ql, h]
-            kk, vv = k[kb, rows, h // group], v[kb, rows, h // group]
-            sc = rnd(call.scale * rnd(qq @ kk.T))
-            if call.softcap is not None:
-                sc = rnd(call.softcap * np.tanh(sc / call.softcap))
-            if call.alibi is not None:
-                sc = rnd(sc - call.alibi[s, h] * np.abs(dd))
-            sc = np.where(vis, sc, -np.inf)
-            m = sc.max(axis=1, initial=-np.inf, keepdims=True)
-            m_use = np.where(np.isneginf(m), 0, m)
-            p = np.where(vis, np.exp(np.where(vis, sc, 0) - m_use), 0)
-            den = p.sum(axis=1, keepdims=True)
-            pn = rnd(np.where(den > 0, p / np.where(den > 0, den, 1), 0))
-            pv = np.zeros((ql, vv.shape[1]), work_dtype)
-            for j in range(kl):  # skip hidden keys (never 0 * v: v may be NaN there)
-                sel = vis[:, j]
-                pv[sel] += pn[sel, j:j + 1] * vv[j]
-            out[qb, qr:qr + ql, h] = rnd(pv)
-            seen = (den[:, 0] > 0) | np.isnan(den[:, 0])
-            with np.errstate(divide="ignore"):
-                lse[qb, h, qr:qr + ql] = np.where(seen, m_use[:, 0] + np.log(den[:, 0]), -np.inf)
-    return out, lse
+def reference(call: AttnCall, round_to=None):
+    """out (Bq, Sq, Hq, Dv), lse (Bq, Hq, Sq) of ``call`` from the conformance oracle
+    (attnlib.testing.reference.reference_call): float64, or with ``round_to`` the naive run with
+    every intermediate rounded to that dtype (the SPEC's naive same-dtype computation)."""
+    from attnlib.testing.reference import reference_call
+
+    return reference_call(call, np.float64 if round_to is None else round_to)
 
 
 def check(call: AttnCall, out, lse, *, rows_mask=None):
     """(ok, err, tol, lse_err) by the SPEC's rule: err <= 2 * naive_err + 1e-5."""
     ref, ref_lse = reference(call)
-    naive, _ = reference(call, np.float32, round_to=call.dtype)
+    naive, _ = reference(call, round_to=call.dtype)
     o = np.asarray(out).astype(np.float64)
     err = float(np.nanmax(np.abs(o - ref))) if o.size else 0.0
     same_nan = all(bool(np.array_equal(f(o), f(ref))) for f in (np.isnan, np.isposinf,

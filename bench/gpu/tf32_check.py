@@ -163,7 +163,7 @@ def check(mc, call, out, lse) -> dict:
     max err <= 2 naive err + 1e-5, the same inf/NaN; lse by the same rule with a slack of
     1e-5 (1 + max |lse|)."""
     ref, ref_lse = mc.reference(call)
-    naive, naive_lse = mc.reference(call, np.float32, round_to=np.float32)
+    naive, naive_lse = mc.reference(call, round_to=np.float32)
     o = np.asarray(out).astype(np.float64)
     lse = np.asarray(lse).astype(np.float64)
     fin = np.isfinite(ref)

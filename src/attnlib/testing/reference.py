@@ -14,6 +14,7 @@ __all__ = [
     "attend",
     "dense_visibility",
     "reference_attention",
+    "reference_call",
     "naive_attention",
     "reference_varlen",
     "reference_softmax",
@@ -104,6 +105,39 @@ def attend(q, k, v, qpos, kpos, visible, *, scale, softcap=None, alibi=None, add
         lse = np.where(any_vis, m + np.log(l_sum), -np.inf)
         lse = lse.astype(np.dtype(dtype)).astype(lse_dtype).astype(np.float64)
     return out.transpose(1, 0, 2), lse
+
+
+def reference_call(call, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """out (Bq, Sq, Hq, Dv), lse (Bq, Hq, Sq) of a backend-level ``AttnCall`` (sequences, row
+    offsets, positions, ring buffer, causal / window bounds, softcap, ALiBi; no masks) from
+    :func:`attend` per sequence: ``dtype`` float64 for the reference, the inputs' dtype for the
+    naive same-dtype run. For checking kernels driven below the API."""
+    q, k, v = call.q, call.k, call.v
+    bq, sq_arr, hq, _ = q.shape
+    out = np.zeros((bq, sq_arr, hq, v.shape[3]))
+    lse = np.full((bq, hq, sq_arr), -np.inf)
+    for s in range(call.n_seq):
+        qb, qr, ql = int(call.q_batch[s]), int(call.q_row0[s]), int(call.q_len[s])
+        kb, kr, kl = int(call.k_batch[s]), int(call.k_row0[s]), int(call.k_len[s])
+        rows = kr + np.arange(kl)
+        if call.ring:
+            rows = np.where(rows >= call.ring, rows - call.ring, rows)
+        qpos = call.q_pos0[s] + np.arange(ql)
+        kpos = call.k_pos0[s] + np.arange(kl)
+        dd = kpos[None, :] - qpos[:, None]
+        vis = np.ones((ql, kl), bool)
+        if call.causal_hi is not None:
+            vis &= dd <= call.causal_hi[s]
+        if call.window_left is not None:
+            vis &= -call.window_left <= dd
+        if call.window_right is not None:
+            vis &= dd <= call.window_right
+        o, ls = attend(q[qb, qr:qr + ql], k[kb, rows], v[kb, rows], qpos, kpos, vis,
+                       scale=call.scale, softcap=call.softcap,
+                       alibi=None if call.alibi is None else call.alibi[s], dtype=dtype)
+        out[qb, qr:qr + ql] = o
+        lse[qb, :, qr:qr + ql] = ls
+    return out, lse
 
 
 def _bhsd_to_bshd(x):
