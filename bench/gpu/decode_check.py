@@ -35,12 +35,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
 
 import numpy as np
+
+SCRIPT = os.path.abspath(__file__)  # re-run as the children
+sys.path.insert(0, os.path.dirname(SCRIPT))
+from devrun import emit, spawn  # noqa: E402 - the script's folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HQ, HKV, D = 32, 8, 128
@@ -53,14 +56,6 @@ SPLITS = {(1, 8192): [None, 8, 16, 33], (8, 8192): [None, 2, 4],
 # last work-group of each (sequence, kv head) merges (FUSED_MERGE=1, one launch)
 VARIANTS = ["", "fused"]
 REPS, WARMUP = 30, 3
-
-
-def emit(rec: dict, path: str | None) -> None:
-    line = json.dumps(rec, default=str)
-    print(line, flush=True)
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
 
 
 def nbytes(b: int, n: int) -> int:
@@ -409,23 +404,6 @@ def child_torch(args) -> None:
 
 
 # -------------------------------------------------------------------------------------- parent
-def spawn(argv: list[str], timeout: float, json_path: str | None, what: dict) -> None:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.Popen(cmd)
-        rc = proc.wait(timeout=timeout)
-        if rc:
-            emit({**what, "error": f"child exited with status {rc}"}, json_path)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        emit({**what, "error": f"timed out after {timeout:.0f} s"}, json_path)
-    except Exception as exc:  # noqa: BLE001
-        emit({**what, "error": repr(exc)}, json_path)
-    print(f"   ({what} took {time.perf_counter() - t0:.1f} s)", flush=True)
-
-
 def summary(recs: list[dict]) -> None:
     print("\n== summary")
     checks = [r for r in recs if r.get("part") == "check"]
@@ -496,24 +474,24 @@ def main() -> int:
         os.remove(args.json)
     own = ["--json", args.json] + (["--emulate"] if args.emulate else [])
     start = time.perf_counter()
-    spawn(["--child", "check", *own], 240 if args.emulate else args.timeout, args.json,
+    spawn(SCRIPT, ["--child", "check", *own], 240 if args.emulate else args.timeout, args.json,
           {"child": "check"})
     if not args.emulate:  # timings first: they matter most if the run is cut short
-        spawn(["--child", "floor", *own], 60, args.json, {"child": "floor"})
+        spawn(SCRIPT, ["--child", "floor", *own], 60, args.json, {"child": "floor"})
         for b, n in SHAPES:
             shape = ["--shape", str(b), str(n)]
-            spawn(["--child", "time", *shape, *own], args.timeout, args.json,
+            spawn(SCRIPT, ["--child", "time", *shape, *own], args.timeout, args.json,
                   {"child": "time", "shape": (b, n)})
             if not args.no_torch:
-                spawn(["--child", "torch", *shape, *own], 90, args.json,
+                spawn(SCRIPT, ["--child", "torch", *shape, *own], 90, args.json,
                       {"child": "torch", "shape": (b, n)})
-        spawn(["--child", "verbose", *own], args.timeout, args.json, {"child": "verbose"})
+        spawn(SCRIPT, ["--child", "verbose", *own], args.timeout, args.json, {"child": "verbose"})
         for b, n in SHAPES:
-            spawn(["--child", "e2e", "--shape", str(b), str(n), *own], 90, args.json,
+            spawn(SCRIPT, ["--child", "e2e", "--shape", str(b), str(n), *own], 90, args.json,
                   {"child": "e2e", "shape": (b, n)})
     # head dims built but not dispatched yet (EXTRA_HEAD_DIMS): own process, a fault there
     # must not poison the rest
-    spawn(["--child", "check", "--dims", "32", "96", "256", *own],
+    spawn(SCRIPT, ["--child", "check", "--dims", "32", "96", "256", *own],
           240 if args.emulate else args.timeout, args.json, {"child": "check extra dims"})
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
     recs = [json.loads(ln) for ln in open(args.json) if ln.strip()]

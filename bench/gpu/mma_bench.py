@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mma_common as mc  # noqa: E402
+from devrun import cl_env, flops  # noqa: E402 - the script's folder
 
 nv = mc.nv
 CASES = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128)]
@@ -31,18 +32,6 @@ VERBOSE = () if EMULATE else ("-cl-nv-verbose",)
 # extra build flags for an A/B sweep entry (e.g. -DRESCALE_THRESH=-1.0f); such entries are reported
 # but never picked for the table
 EXTRA = tuple(os.environ.get("MMA_EXTRA", "").split())
-
-
-def flops(b, h, s, d, causal):
-    return 4.0 * b * h * s * s * d / (2 if causal else 1)
-
-
-def cl_env():
-    import pyopencl as cl
-
-    ctx = cl.create_some_context(interactive=False)
-    queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
-    return cl, ctx, queue, ctx.devices[0]
 
 
 def peak(args):

@@ -46,6 +46,10 @@ import traceback
 
 import numpy as np
 
+SCRIPT = os.path.abspath(__file__)  # re-run as the children
+sys.path.insert(0, os.path.dirname(SCRIPT))
+from devrun import cl_env, emit, flops, spawn  # noqa: E402 - the script's folder
+
 _CU_SHIM = r"""
 typedef unsigned int uint; typedef unsigned long ulong; typedef unsigned short ushort;
 #define get_local_id(i) ((int)threadIdx.x)
@@ -99,26 +103,6 @@ __kernel void tf32_peak(__global float *out, const int iters) {
   out[get_global_id(0)] = s;
 }
 """
-
-
-def emit(rec: dict, path: str | None) -> None:
-    line = json.dumps(rec, default=str)
-    print(line, flush=True)
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-
-
-def flops(b, h, s, d, causal):
-    return 4.0 * b * h * s * s * d / (2 if causal else 1)
-
-
-def cl_env():
-    import pyopencl as cl
-
-    ctx = cl.create_some_context(interactive=False)
-    queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
-    return cl, ctx, queue, ctx.devices[0]
 
 
 # ------------------------------------------------------------------------------------ children
@@ -341,23 +325,6 @@ def nvcc_regs(configs, fp16: bool) -> None:
 
 
 # -------------------------------------------------------------------------------------- parent
-def spawn(argv: list[str], timeout: float, json_path: str | None, what: dict) -> None:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.Popen(cmd)
-        rc = proc.wait(timeout=timeout)
-        if rc:
-            emit({**what, "error": f"child exited with status {rc}"}, json_path)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        emit({**what, "error": f"timed out after {timeout:.0f} s"}, json_path)
-    except Exception as exc:  # noqa: BLE001
-        emit({**what, "error": repr(exc)}, json_path)
-    print(f"   ({what} took {time.perf_counter() - t0:.1f} s)", flush=True)
-
-
 def summary(recs: list[dict], peak: float | None) -> None:
     print("\n== summary")
     if peak:
@@ -448,7 +415,7 @@ def main() -> int:
         os.remove(args.json)
     start = time.perf_counter()
     if not (args.no_peak or args.emulate):
-        spawn(["--child", "peak", *own], 60, args.json, {"child": "peak"})
+        spawn(SCRIPT, ["--child", "peak", *own], 60, args.json, {"child": "peak"})
     n_first = len(configs) if args.config else len(args.d)  # the rest: --sweep entries
     reserve = 0 if (args.no_torch or args.emulate) else 60
     for i, (d, cfg) in enumerate(configs):
@@ -457,13 +424,13 @@ def main() -> int:
             emit({"d": d, "config": cfg, "error": "skipped: --budget spent"}, args.json)
             continue
         print(f"\n== D={d} config BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS[:macros] = {cfg}", flush=True)
-        spawn(["--child", "config", "--d", str(d), "--config", cfg, *common,
+        spawn(SCRIPT, ["--child", "config", "--d", str(d), "--config", cfg, *common,
                *(["--quick"] if i >= n_first else [])], min(args.timeout, left), args.json,
               {"d": d, "config": cfg})
     if not (args.no_torch or args.emulate):
         print("\n== PyTorch SDPA float32", flush=True)
         left = args.budget + 50 - (time.perf_counter() - start)
-        spawn(["--child", "torch", *own], max(30.0, min(240.0, left)), args.json,
+        spawn(SCRIPT, ["--child", "torch", *own], max(30.0, min(240.0, left)), args.json,
               {"child": "torch"})
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
     if os.path.exists(args.json):
