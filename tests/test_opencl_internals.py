@@ -51,12 +51,6 @@ def test_kernel_build_error_names_options_and_log(be):
 def test_config_options_are_sorted_defines():
     cfg = _attention.MergeConfig(IN_KIND=1, STORE_KIND=0, ACC_KIND=0, WG=64, G=2)
     assert cfg.options() == ("-DACC_KIND=0", "-DG=2", "-DIN_KIND=1", "-DSTORE_KIND=0", "-DWG=64")
-    # NV_MAXRREGCOUNT is NVIDIA's register cap, not a macro (and absent when 0)
-    fwd = dict(HEAD_DIM=8, HEAD_DIM_V=8, BLOCK_M=4, BLOCK_N=8, THREADS_M=4, THREADS_N=4,
-               D_VEC=4, V_VEC=1, LOAD_VEC=True, STORE_KIND=0, ACC_KIND=0, MASK_KIND=0,
-               HAS_ALIBI=False, HAS_SOFTCAP=False, SPLIT=False)
-    assert not any("MAXRREG" in o for o in _attention.FwdConfig(**fwd).options())
-    assert "-cl-nv-maxrregcount=64" in _attention.FwdConfig(**fwd, NV_MAXRREGCOUNT=64).options()
 
 
 def test_arrays_in_arrays_out_without_host_copies(be, monkeypatch):

@@ -130,7 +130,7 @@ def verbose_report(ctx, filename: str, options_seen) -> None:
         prg = cl.Program(ctx, kernel_source(filename)).build(
             options=list(opts) + ["-cl-std=CL1.2", "-cl-nv-verbose"])
         log = prg.get_build_info(ctx.devices[0], cl.program_build_info.LOG)
-        keep = ("BLOCK", "THREADS", "CP_ASYNC=", "maxrreg", "STORE_KIND")
+        keep = ("BLOCK", "THREADS", "CP_ASYNC=", "STORE_KIND")
         print(json.dumps({"verbose": [o for o in opts if any(k in o for k in keep)],
                           "ptxas": [ln.strip() for ln in log.splitlines()
                                     if "registers" in ln or "spill" in ln][:3]}), flush=True)

@@ -46,7 +46,6 @@ class FwdConfig(KernelConfig):
     STAGE: int = 8
     CP_ASYNC: int = 0  # 0 registers, 1 cp.async, 2 cp.async with separate K and V tiles
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
-    NV_MAXRREGCOUNT: int = 0  # NVIDIA only: registers per work-item (0: the compiler's choice)
 
 
 @dataclass(frozen=True)
@@ -55,13 +54,7 @@ class MergeConfig(KernelConfig):
     STORE_KIND: int
     ACC_KIND: int
     WG: int
-    G: int = 1  # groups of work-items splitting the states; WG / G columns per work-group
-
-
-def merge_wg(dv: int) -> int:
-    """Work-group size of merge.cl with G = 1 (one work-group per row): Dv rounded up to a power
-    of two, 32..128."""
-    return min(128, max(32, _next_pow2(dv)))
+    G: int  # groups of work-items splitting the states; WG / G columns per work-group
 
 
 #: merge.cl: work-items per work-group, and columns per work-group (the rest split the states)
@@ -292,9 +285,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     bq, sq_arr, hq, d = call.q.shape
     hkv, dv = call.n_kv_heads, call.head_dim_v
     n_seq = call.n_seq
-    q_len = call.q_len
-    rows = q_len * (hq // hkv) if q_len.dtype == np.int64 else q_len.astype(np.int64) * (
-        hq // hkv)
+    rows = call.q_len.astype(np.int64, copy=False) * (hq // hkv)
     max_rows = int(rows.max()) if n_seq else 0
     if be.use_mma and max_rows > DECODE_ROWS:
         from . import _nvidia_mma  # NVIDIA tensor cores (sm_80+): fp16/bf16, float32 as 3xTF32

@@ -103,8 +103,7 @@ def kernel_source(filename: str) -> str:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Compile-time constants of one kernel file; every field becomes ``-D NAME=value``, except
-    ``NV_MAXRREGCOUNT``, which becomes NVIDIA's ``-cl-nv-maxrregcount`` when nonzero.
+    """Compile-time constants of one kernel file; every field becomes ``-D NAME=value``.
 
     Subclasses name their fields in UPPER_CASE, exactly as the macros are spelt in the .cl file.
     """
@@ -119,10 +118,6 @@ def _options(cfg: KernelConfig) -> tuple[str, ...]:
     defs = []
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name == "NV_MAXRREGCOUNT":  # NVIDIA's register cap per work-item (0: none)
-            if value:
-                defs.append(f"-cl-nv-maxrregcount={value}")
-            continue
         if isinstance(value, bool):
             value = int(value)
         defs.append(f"-D{f.name}={value}")
