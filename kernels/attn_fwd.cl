@@ -188,9 +188,9 @@ typedef store_t out_t;
 /* NVIDIA sm_80+: cp.async copies global -> __local without passing through registers, so a
  * work-item can have its whole share of the tile in flight (with registers it is STAGE chunks:
  * the decode kernel's staging was measured to run one register batch at a time). The host sets
- * CP_ASYNC only there, and only with offsets and strides that keep every chunk aligned.
- * CP_ASYNC=1 waits for each tile where it is staged; CP_ASYNC=2 (separate K and V tiles) only
- * commits, and the tile loop waits: V(t) loads while S(t) is computed, K(t+1) while P V(t) is. */
+ * CP_ASYNC only there, and only with offsets and strides that keep every chunk aligned. Each
+ * tile is waited for where it is staged. (A variant with separate K and V tiles, V(t) and K(t+1)
+ * loading under the math, was no faster on the H200: fewer work-groups per SM; RESULTS.md.) */
 #if CP_ASYNC_EMULATE /* the same tile walk with plain copies, for PoCL and Oclgrind */
 #define CP_ASYNC_KV(DST, SRC) (*(DST) = G_RAW4((SRC), 0))
 #define CP_COMMIT()
@@ -222,7 +222,7 @@ typedef store_t out_t;
         }                                                                                       \
     }                                                                                           \
     CP_COMMIT();                                                                                \
-    if (CP_ASYNC == 1) CP_WAIT(0);
+    CP_WAIT(0);
 #else
 #define STAGE_TILE(DST4, SRC, S_OFF, S_SB, S_SS, S_SH, COLS4, VALID4, DST_LD4)                  \
     for (int base_ = 0; base_ < BLOCK_N * (COLS4); base_ += NT * STAGE) {                       \
@@ -272,14 +272,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows,
     int group) {
     __local acc4_t q_s4[V4(BLOCK_M * QS_LD)];
-#if CP_ASYNC == 2
-    __local kv4_t k_s4[V4(BLOCK_N * KS_LD)];
-    __local kv4_t v_s4[V4(BLOCK_N * VS_LD)];
-    __local kv_t *k_s = (__local kv_t *)k_s4, *v_s = (__local kv_t *)v_s4;
-#else /* V is staged over K once S is done */
-    __local kv4_t kv_s4[V4(KV_SIZE)];
+    __local kv4_t kv_s4[V4(KV_SIZE)]; /* V is staged over K once S is done */
     __local kv_t *k_s = (__local kv_t *)kv_s4, *v_s = k_s;
-#endif
     __local acc4_t p_s4[V4(BLOCK_M * PS_LD)];
     __local acc_t red_s[THREADS_N * BLOCK_M];
     __local acc_t *q_s = (__local acc_t *)q_s4;
@@ -358,24 +352,13 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         for (int c = 0; c < DV_PER; ++c) acc[r][c] = 0;
     }
 
-#if CP_ASYNC == 2
-    if (t_begin < t_end) {
-        const long n0 = n_first + t_begin * BLOCK_N;
-        STAGE_K(k_s)
-    }
-#endif
     for (long t = t_begin; t < t_end; ++t) {
         const long n0 = n_first + t * BLOCK_N;
         const int full = MASK_KIND == 0 && n0 >= f_lo && n0 + BLOCK_N <= f_hi;
 
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
-#if CP_ASYNC == 2 /* K(t) is in flight since the last tile; V(t) starts now (v_s is free) */
-        STAGE_V(v_s)
-        CP_WAIT(1);
-#else
         STAGE_K(k_s)
-#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- S = Q K^T on the micro-tile */
@@ -478,18 +461,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
-#if CP_ASYNC == 2 /* every item is past S(t): K(t + 1) may overwrite k_s while P V(t) runs */
-        if (t + 1 < t_end) {
-            const long n0 = n_first + (t + 1) * BLOCK_N;
-            STAGE_K(k_s)
-        } else {
-            CP_COMMIT(); /* an empty group, so that waiting for all but one means V(t) */
-        }
-        CP_WAIT(1);
-#else
         /* -- stage the V tile over the K tile (padding columns zeroed) */
         STAGE_V(v_s)
-#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- O += P V, four keys per step; on partly visible tiles an invisible key (p == 0) is

@@ -117,7 +117,7 @@ def _with(overrides, fn):
 
 
 DECODE_VARIANTS = [  # (tiles, FwdConfig overrides); earlier runs swept more (bench/gpu/logs)
-    (None, {"CP_ASYNC": 0}), (None, {}),
+    (None, {"CP_ASYNC": False}), (None, {}),
     ((4, 64, 1, 32), {}), ((4, 128, 1, 64), {}), ((4, 128, 2, 64), {}), ((4, 64, 2, 16), {}),
 ]
 SPLITS = [None if s == "None" else int(s)
@@ -185,7 +185,7 @@ def prefill32_sweep(queue) -> None:
         host = [rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3)]
         for tiles in [None, (128, 64, 16, 8), (64, 64, 8, 16), (128, 64, 16, 16),
                       (64, 128, 8, 32), (128, 128, 16, 32)]:
-            for cp in (0, 1):
+            for cp in (False, True):
                 be = attnlib.get_backend("opencl", queue=queue, tiles=tiles)
                 dev = [attnlib.to_device(x, backend=be) for x in host]
                 try:

@@ -44,7 +44,7 @@ class FwdConfig(KernelConfig):
     SPLIT: bool
     TREE_MAX: bool = False
     STAGE: int = 8
-    CP_ASYNC: int = 0  # 0 registers, 1 cp.async, 2 cp.async with separate K and V tiles
+    CP_ASYNC: bool = False  # K/V tiles staged by NVIDIA's cp.async instead of registers
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
 
 
@@ -94,14 +94,13 @@ def vec_widths(d: int, dv: int, threads_n: int) -> tuple[int, int, int]:
 
 
 def local_bytes(bm: int, bn: int, tn: int, d: int, dv: int, acc_bytes: int,
-                kv_bytes: int, two_tiles: bool = False) -> int:
+                kv_bytes: int) -> int:
     """__local memory of one attn_fwd work-group (mirrors the arrays declared in the kernel);
-    K/V tiles hold ``kv_bytes`` per element (2: 16-bit storage staged raw); ``two_tiles``: K
-    and V in separate tiles (CP_ASYNC=2)."""
+    K/V tiles hold ``kv_bytes`` per element (2: 16-bit storage staged raw)."""
     d_vec, _, dv_pad = vec_widths(d, dv, tn)
     ld = d + (4 if d_vec == 4 else 1)
-    kv = bn * (ld + dv_pad) + 8 if two_tiles else bn * max(ld, dv_pad) + 4
-    return acc_bytes * (bm * ld + bm * (bn + 4) + tn * bm + 12) + kv_bytes * kv
+    return (acc_bytes * (bm * ld + bm * (bn + 4) + tn * bm + 12)
+            + kv_bytes * (bn * max(ld, dv_pad) + 4))
 
 
 def _next_pow2(n: int) -> int:
@@ -157,32 +156,27 @@ def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | Non
     return max(1, min(-(-target // n_groups), key_tiles // 2))
 
 
-#: ATTNLIB_OPENCL_CP_ASYNC=0/1/2 forces the K/V staging mode (A/B runs, tests): on devices
-#: without cp.async, modes 1 and 2 build with CP_ASYNC_EMULATE (plain copies, same tile walk)
-CP_ASYNC_FORCE: int | None = (int(os.environ["ATTNLIB_OPENCL_CP_ASYNC"])
-                              if os.environ.get("ATTNLIB_OPENCL_CP_ASYNC") else None)
+#: ATTNLIB_OPENCL_CP_ASYNC=0/1 forces the K/V staging (A/B runs, tests): on devices without
+#: cp.async, 1 builds with CP_ASYNC_EMULATE (plain copies, the same tile walk)
+CP_ASYNC_FORCE: bool | None = (os.environ["ATTNLIB_OPENCL_CP_ASYNC"] not in ("", "0")
+                               if os.environ.get("ATTNLIB_OPENCL_CP_ASYNC") else None)
 
 
-def cp_async_mode(be: OpenCLBackend, call: AttnCall, views: list, vec_staging: bool,
-                  two_tiles_bytes: int) -> tuple[int, bool]:
-    """(CP_ASYNC, CP_ASYNC_EMULATE): how K/V tiles are staged. 0 through registers (every
-    device), 1 with NVIDIA's cp.async, 2 with cp.async into separate K and V tiles, the loads of
-    one overlapping the math of the other. cp.async needs sm_80+, 16- or 32-bit storage, vector
-    staging and K/V offsets and strides in whole 4-element chunks (every copy aligned); mode 2
-    needs both tiles within the device's __local budget. Mode 1 is the default: on the H200
-    (bench/RESULTS.md, third session) it beat mode 0 by 11-13% on decode from 8192 tokens at
-    B=8 and at 131072, where mode 2 (fewer work-groups per SM) was no faster than mode 0."""
-    if not vec_staging or call.dtype == np.float64:
-        return 0, False
-    fits = 2 if two_tiles_bytes <= be.facts.local_budget else 1
-    want = 1 if CP_ASYNC_FORCE is None else min(fits, CP_ASYNC_FORCE)
+def cp_async_mode(be: OpenCLBackend, views: list, vec_staging: bool,
+                  dtype: np.dtype) -> tuple[bool, bool]:
+    """(CP_ASYNC, CP_ASYNC_EMULATE): whether K/V tiles are staged with NVIDIA's cp.async (sm_80+,
+    16- or 32-bit storage, vector staging, K/V offsets and strides in whole 4-element chunks so
+    every copy is aligned) instead of through registers. On the H200 (bench/RESULTS.md, third
+    session) it beat registers by 11-13% on decode from 8192 tokens at B=8 and at 131072."""
+    if not vec_staging or dtype == np.float64:
+        return False, False
     if CP_ASYNC_FORCE is not None and not _has_cp_async(be):
-        return want, want > 0
+        return CP_ASYNC_FORCE, CP_ASYNC_FORCE
     if not _has_cp_async(be) or not all(
             vw.offset % 4 == 0 and all(st % 4 == 0 for st in vw.strides[:3])
             for vw in views[1:]):
-        return 0, False
-    return want, False
+        return False, False
+    return CP_ASYNC_FORCE is not False, False
 
 
 def _has_cp_async(be: OpenCLBackend) -> bool:
@@ -254,8 +248,7 @@ def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
     d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
     load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
                 and all(vw.strides[3] == 1 for vw in views))
-    cp_mode, cp_emulate = cp_async_mode(be, call, views, load_vec, local_bytes(
-        bm, bn, tnh, d, dv, acc.itemsize, kv_bytes, two_tiles=True))
+    cp_mode, cp_emulate = cp_async_mode(be, views, load_vec, dtype)
     cfgs = tuple(FwdConfig(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
         THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
