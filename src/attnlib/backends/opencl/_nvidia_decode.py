@@ -53,7 +53,6 @@ FUSED_MERGE = True
 MIN_TILES_PER_SPLIT = 2
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
 SM_LOCAL_BYTES = 227 * 1024
-_LOG2E = 1.4426950408889634
 _DTYPES = (np.dtype(np.float16), _nvidia_mma._BF16)
 _F32 = np.dtype(np.float32)
 
@@ -153,7 +152,6 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     the splits in the kernel's last work-group per pair instead of merge.cl; ``events`` receives
     the kernels' events.
     """
-    import pyopencl as cl
 
     ctx, device = queue.context, be.device
     d = call.head_dim
@@ -183,17 +181,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                              alibi=call.alibi is not None, scale_pos=call.scale > 0,
                              split=splits > 1, use_ptx=use_ptx, fused=fused)
-        slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
-                  if call.alibi is not None else np.zeros(1, np.float32))
-        alibi_buf = _nvidia_mma._memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
-                                          lambda: _nvidia_mma._device_copy(ctx, slopes))
-        (qb, qo, qs, _kq), (kb, ko, ks, _kk), (vb, vo, vs, _kv) = (
-            _nvidia_mma._view(ctx, call.q), _nvidia_mma._view(ctx, call.k),
-            _nvidia_mma._view(ctx, call.v))
-        if call.softcap is not None:
-            qk_scale, cap = call.scale / call.softcap, call.softcap * _LOG2E
-        else:
-            qk_scale, cap = call.scale * _LOG2E, 0.0
+        alibi_buf, bufs, geometry, scalars = _nvidia_mma.kernel_inputs(ctx, call)
         i64, i32 = np.int64, np.int32
         n_out_rows = bq * sq_arr * hq
         if splits > 1:
@@ -205,10 +193,8 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
             dst = [out.base_data, lse.base_data, alibi_buf, alibi_buf]
         counters = _counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
         threads = 32 * warps
-        args = [qb, kb, vb, *dst, tile_buf, seq_buf, alibi_buf, counters,
-                i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
-                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows),
-                np.float32(qk_scale), np.float32(cap)]
+        args = [*bufs, *dst, tile_buf, seq_buf, alibi_buf, counters, *geometry,
+                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows), *scalars]
         evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
                      lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl"),
                      "attn_decode_mma", queue,
@@ -224,11 +210,4 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
             lse.add_event(e)
         if events is not None:
             events.extend(evts)
-    if is_dev:
-        return out, lse
-    out_h = np.empty(out_shape, dtype)
-    lse_h = np.empty(lse_shape, np.float32)
-    if out_h.size:
-        cl.enqueue_copy(queue, out_h.view(f"u{out_h.itemsize}"), out.base_data)
-        cl.enqueue_copy(queue, lse_h, lse.base_data)
-    return out_h, lse_h
+    return _nvidia_mma.results(queue, out, lse, is_dev)

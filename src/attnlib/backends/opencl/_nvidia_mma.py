@@ -270,6 +270,38 @@ def _view(ctx: Any, x: Any) -> tuple[Any, int, tuple[int, int, int], Any]:
     return buf, 0, (sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]), buf
 
 
+def kernel_inputs(ctx: Any, call: AttnCall) -> tuple[Any, list, list, list]:
+    """What both tensor-core kernels take of a call besides their tables: the ALiBi slopes times
+    log2(e) on the device (memoised), the q, k, v buffers, their (offset, 3 strides) as int64
+    arguments, and (qk_scale, cap) as float32: the scale (over softcap when there is one) and
+    the softcap folded with log2(e) for the exp2-domain softmax."""
+    slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
+              if call.alibi is not None else np.zeros(1, np.float32))
+    alibi_buf = _memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
+                          lambda: _device_copy(ctx, slopes))
+    views = [_view(ctx, x) for x in (call.q, call.k, call.v)]
+    geometry = [np.int64(n) for _, off, strides, _keep in views for n in (off, *strides)]
+    if call.softcap is not None:
+        qk_scale, cap = call.scale / call.softcap, call.softcap * _LOG2E
+    else:
+        qk_scale, cap = call.scale * _LOG2E, 0.0
+    return alibi_buf, [v[0] for v in views], geometry, [np.float32(qk_scale), np.float32(cap)]
+
+
+def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
+    """The call's (out, lse): the Arrays themselves for device inputs, else host copies."""
+    import pyopencl as cl
+
+    if is_dev:
+        return out, lse
+    out_h = np.empty(out.shape, out.dtype)
+    lse_h = np.empty(lse.shape, np.float32)
+    if out_h.size:
+        cl.enqueue_copy(queue, out_h.view(f"u{out_h.itemsize}"), out.base_data)
+        cl.enqueue_copy(queue, lse_h, lse.base_data)
+    return out_h, lse_h
+
+
 def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | None = None,
         use_ptx: bool | None = None, extra_options: tuple[str, ...] = (),
         heads_inner: bool | None = None, wait_for: Any = None,
@@ -282,7 +314,6 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     ``heads_inner`` (default :data:`HEADS_INNER`) picks the grid order (see there);
     ``events``, when given, receives the kernel's event (for timing).
     """
-    import pyopencl as cl
 
     d = call.head_dim
     config = tuple(config or default_config(call.dtype, d))
@@ -307,23 +338,12 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                              alibi=call.alibi is not None, scale_pos=call.scale > 0,
                              use_ptx=use_ptx, heads_inner=heads_inner) + tuple(extra_options)
-        slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
-                  if call.alibi is not None else np.zeros(1, np.float32))
-        alibi_buf = _memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
-                              lambda: _device_copy(ctx, slopes))
-        (qb, qo, qs, _kq), (kb, ko, ks, _kk), (vb, vo, vs, _kv) = (
-            _view(ctx, call.q), _view(ctx, call.k), _view(ctx, call.v))
-        if call.softcap is not None:
-            qk_scale, cap = call.scale / call.softcap, call.softcap * _LOG2E
-        else:
-            qk_scale, cap = call.scale * _LOG2E, 0.0
-        i64, i32 = np.int64, np.int32
+        alibi_buf, bufs, geometry, scalars = kernel_inputs(ctx, call)
+        i32 = np.int32
         threads = 32 * warps
         grid = (n_tiles * hq * threads, 1) if heads_inner else (n_tiles * threads, hq)
-        args = [qb, kb, vb, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf,
-                i64(qo), *map(i64, qs), i64(ko), *map(i64, ks), i64(vo), *map(i64, vs),
-                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
-                np.float32(qk_scale), np.float32(cap)]
+        args = [*bufs, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf, *geometry,
+                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), *scalars]
         evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
                      lambda: get_program(ctx, device, opts), "attn_fwd_mma", queue,
                      grid, (threads, 1), args, wait_for=wait_for)
@@ -331,11 +351,4 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         lse.add_event(evt)
         if events is not None:
             events.append(evt)
-    if is_dev:
-        return out, lse
-    out_h = np.empty(out_shape, dtype)
-    lse_h = np.empty(lse_shape, np.float32)
-    if out_h.size:
-        cl.enqueue_copy(queue, out_h.view(f"u{out_h.itemsize}"), out.base_data)
-        cl.enqueue_copy(queue, lse_h, lse.base_data)
-    return out_h, lse_h
+    return results(queue, out, lse, is_dev)
