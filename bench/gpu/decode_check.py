@@ -43,7 +43,7 @@ import numpy as np
 
 SCRIPT = os.path.abspath(__file__)  # re-run as the children
 sys.path.insert(0, os.path.dirname(SCRIPT))
-from devrun import emit, spawn  # noqa: E402 - the script's folder
+from devrun import emit, spawn, torch_median_s  # noqa: E402 - the script's folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HQ, HKV, D = 32, 8, 128
@@ -380,17 +380,7 @@ def child_torch(args) -> None:
                     fn()
                 torch.cuda.synchronize()
                 for mode in ("hot", "cold"):
-                    ts = []
-                    for _ in range(REPS):
-                        if mode == "cold":
-                            flush.zero_()
-                        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-                        e0.record()
-                        fn()
-                        e1.record()
-                        e1.synchronize()
-                        ts.append(e0.elapsed_time(e1) * 1e-3)
-                    t = float(np.median(ts))
+                    t = torch_median_s(torch, fn, REPS, flush.zero_ if mode == "cold" else None)
                     rec[f"{mode}_us"], rec[f"{mode}_TBps"] = t * 1e6, nbytes(b, n) / t / 1e12
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """What the device scripts (decode_check.py, tf32_check.py, mma_bench.py) share: JSON-line
 results, each part in a child process with a timeout (a kernel fault poisons its OpenCL
 context; one failure never stops the rest), a profiling queue, and the attention FLOP count.
-Standard library only at import time, so a parent process never touches the device."""
+Standard library and numpy only at import time, so a parent process never touches the
+device."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 
 def emit(rec: dict, path: str | None) -> None:
@@ -51,3 +54,38 @@ def cl_env():
     ctx = cl.create_some_context(interactive=False)
     queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
     return cl, ctx, queue, ctx.devices[0]
+
+
+def peak_tflops(cl, ctx, queue, dev, src: str, kernel: str, options: list[str],
+                flops_per_mma: int, chains: int = 8, iters: int = 1024) -> float:
+    """The best of 4 runs of a throughput kernel (``kernel(out, iters)``: each warp issues
+    ``iters`` x ``chains`` independent mma of ``flops_per_mma``), 8 work-groups of 256 per
+    compute unit, timed by profiling events; TFLOP/s."""
+    n_wg, threads = dev.max_compute_units * 8, 256
+    out = cl.Buffer(ctx, cl.mem_flags.WRITE_ONLY, n_wg * threads * 4)
+    prg = cl.Program(ctx, src).build(options=[*options, f"-DCHAINS={chains}"])
+    knl = cl.Kernel(prg, kernel)
+    knl.set_args(out, np.int32(iters))
+    best = 0.0
+    for _ in range(4):
+        ev = cl.enqueue_nd_range_kernel(queue, knl, (n_wg * threads,), (threads,))
+        ev.wait()
+        t = (ev.profile.end - ev.profile.start) * 1e-9
+        best = max(best, n_wg * threads / 32 * iters * chains * flops_per_mma / t / 1e12)
+    return best
+
+
+def torch_median_s(torch, fn, reps: int, before=None) -> float:
+    """Median seconds of ``fn()`` between two CUDA events (``before()`` runs untimed ahead of
+    each rep, e.g. an L2 flush)."""
+    ts = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    return float(np.median(ts))

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mma_common as mc  # noqa: E402
-from devrun import cl_env, flops  # noqa: E402 - the script's folder
+from devrun import cl_env, flops, peak_tflops  # noqa: E402 - the script's folder
 
 nv = mc.nv
 CASES = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128)]
@@ -37,19 +37,10 @@ EXTRA = tuple(os.environ.get("MMA_EXTRA", "").split())
 def peak(args):
     cl, ctx, queue, dev = cl_env()
     src = open(os.path.join(os.path.dirname(__file__), "mma_peak.cl")).read()
-    n_wg, threads, iters, chains = dev.max_compute_units * 8, 256, 1024, 8
-    out = cl.Buffer(ctx, cl.mem_flags.WRITE_ONLY, n_wg * threads * 4)
     res = {}
     for bf in (0, 1):
-        prg = cl.Program(ctx, src).build(options=[f"-DIS_BF16={bf}", f"-DCHAINS={chains}"])
-        knl = cl.Kernel(prg, "mma_peak")
-        knl.set_args(out, np.int32(iters))
-        best = 0.0
-        for _ in range(4):
-            ev = cl.enqueue_nd_range_kernel(queue, knl, (n_wg * threads,), (threads,))
-            ev.wait()
-            t = (ev.profile.end - ev.profile.start) * 1e-9
-            best = max(best, n_wg * threads / 32 * iters * chains * 4096 / t / 1e12)
+        best = peak_tflops(cl, ctx, queue, dev, src, "mma_peak", [f"-DIS_BF16={bf}"],
+                           4096)  # m16n8k16
         res["bf16" if bf else "f16"] = best
         print(f"mma.sync m16n8k16 {'bf16' if bf else 'f16 '} f32-acc ceiling: {best:.0f} TFLOP/s")
     if args.json:

@@ -48,7 +48,7 @@ import numpy as np
 
 SCRIPT = os.path.abspath(__file__)  # re-run as the children
 sys.path.insert(0, os.path.dirname(SCRIPT))
-from devrun import cl_env, emit, flops, spawn  # noqa: E402 - the script's folder
+from devrun import cl_env, emit, flops, peak_tflops, spawn, torch_median_s  # noqa: E402 - the script's folder
 
 _CU_SHIM = r"""
 typedef unsigned int uint; typedef unsigned long ulong; typedef unsigned short ushort;
@@ -108,17 +108,7 @@ __kernel void tf32_peak(__global float *out, const int iters) {
 # ------------------------------------------------------------------------------------ children
 def child_peak(args) -> None:
     cl, ctx, queue, dev = cl_env()
-    n_wg, threads, iters, chains = dev.max_compute_units * 8, 256, 1024, 8
-    out = cl.Buffer(ctx, cl.mem_flags.WRITE_ONLY, n_wg * threads * 4)
-    prg = cl.Program(ctx, PEAK_SRC).build(options=[f"-DCHAINS={chains}"])
-    knl = cl.Kernel(prg, "tf32_peak")
-    knl.set_args(out, np.int32(iters))
-    best = 0.0
-    for _ in range(4):
-        ev = cl.enqueue_nd_range_kernel(queue, knl, (n_wg * threads,), (threads,))
-        ev.wait()
-        t = (ev.profile.end - ev.profile.start) * 1e-9
-        best = max(best, n_wg * threads / 32 * iters * chains * 2048 / t / 1e12)
+    best = peak_tflops(cl, ctx, queue, dev, PEAK_SRC, "tf32_peak", [], 2048)  # m16n8k8
     emit({"peak_tf32_tflops": best, "device": dev.name}, args.json)
 
 
@@ -267,16 +257,7 @@ def child_torch(args) -> None:
                         for _ in range(WARMUP):
                             fn()
                         torch.cuda.synchronize()
-                        ts = []
-                        for _ in range(REPS):
-                            e0 = torch.cuda.Event(enable_timing=True)
-                            e1 = torch.cuda.Event(enable_timing=True)
-                            e0.record()
-                            fn()
-                            e1.record()
-                            e1.synchronize()
-                            ts.append(e0.elapsed_time(e1) * 1e-3)
-                    t = float(np.median(ts))
+                        t = torch_median_s(torch, fn, REPS)
                     emit({"torch": name, "shape": shape, "causal": causal, "ms": t * 1e3,
                           "tflops": flops(*shape, causal) / t / 1e12,
                           "tf32_allowed": torch.backends.cuda.matmul.allow_tf32}, args.json)
