@@ -11,25 +11,12 @@ import pytest
 import attnlib
 from attnlib.backends.base import AttnCall
 from attnlib.testing._helpers import randn, rng_for
-from attnlib.testing.reference import reference_call
+from attnlib.testing.reference import reference_call, seq_call
 from attnlib.testing.tolerance import assert_rule
 
 pytest.importorskip("pyopencl")
 if "opencl" not in attnlib.available_backends():  # pragma: no cover - CI always has PoCL
     pytest.skip("no OpenCL device", allow_module_level=True)
-
-
-def make_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
-              causal=False, ring=0, window=(None, None), softcap=None, alibi=None, scale=None):
-    i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
-    n = len(q_len)
-    return AttnCall(
-        q=q, k=k, v=v, q_batch=i64(q_batch), q_row0=i64(q_row0), q_len=i64(q_len),
-        k_batch=i64(k_batch), k_row0=i64(k_row0), k_len=i64(k_len), q_pos0=i64(q_pos0),
-        k_pos0=i64(k_pos0), causal_hi=np.zeros(n, np.int64) if causal else None,
-        scale=float(scale if scale is not None else 1.0 / np.sqrt(q.shape[3])),
-        window_left=window[0], window_right=window[1], softcap=softcap,
-        alibi=None if alibi is None else np.asarray(alibi, np.float32), ring=ring)
 
 
 def run_and_check(call: AttnCall, *, splits, config=None, fused=False):
@@ -57,7 +44,7 @@ def decode_call(rng, dtype, *, b, q_len, klens, hq, hkv, d, causal=True, **kw):
     v = randn(rng, (b, cap, hkv, d), dtype)
     ar = np.arange(b)
     kl = np.asarray(klens)
-    return make_call(q, k, v, q_batch=ar, q_row0=0 * ar, q_len=ar * 0 + q_len, k_batch=ar,
+    return seq_call(q, k, v, q_batch=ar, q_row0=0 * ar, q_len=ar * 0 + q_len, k_batch=ar,
                      k_row0=0 * ar, k_len=kl, q_pos0=kl - q_len, k_pos0=0 * ar, causal=causal,
                      **kw)
 
@@ -141,7 +128,7 @@ def test_decode_ring_varlen():
     k = randn(rng, (4, ring, hkv, d), "float16")
     v = randn(rng, (4, ring, hkv, d), "float16")
     klens = np.array([96, 40, 0, 77])
-    call = make_call(q, k, v, q_batch=np.arange(4), q_row0=[0] * 4, q_len=[1] * 4,
+    call = seq_call(q, k, v, q_batch=np.arange(4), q_row0=[0] * 4, q_len=[1] * 4,
                      k_batch=[3, 1, 0, 2], k_row0=[50, 90, 0, 30], k_len=klens,
                      q_pos0=klens + 200 - 1, k_pos0=[200] * 4, causal=True, ring=ring)
     out = run_and_check(call, splits=3)

@@ -31,6 +31,10 @@ def _import_kernel_module():
 
 
 nv = _import_kernel_module()
+
+from attnlib import _spec  # noqa: E402 - after the kernel module's import above
+from attnlib.testing.reference import reference_call, seq_call  # noqa: E402
+
 AttnCall = nv.AttnCall
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -42,41 +46,16 @@ def rand(rng, shape, dtype):
 
 
 def dense_call(q, k, v, *, causal=False, window=None, softcap=None, alibi=None, scale=None):
-    """AttnCall of attention(q, k, v) in bshd, bottom-right causal alignment."""
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    ar = np.arange(b, dtype=np.int64)
-    z, one = np.zeros(b, np.int64), np.ones(b, np.int64)
-    wl = wr = None
-    if window is not None:
-        wl = window[0] if window[0] is not None and window[0] >= 0 else None
-        wr = window[1] if window[1] is not None and window[1] >= 0 else None
-    return AttnCall(
-        q=q, k=k, v=v, q_batch=ar, q_row0=z, q_len=one * sq, k_batch=ar, k_row0=z, k_len=one * sk,
-        q_pos0=one * (sk - sq), k_pos0=z, causal_hi=z.copy() if causal else None,
-        scale=float(scale if scale is not None else 1.0 / np.sqrt(d)),
-        window_left=wl, window_right=wr, softcap=softcap,
-        alibi=None if alibi is None else np.broadcast_to(alibi, (b, hq)).astype(np.float32),
-        dense=True)
-
-
-def seq_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
-             causal=False, ring=0, scale=None):
-    i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
-    n = len(q_len)
-    return AttnCall(
-        q=q, k=k, v=v, q_batch=i64(q_batch), q_row0=i64(q_row0), q_len=i64(q_len),
-        k_batch=i64(k_batch), k_row0=i64(k_row0), k_len=i64(k_len), q_pos0=i64(q_pos0),
-        k_pos0=i64(k_pos0), causal_hi=np.zeros(n, np.int64) if causal else None,
-        scale=float(scale if scale is not None else 1.0 / np.sqrt(q.shape[3])), ring=ring)
+    """AttnCall of attention(q, k, v) in bshd, bottom-right causal alignment (the front door's
+    own builder)."""
+    return _spec.dense_call(q, k, v, scale=scale, causal=causal, window=window, mask=None,
+                            softcap=softcap, alibi_slopes=alibi, layout="bshd", need_lse=True)
 
 
 def reference(call: AttnCall, round_to=None):
     """out (Bq, Sq, Hq, Dv), lse (Bq, Hq, Sq) of ``call`` from the conformance oracle
     (attnlib.testing.reference.reference_call): float64, or with ``round_to`` the naive run with
     every intermediate rounded to that dtype (the SPEC's naive same-dtype computation)."""
-    from attnlib.testing.reference import reference_call
-
     return reference_call(call, np.float64 if round_to is None else round_to)
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "dense_visibility",
     "reference_attention",
     "reference_call",
+    "seq_call",
     "naive_attention",
     "reference_varlen",
     "reference_softmax",
@@ -105,6 +106,26 @@ def attend(q, k, v, qpos, kpos, visible, *, scale, softcap=None, alibi=None, add
         lse = np.where(any_vis, m + np.log(l_sum), -np.inf)
         lse = lse.astype(np.dtype(dtype)).astype(lse_dtype).astype(np.float64)
     return out.transpose(1, 0, 2), lse
+
+
+def seq_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
+             causal=False, ring=0, window=(None, None), softcap=None, alibi=None, scale=None,
+             need_lse=True):
+    """A backend-level AttnCall from per-sequence lists (for driving kernels below the API):
+    bottom-right causal (``causal_hi`` 0), ``window`` as (left, right) key offsets or None,
+    ``alibi`` (n_seq, Hq) slopes, ``ring`` the ring-buffer length (0: none)."""
+    from attnlib.backends.base import AttnCall
+
+    i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
+    n = len(q_len)
+    return AttnCall(
+        q=q, k=k, v=v, q_batch=i64(q_batch), q_row0=i64(q_row0), q_len=i64(q_len),
+        k_batch=i64(k_batch), k_row0=i64(k_row0), k_len=i64(k_len), q_pos0=i64(q_pos0),
+        k_pos0=i64(k_pos0), causal_hi=np.zeros(n, np.int64) if causal else None,
+        scale=float(scale if scale is not None else 1.0 / np.sqrt(q.shape[3])),
+        window_left=window[0], window_right=window[1], softcap=softcap,
+        alibi=None if alibi is None else np.asarray(alibi, np.float32), ring=ring,
+        need_lse=need_lse)
 
 
 def reference_call(call, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
