@@ -25,7 +25,7 @@ import numpy as np
 
 from ..base import AttnCall
 from . import _nvidia_mma, _pool
-from ._arrays import store_kind
+from ._arrays import is_cl_array, store_kind
 from ._attention import launch_merge
 from ._runtime import launch
 
@@ -162,7 +162,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     dtype = call.dtype
     bq, sq_arr, hq, _ = call.q.shape
     hkv = call.k.shape[2]
-    is_dev = _nvidia_mma._is_cl_array(call.q)
+    is_dev = is_cl_array(call.q)
     out_shape, lse_shape = (bq, sq_arr, hq, d), (bq, hq, sq_arr)
     out = _pool.empty(queue, out_shape, dtype)
     lse = _pool.empty(queue, lse_shape, np.float32)

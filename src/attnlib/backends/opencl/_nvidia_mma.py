@@ -39,6 +39,7 @@ import numpy as np
 
 from ..base import AttnCall
 from . import _pool
+from ._arrays import is_cl_array
 from ._runtime import build_program, kernel_source, launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
@@ -85,14 +86,6 @@ _memo: OrderedDict[tuple, Any] = OrderedDict()
 _MEMO_MAX = 256
 
 
-def _is_cl_array(x: Any) -> bool:
-    try:
-        import pyopencl.array as cla
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(x, cla.Array)
-
-
 _cc_memo: dict[int, tuple[int, int] | None] = {}
 
 
@@ -121,7 +114,7 @@ def _query_cc(device: Any) -> tuple[int, int] | None:
 
 def _array_ok(x: Any) -> bool:
     """Device arrays are read in place: unit last stride, 16-byte aligned rows and start."""
-    if not _is_cl_array(x):
+    if not is_cl_array(x):
         return True
     item = x.dtype.itemsize
     if x.strides[3] != item or x.offset % 16:
@@ -260,7 +253,7 @@ def _view(ctx: Any, x: Any) -> tuple[Any, int, tuple[int, int, int], Any]:
     import pyopencl as cl
 
     item = x.dtype.itemsize
-    if _is_cl_array(x):
+    if is_cl_array(x):
         return x.base_data, x.offset // item, tuple(s // item for s in x.strides[:3]), x
     h = np.ascontiguousarray(x).view(f"u{item}")
     if h.size == 0:
@@ -328,7 +321,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         extra_options = ("-DWARP_SKIP=1", *extra_options)
     bq, sq_arr, hq, _ = call.q.shape
     hkv = call.k.shape[2]
-    is_dev = _is_cl_array(call.q)
+    is_dev = is_cl_array(call.q)
     out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
 
     seq_buf, tile_buf, n_tiles = _tables_on_device(ctx, call, block_m, block_n)
