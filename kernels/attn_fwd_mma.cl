@@ -90,6 +90,26 @@
 #ifndef WARP_SKIP
 #define WARP_SKIP 0
 #endif
+// Candidates for the 16-bit kernel (0 = off, the default build unchanged; notes/kernel4.md):
+// LDSM_BYTES=1: each thread's byte addresses of its Q, K and V ldmatrix rows (and of its fast
+// cp.async destinations) are formed once before the tile loop; every ldmatrix then reads at
+// that address plus a compile-time byte constant (ptxas: [R+imm]) instead of recomputing the
+// lane terms, element index and window base per instruction.
+#ifndef LDSM_BYTES
+#define LDSM_BYTES 0
+#endif
+// KV_SPLIT_STAGES=1: one K and one V buffer, FlashAttention-2's schedule: wait K(t), barrier,
+// issue V(t), S = Q K(t)^T; wait V(t), barrier, issue K(t+1); softmax, O += P V(t).  V's load
+// hides under Q K^T and K's under softmax and P V; half the K/V local memory.
+#ifndef KV_SPLIT_STAGES
+#define KV_SPLIT_STAGES 0
+#endif
+#if LDSM_BYTES && IS_TF32
+#error "LDSM_BYTES=1 is for the 16-bit kernel (float32 reads its fragments without ldmatrix)"
+#endif
+#if KV_SPLIT_STAGES && (IS_TF32 || KV_STAGES != 2)
+#error "KV_SPLIT_STAGES=1 is for the 16-bit kernel and has its own buffers (leave KV_STAGES unset)"
+#endif
 #define LOG2E 1.4426950408889634f
 
 #include "nv_warp.h"
@@ -122,7 +142,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
                   const int sq_arr, const int n_heads, const int group, const int ring,
                   const float qk_scale, const float cap) {
   __local ELEM sQ[BLOCK_M * LDSQ] __attribute__((aligned(16)));
-#if KV_STAGES == 1
+#if KV_STAGES == 1 || KV_SPLIT_STAGES
   __local ELEM sK[BLOCK_N * LDSK] __attribute__((aligned(16)));
   __local ELEM sV[BLOCK_N * LDSV] __attribute__((aligned(16)));
 #else
@@ -210,18 +230,43 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 // Fast path for a tile inside the block's range that does not wrap: each thread copies the same
 // 16-byte column chunk of rows r0, r0 + ROW_STEP, ... from pointers hoisted out of the loop.
 #define ROW_STEP (THREADS / CHUNKS)
+#if LDSM_BYTES
+#define KV_BUF_BYTES (BLOCK_N * LDS * 2)
+#if USE_PTX
+#define SBASE(P) ((uint)(size_t)(P))  // shared-window byte address of local array P
+#define LDSM_B(R, P, A) LDSM_X4_ADDR(R, A)
+#define LDSM_B_T(R, P, A) LDSM_X4_T_ADDR(R, A)
+#define CP_ASYNC16_B(P, A, SRC) CP_ASYNC16_ADDR(A, SRC)
+#else  // emulated: byte offsets from the array P itself
+#define SBASE(P) 0u
+#define LDSM_B(R, P, A) emu_ldsm((R), (P), (int)(A) >> 1, 0, scr)
+#define LDSM_B_T(R, P, A) emu_ldsm((R), (P), (int)(A) >> 1, 1, scr)
+#define CP_ASYNC16_B(P, A, SRC) CP_ASYNC16((P) + ((A) >> 1), SRC)
+#endif
+// chunk I of the fast loader: row r0_ + I ROW_STEP of the buffer whose chunk 0 is at DST0
+#define CP_ROW_CHUNK(SX, DST0, I, SRC) CP_ASYNC16_B(SX, (DST0) + (I) * (ROW_STEP * LDS * 2), SRC)
+#define LOAD_KV_FAST(BUF)                                                                      \
+      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
+        CP_ROW_CHUNK(sK, kdst0 + (BUF) * KV_BUF_BYTES, i, kt + i * k_step);                    \
+        CP_ROW_CHUNK(sV, vdst0 + (BUF) * KV_BUF_BYTES, i, vt + i * v_step);                    \
+      }
+#else
+#define CP_ROW_CHUNK(SX, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * ROW_STEP * LDS, SRC)
+#define LOAD_KV_FAST(BUF)                                                                      \
+      __local ELEM *skt = sK + (BUF) * BLOCK_N * LDSK + so0;                                   \
+      __local ELEM *svt = sV + (BUF) * BLOCK_N * LDSV + SO0_V;                                 \
+      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
+        CP_ASYNC16(skt + i * ROW_STEP * LDSK, kt + i * k_step);                                \
+        CP_ASYNC16(svt + i * ROW_STEP * LDSV, vt + i * v_step);                                \
+      }
+#endif
 #define LOAD_KV(TILE, BUF)                                                                     \
   {                                                                                            \
     const int n0_ = (TILE) * BLOCK_N;                                                          \
     if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
         (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
       __global const ELEM *kt = kp0 + n0_ * k_sr, *vt = vp0 + n0_ * v_sr;                      \
-      __local ELEM *skt = sK + (BUF) * BLOCK_N * LDSK + so0;                                   \
-      __local ELEM *svt = sV + (BUF) * BLOCK_N * LDSV + SO0_V;                                 \
-      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
-        CP_ASYNC16(skt + i * ROW_STEP * LDSK, kt + i * k_step);                                \
-        CP_ASYNC16(svt + i * ROW_STEP * LDSV, vt + i * v_step);                                \
-      }                                                                                        \
+      LOAD_KV_FAST(BUF)                                                                        \
     } else {                                                                                   \
       LOAD_KV_CHECKED(TILE, BUF)                                                               \
     }                                                                                          \
@@ -230,7 +275,49 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
   __global const ELEM *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * EPC;
   __global const ELEM *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * EPC;
   const long k_step = ROW_STEP * k_sr, v_step = ROW_STEP * v_sr;
+#if LDSM_BYTES
+  // ldmatrix row addresses (lanes 8i..8i+7 give matrix i's rows): A-type (Q, and V read
+  // transposed) rows (lane & 7) + 8 ((lane >> 3) & 1), column 8 (lane >> 4); B-type (K) rows
+  // (lane & 7) + 8 (lane >> 4), column 8 ((lane >> 3) & 1); K and V in buffer 0
+  const int ra_ = (lane & 7) + ((lane >> 3) & 1) * 8, ca_ = (lane >> 4) * 8;
+  const int rb_ = (lane & 7) + (lane >> 4) * 8, cb_ = ((lane >> 3) & 1) * 8;
+  const uint qaddr = SBASE(sQ) + ((wrow0 + ra_) * LDS + ca_) * 2;
+  const uint kaddr = SBASE(sK) + (rb_ * LDS + cb_) * 2;
+  const uint vaddr = SBASE(sV) + (ra_ * LDS + ca_) * 2;
+  const uint kdst0 = SBASE(sK) + so0 * 2, vdst0 = SBASE(sV) + so0 * 2;
+#endif
+#if KV_SPLIT_STAGES
+// one tensor (K or V) of a tile into its single buffer, as LOAD_KV_CHECKED / LOAD_KV do
+#define LOAD_X_CHECKED(TILE, SX, XH, X_SR)                                                     \
+  for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
+    int r = c / CHUNKS, ch = c % CHUNKS, j = (TILE) * BLOCK_N + r;                             \
+    if (j >= lo_blk && j <= hi_blk) {                                                          \
+      long row = krow0 + j;                                                                    \
+      if (ring > 0 && row >= ring) row -= ring;                                                \
+      CP_ASYNC16((SX) + r * LDS + ch * EPC, (XH) + row * (X_SR) + ch * EPC);                   \
+    } else {                                                                                   \
+      ZERO16((SX) + r * LDS + ch * EPC);                                                       \
+    }                                                                                          \
+  }
+#define LOAD_X(TILE, SX, XP0, X_STEP, XH, X_SR, DST0)                                          \
+  {                                                                                            \
+    const int n0_ = (TILE) * BLOCK_N;                                                          \
+    if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
+        (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
+      __global const ELEM *xt = (XP0) + n0_ * (X_SR);                                          \
+      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
+        CP_ROW_CHUNK(SX, DST0, i, xt + i * (X_STEP));                                          \
+      }                                                                                        \
+    } else {                                                                                   \
+      LOAD_X_CHECKED(TILE, SX, XH, X_SR)                                                       \
+    }                                                                                          \
+  }
+#define LOAD_K(TILE) LOAD_X(TILE, sK, kp0, k_step, kh, k_sr, kdst0)
+#define LOAD_V(TILE) LOAD_X(TILE, sV, vp0, v_step, vh, v_sr, vdst0)
+  if (t_first <= t_last) { LOAD_K(t_first) }
+#else
   if (t_first <= t_last) { LOAD_KV(t_first, 0) }
+#endif
   CP_COMMIT();
 
 #if IS_TF32
@@ -285,7 +372,15 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
   }
 
   for (int t = t_first; t <= t_last; t++) {
-#if KV_STAGES == 1
+#if KV_SPLIT_STAGES
+    // -- K(t) has landed (the only group in flight); after the barrier no warp still reads
+    // V(t-1), so V(t) loads under S = Q K^T
+    const int buf = 0;
+    CP_WAIT(0);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    LOAD_V(t)
+    CP_COMMIT();
+#elif KV_STAGES == 1
     // -- one K/V buffer (tile t+1 is loaded after every warp is done with tile t): half the
     // local memory, so that more work-groups share an SM and overlap each other's loads
     const int buf = 0;
@@ -304,6 +399,9 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #endif
     __local const ELEM *sKb = sK + buf * BLOCK_N * LDSK;
     __local const ELEM *sVb = sV + buf * BLOCK_N * LDSV;
+#if LDSM_BYTES
+    const uint kb_ = kaddr + buf * KV_BUF_BYTES, vb_ = vaddr + buf * KV_BUF_BYTES;
+#endif
     const int n0 = t * BLOCK_N;
     const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
 
@@ -314,7 +412,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     // float32 scans every tile: then the 3xTF32 split of V needs no inf test per value per warp
     // (the scan is one pass of the work-group over the tile and a barrier)
     int v_bad = 0;
-#if HIDDEN_NONFINITE
+#if HIDDEN_NONFINITE && !KV_SPLIT_STAGES
 #if IS_TF32
     {
 #else
@@ -346,6 +444,9 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     }
 #endif
 
+#if KV_SPLIT_STAGES  // S lives across the mid-tile sync (outside the WARP_SKIP blocks)
+    float sacc[M_TILES][NT_S][4];
+#endif
 #if WARP_SKIP
     const bool w_skip = n0 > w_hi || n0 + BLOCK_N - 1 < w_lo;
 #if USE_PTX
@@ -364,7 +465,9 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #endif
 #endif
     // -- S = Q K^T
+#if !KV_SPLIT_STAGES
     float sacc[M_TILES][NT_S][4];
+#endif
     UNROLL for (int mt = 0; mt < M_TILES; mt++) {
       UNROLL for (int nt = 0; nt < NT_S; nt++) {
         UNROLL for (int c = 0; c < 4; c++) sacc[mt][nt][c] = 0.f;
@@ -447,8 +550,12 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #if !Q_IN_REGS
       uint qa1[M_TILES][4];
       UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+#if LDSM_BYTES
+        LDSM_B(qa1[mt], sQ, qaddr + (mt * 16 * LDS + kk * 16) * 2);
+#else
         int row = wrow0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
         LDSM_X4(qa1[mt], sQ, row * LDS + kk * 16 + (lane >> 4) * 8);
+#endif
       }
 #define QA(MT) qa1[MT]
 #else
@@ -456,8 +563,12 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #endif
       UNROLL for (int n2 = 0; n2 < NT_S / 2; n2++) {
         uint kf[4];
+#if LDSM_BYTES
+        LDSM_B(kf, sK, kb_ + (n2 * 16 * LDS + kk * 16) * 2);
+#else
         int key = n2 * 16 + (lane & 7) + (lane >> 4) * 8;
         LDSM_X4(kf, sKb, key * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+#endif
         UNROLL for (int mt = 0; mt < M_TILES; mt++) {
           MMA(sacc[mt][2 * n2], QA(mt), kf[0], kf[1]);
           MMA(sacc[mt][2 * n2 + 1], QA(mt), kf[2], kf[3]);
@@ -503,6 +614,40 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     }
 #endif
 
+#if KV_SPLIT_STAGES
+#if WARP_SKIP && USE_PTX
+    }  // (the skipped tile's math resumes after the sync)
+#endif
+    // -- V(t) has landed; after the barrier no warp still reads K(t): K(t+1) loads under the
+    // softmax and P V
+    CP_WAIT(0);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (t < t_last) {
+      LOAD_K(t + 1)
+      CP_COMMIT();
+    }
+#if HIDDEN_NONFINITE
+    if (need_mask) {  // (as above, for the one V buffer)
+      int mine = 0;
+      for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
+        __local ELEM *pv = sV + (c / CHUNKS) * LDS + (c % CHUNKS) * EPC;
+        const uint4 w = *(__local const uint4 *)pv;
+        if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
+          for (int e = 0; e < 8; e++) {
+            if (NONFINITE16((uint)pv[e])) pv[e] = 0;
+          }
+          mine = 1;
+        }
+      }
+      if (mine) v_flag = t + 1;
+      barrier(CLK_LOCAL_MEM_FENCE);
+      v_bad = v_flag == t + 1;
+    }
+#endif
+#if WARP_SKIP && USE_PTX
+    if (!w_skip) {
+#endif
+#endif
     // -- online softmax.  Lazy rescaling (exact): the running max m moves, and l and O are
     // rescaled by alpha = 2^(m_old - m_new), only when some row of the warp saw its max grow by
     // more than RESCALE_THRESH (log2 units); otherwise P = 2^(S - m) stays below 2^RESCALE_THRESH.
@@ -602,8 +747,12 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
       }
       UNROLL for (int n2 = 0; n2 < NT_O / 2; n2++) {
         uint vf[4];
+#if LDSM_BYTES
+        LDSM_B_T(vf, sV, vb_ + (t2 * 16 * LDS + n2 * 16) * 2);
+#else
         int key = t2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
         LDSM_X4_T(vf, sVb, key * LDS + n2 * 16 + (lane >> 4) * 8);
+#endif
         UNROLL for (int mt = 0; mt < M_TILES; mt++) {
           MMA(o[mt][2 * n2], pa[mt], vf[0], vf[1]);
           MMA(o[mt][2 * n2 + 1], pa[mt], vf[2], vf[3]);

@@ -42,6 +42,21 @@
 #define CP_ASYNC16(DST, SRC)                                                                    \
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"                                      \
                :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
+
+// The same three on a byte address in the shared window (a uint, e.g. (uint)(size_t)p + 16 i):
+// callers keep one address per thread and add compile-time byte constants, which ptxas folds
+// into the instruction's [R+imm] form (attn_fwd_mma.cl -DLDSM_BYTES=1).
+#define LDSM_X4_ADDR(R, ADDR)                                                                   \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"                 \
+               : "=r"((R)[0]), "=r"((R)[1]), "=r"((R)[2]), "=r"((R)[3])                         \
+               : "r"((uint)(ADDR)) : "memory")
+#define LDSM_X4_T_ADDR(R, ADDR)                                                                 \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"           \
+               : "=r"((R)[0]), "=r"((R)[1]), "=r"((R)[2]), "=r"((R)[3])                         \
+               : "r"((uint)(ADDR)) : "memory")
+#define CP_ASYNC16_ADDR(ADDR, SRC)                                                              \
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"                                      \
+               :: "r"((uint)(ADDR)), "l"((ulong)(SRC)) : "memory")
 #define CP_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
 // wait until at most N (a literal or macro of one) groups are still in flight
 #define CP_WAIT(N) asm volatile("cp.async.wait_group " XSTR(N) ";" ::: "memory")

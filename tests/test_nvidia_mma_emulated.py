@@ -199,3 +199,55 @@ __kernel void split(__global const float *x, __global uint *hi, __global uint *l
                  - xs)
     normal = np.abs(xs) > 2.0**-100  # below, lo's quantum (2^-136) is the bound
     assert np.all(err[normal] <= np.abs(xs[normal]) * 2.0**-22)
+
+
+# candidate -D options of the 16-bit kernel (notes/kernel4.md): LDSM_BYTES (ldmatrix / fast
+# cp.async at per-thread byte addresses plus constants), KV_SPLIT_STAGES (FlashAttention-2's
+# one-K-one-V-buffer schedule), alone and together; with Q in registers and in local memory,
+# several key tiles, hidden inf/NaN in v, causal (WARP_SKIP and heads_inner on) and windows
+CAND_CASES = [
+    ("ldsm_bytes f16 causal q_regs", "float16", (1, 77, 101, 4, 2, 64), (64, 32, 2, 1),
+     ("-DLDSM_BYTES=1",), {"causal": True}),
+    ("ldsm_bytes bf16 window softcap alibi", "bfloat16", (2, 45, 141, 2, 1, 128),
+     (128, 64, 4, 0), ("-DLDSM_BYTES=1",), {"window": (20, 5), "softcap": 30.0, "alibi": True}),
+    ("kv_split f16 causal", "float16", (1, 70, 203, 2, 2, 128), (128, 64, 4, 0),
+     ("-DKV_SPLIT_STAGES=1",), {"causal": True}),
+    ("kv_split+ldsm_bytes bf16 window", "bfloat16", (1, 93, 117, 3, 1, 64), (64, 32, 2, 0),
+     ("-DKV_SPLIT_STAGES=1", "-DLDSM_BYTES=1"), {"window": (9, 3)}),
+    ("kv_split+ldsm_bytes f16 dense", "float16", (1, 33, 150, 2, 1, 128), (128, 64, 4, 0),
+     ("-DKV_SPLIT_STAGES=1", "-DLDSM_BYTES=1"), {}),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,config,extra,opts", CAND_CASES,
+                         ids=[c[0] for c in CAND_CASES])
+def test_mma_candidate_options(name, dtype, shape, config, extra, opts):
+    from attnlib.backends.opencl import _nvidia_mma
+
+    be = attnlib.get_backend("opencl")
+    b, sq, sk, hq, hkv, d = shape
+    q, k, v = qkv(rng_for("mma cand", name), b, sq, sk, hq, hkv, d, dtype=dtype)
+    v[0, sk - 1, 0, 3] = np.nan  # hidden from some rows (causal / window): must not leak
+    v[0, sk // 2, 0, 1] = np.inf  # seen by the rows whose window holds it
+    kw = dict(opts)
+    slopes = np.linspace(0.05, 0.4, hq).astype(np.float32) if kw.pop("alibi", False) else None
+    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
+                            alibi_slopes=slopes, causal=kw.get("causal", False),
+                            window=kw.get("window"), softcap=kw.get("softcap"))
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, config=config,
+                               use_ptx=False, extra_options=extra)
+    _check(q, k, v, slopes, kw, out, lse)
+
+
+@pytest.mark.parametrize("extra", [("-DLDSM_BYTES=1",), ("-DKV_SPLIT_STAGES=1",)])
+def test_mma_candidate_options_refuse_f32(extra):
+    """The 16-bit-only candidates stop the float32 build with their own message."""
+    from attnlib.backends.opencl import _nvidia_mma
+
+    be = attnlib.get_backend("opencl")
+    q, k, v = qkv(rng_for("mma cand f32"), 1, 20, 20, 2, 1, 64, dtype="float32")
+    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
+                            alibi_slopes=None, causal=False, window=None, softcap=None)
+    with pytest.raises(Exception, match="is for the 16-bit kernel"):
+        _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False,
+                        extra_options=extra)

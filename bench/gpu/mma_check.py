@@ -3,6 +3,8 @@
 On the H200 (inline PTX):  python bench/gpu/mma_check.py
 Here, with PoCL (every warp-level PTX instruction emulated through local memory):
     PYOPENCL_CTX=portable python bench/gpu/mma_check.py --emulate --d 64
+Kernel -D options (the candidates of notes/kernel4.md) through --extra, without the -D, e.g.
+    --extra LDSM_BYTES=1 KV_SPLIT_STAGES=1
 Exit status 1 when a case fails.
 """
 
@@ -28,6 +30,8 @@ def main() -> int:
     ap.add_argument("--dtype", nargs="*", default=["float16", "bfloat16"])
     ap.add_argument("--config", default=None, help="BLOCK_M,BLOCK_N,WARPS,Q_IN_REGS")
     ap.add_argument("--only", default=None, help="substring of the case names to run")
+    ap.add_argument("--extra", nargs="*", default=[],
+                    help="NAME=VALUE macros for the kernel build (passed as -DNAME=VALUE)")
     args = ap.parse_args()
     import pyopencl as cl
 
@@ -35,7 +39,9 @@ def main() -> int:
     queue = cl.CommandQueue(ctx)
     dev = ctx.devices[0]
     cfg = tuple(int(x) for x in args.config.split(",")) if args.config else None
-    print(f"device: {dev.name}; config {cfg or 'default'}; emulate={args.emulate}")
+    extra = tuple(x if x.startswith("-D") else "-D" + x for x in args.extra)
+    print(f"device: {dev.name}; config {cfg or 'default'}; emulate={args.emulate}; "
+          f"extra {' '.join(extra) or '-'}")
     rng = np.random.default_rng(1234)
     failed = 0
     for dname in args.dtype:
@@ -49,7 +55,7 @@ def main() -> int:
                     continue
                 t0 = time.perf_counter()
                 out, lse = nv.run(ctx, queue, dev, call, config=cfg,
-                                  use_ptx=not args.emulate)
+                                  use_ptx=not args.emulate, extra_options=extra)
                 dt = time.perf_counter() - t0
                 ok, err, tol, lerr = mc.check(call, out, lse)
                 failed += not ok
