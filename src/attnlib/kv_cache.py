@@ -9,7 +9,7 @@ exactly those ``>= e - max_seq_len``, so ``_lo = max(_lo, e - max_seq_len)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -64,6 +64,8 @@ class KVCache:
         self.v = self.backend.cache_alloc(shape + (self.head_dim_v,), self.dtype)
         self._len = np.zeros(self.max_batch_size, dtype=np.int64)
         self._lo = np.zeros(self.max_batch_size, dtype=np.int64)
+        #: repeat-call entries of attention_with_kvcache (see _fast_key)
+        self._fast: dict = {}
 
     def __repr__(self) -> str:
         return (f"KVCache(max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "
@@ -213,6 +215,15 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
     these positions before writing and attending. ``batch_idx (B,)`` maps batch rows to cache
     rows. Every check runs before the cache is touched: a failing call leaves it unchanged.
     """
+    fast_key = None
+    if (type(cache) is KVCache and backend is None and start_pos is None and batch_idx is None
+            and alibi_slopes is None):
+        fast_key = _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse)
+        entry = cache._fast.get(fast_key) if fast_key is not None else None
+        if entry is not None:
+            res = entry.run(cache, q, k, v)
+            if res is not None:
+                return res
     if not isinstance(cache, KVCache):
         raise ArgumentError(f"cache must be an attnlib.KVCache, got {type(cache).__name__}")
     be = cache.backend
@@ -281,5 +292,128 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
         lse = np.full((b, hq, sq), -np.inf, np.float64 if cache.dtype == np.float64 else np.float32)
     else:
         out, lse = be.attention(call)
+        if fast_key is not None:  # every check passed: repeat calls of this key may skip them
+            if len(cache._fast) >= _FAST_MAX:
+                cache._fast.clear()
+            cache._fast[fast_key] = _FastEntry(cache, call, b, sq, k, rope_spec, return_lse)
     return (out, lse) if return_lse else out
 
+
+
+# ---- repeat calls ------------------------------------------------------------------------------
+_FAST_MAX = 64
+_NONE = type(None)
+#: per-call values whose checks depend only on (type, value): the key holds both, so True and 1
+#: (equal and of one hash) never share an entry
+_SIMPLE = (bool, int, float, _NONE, str, np.bool_, np.float64, np.float32)
+
+
+def _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse) -> tuple | None:
+    """Everything the checks of :func:`attention_with_kvcache` read besides the cache's state
+    (lengths): q's (and the new k, v's) type, shape, dtype and strides, and every option by type
+    and value. None (no repeat entry) for options of other types."""
+    tc, ts, tf, tl = type(causal), type(scale), type(softcap), type(return_lse)
+    if tc not in _SIMPLE or ts not in _SIMPLE or tf not in _SIMPLE or tl not in _SIMPLE:
+        return None
+    try:
+        kv = None if k is None and v is None else (
+            type(k), k.shape, k.dtype, k.strides, type(v), v.shape, v.dtype, v.strides)
+        if window is not None:
+            if type(window) not in (tuple, list) or any(type(w) not in _SIMPLE for w in window):
+                return None
+            window = (type(window), tuple(map(type, window)), tuple(window))
+        if rope is not None:
+            rope = (type(rope), rope.theta, rope.interleaved, rope.rotary_dim)
+        return (type(q), q.shape, q.dtype, q.strides, kv, rope, tc, causal, ts, scale, window,
+                tf, softcap, tl, return_lse)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _frozen_fields_ok() -> bool:
+    """AttnCall is a plain frozen dataclass (no __post_init__, no slots): an instance can be
+    made from another's attribute dict."""
+    names = {f.name for f in fields(AttnCall)}
+    return (not hasattr(AttnCall, "__post_init__") and not hasattr(AttnCall, "__slots__")
+            and names == set(_CALL_FIELDS))
+
+
+_CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len",
+                "q_pos0", "k_pos0", "causal_hi", "scale", "window_left", "window_right",
+                "softcap", "alibi", "mask_view", "mask_kind", "ring", "dense", "need_lse")
+
+
+_COPY_CALL = _frozen_fields_ok()
+
+
+class _FastEntry:
+    """What a successful call fixed for its key: the batch, query rows, the new tokens, RoPE,
+    and the AttnCall fields that do not depend on the cache's lengths. ``run`` repeats the
+    length-dependent checks (a failing one hands the call to the full path, which raises the
+    error) and builds the AttnCall from them."""
+
+    __slots__ = ("be", "b", "sq", "n_new", "rope", "need_lse", "fields", "consts", "rows")
+
+    def __init__(self, cache: KVCache, call: AttnCall, b: int, sq: int, k, rope, need_lse):
+        self.be = cache.backend
+        self.b, self.sq = b, sq
+        self.n_new = None if k is None else int(k.shape[1])
+        self.rope, self.need_lse = rope, need_lse
+        self.fields = {f: getattr(call, f) for f in (
+            "scale", "window_left", "window_right", "softcap", "alibi", "mask_view",
+            "mask_kind", "ring", "dense", "need_lse")}
+        self.rows = np.arange(b, dtype=np.int64)
+        # q_batch, q_row0, q_len, k_batch, causal_hi: fixed by the key
+        self.consts = (self.rows, np.zeros(b, np.int64), np.full(b, sq, np.int64),
+                       None if call.causal_hi is None else np.zeros(b, np.int64))
+
+    def run(self, cache: KVCache, q, k, v):
+        b, sq, cap, n_new = self.b, self.sq, cache.max_seq_len, self.n_new
+        if b == 1:
+            length, lo = int(cache._len[0]), int(cache._lo[0])
+            if n_new is not None:
+                start, length = length, length + n_new
+                if not cache.ring and length > cap:
+                    return None  # overflow: the full path raises CacheOverflowError
+                if cache.ring:
+                    lo = max(lo, length - cap)
+            if length < sq:
+                return None  # the full path raises ShapeError
+            per = np.array([[lo % cap], [length - lo], [length - sq], [lo], [length]], np.int64)
+            k_row0, k_len, q_pos0, k_pos0, new_len = per
+            lo_arr = k_pos0
+        else:
+            new_len, lo_arr = cache._len[:b].copy(), cache._lo[:b].copy()
+            if n_new is not None:
+                start = new_len
+                new_len = start + n_new
+                if not cache.ring and (new_len > cap).any():
+                    return None
+                if cache.ring:
+                    lo_arr = np.maximum(lo_arr, new_len - cap)
+            if (new_len < sq).any():
+                return None
+            k_row0, k_len, q_pos0, k_pos0 = lo_arr % cap, new_len - lo_arr, new_len - sq, lo_arr
+        be = self.be
+        if n_new:  # everything is checked: only now touch the cache (as _commit does)
+            st = np.array([start], np.int64) if b == 1 else start
+            be.cache_write(cache.k, k, self.rows, st, self.rope)
+            be.cache_write(cache.v, v, self.rows, st, None)
+        if n_new is not None:
+            cache._len[:b] = new_len
+            cache._lo[:b] = np.minimum(lo_arr, new_len)
+        q_batch, q_row0, q_len, chi = self.consts
+        values = dict(self.fields, q=q, k=cache.k, v=cache.v, q_batch=q_batch.copy(),
+                      q_row0=q_row0.copy(), q_len=q_len.copy(), k_batch=q_batch.copy(),
+                      k_row0=k_row0, k_len=k_len, q_pos0=q_pos0, k_pos0=k_pos0,
+                      causal_hi=None if chi is None else chi.copy())
+        if self.rope is not None:
+            positions = q_pos0[:, None] + np.arange(sq, dtype=np.int64)[None, :]
+            values["q"] = be.rope(q, positions, self.rope)
+        if _COPY_CALL:
+            call = object.__new__(AttnCall)
+            call.__dict__.update(values)
+        else:  # pragma: no cover
+            call = AttnCall(**values)
+        out, lse = be.attention(call)
+        return (out, lse) if self.need_lse else out

@@ -192,13 +192,15 @@ class OpenCLBackend(Backend):
                 return a.queue
         return self.queue
 
-    def launch(self, ctx: Any, queue: Any, filename: str, cfg: KernelConfig, kernel: str,
-               gsize: tuple, lsize: tuple | None, args: Sequence[Any]) -> Any:
-        """Enqueue ``kernel`` of ``filename`` built with ``cfg``; returns its event."""
-        opts = cfg.options()
+    def launch(self, ctx: Any, queue: Any, filename: str, cfg: KernelConfig | tuple,
+               kernel: str, gsize: tuple, lsize: tuple | None, args: Sequence[Any],
+               **kw: Any) -> Any:
+        """Enqueue ``kernel`` of ``filename`` built with ``cfg`` (or its ``options()``, already
+        made); returns its event. ``kw``: ``varying`` / ``owner`` of ``_runtime.launch``."""
+        opts = cfg if isinstance(cfg, tuple) else cfg.options()
         return _runtime_launch(self._kernels, (ctx.int_ptr, filename, opts, kernel),
                                lambda: self._programs.get(ctx, filename, opts), kernel, queue,
-                               gsize, lsize, args)
+                               gsize, lsize, args, **kw)
 
     # ---- primitives ---------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[Any, Any]:

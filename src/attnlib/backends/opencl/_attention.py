@@ -15,6 +15,8 @@ from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
 from ._runtime import KernelConfig
 
+_fast: dict = {}  # the fast plans of _fastpath, dropped with _plans
+
 if TYPE_CHECKING:
     from ..base import AttnCall
     from . import OpenCLBackend
@@ -222,7 +224,16 @@ class _Plan:
     args: list
 
 
-_plans: dict[tuple, _Plan] = {}
+class _PlanDict(dict):
+    """The plans by geometry; clearing it (tests, benches that change a module setting) drops
+    the fast plans made from them too."""
+
+    def clear(self) -> None:
+        super().clear()
+        _fast.clear()
+
+
+_plans: dict[tuple, _Plan] = _PlanDict()
 _PLANS_MAX = 512
 # argument slots the call fills (see _make_plan's argument order)
 _Q, _K, _V, _DESC, _ALIBI, _MASK, _DST = 0, 6, 12, 18, 25, 26, 32
@@ -271,6 +282,9 @@ def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
 
 
 def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
+    res = _fastpath.run(be, call)
+    if res is not None:
+        return res
     queue = be.queue_for(call.q, call.k, call.v)
     ctx = queue.context
     dtype = call.dtype
@@ -351,3 +365,6 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     if host:
         return out.get(), lse.get()
     return out, lse
+
+
+from . import _fastpath  # noqa: E402  (it imports this module's helpers)

@@ -28,6 +28,7 @@ from . import _nvidia_mma, _pool
 from ._arrays import is_cl_array, store_kind
 from ._attention import launch_merge
 from ._runtime import launch
+from ._runtime import launch_lock as _launch_lock
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS",
            "choose_splits", "build_options", "local_bytes", "fused_fits", "FUSED_MERGE"]
@@ -51,6 +52,9 @@ DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
 FUSED_MERGE = True
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
+#: tests only: the dispatch's repeat-call path (``fast_step``) builds the emulated kernel
+#: (USE_PTX=0) instead of the PTX one, so it runs on PoCL under a patched compute capability
+EMULATE_PTX = False
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
 SM_LOCAL_BYTES = 227 * 1024
 _DTYPES = (np.dtype(np.float16), _nvidia_mma._BF16)
@@ -211,3 +215,139 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         if events is not None:
             events.extend(evts)
     return _nvidia_mma.results(queue, out, lse, is_dev)
+
+
+# ---- repeat calls (see _fastpath): what a key and its per-sequence values fix -------------------
+class _FastCommon:
+    """Per fast plan: the device tables (rewritten in place when the values change), the
+    geometry and scalar arguments, the ALiBi stand-in buffer, the kernel flavour."""
+
+    __slots__ = ("seq_table", "tile_table", "alibi_buf", "geometry", "scalars", "use_ptx",
+                 "subs", "config")
+
+    def __init__(self, fp: Any, call: AttnCall) -> None:
+        from ._pool import DeviceTable
+
+        ctx = fp.ctx
+        fill = not fp.facts.simulator
+        self.seq_table = DeviceTable(ctx, 8 * _nvidia_mma.SEQ_FIELDS * fp.n, fill)
+        self.tile_table = DeviceTable(ctx, 8 * fp.n, fill)
+        self.alibi_buf, _, self.geometry, self.scalars = _nvidia_mma.kernel_inputs(ctx, call)
+        self.use_ptx = (_nvidia_mma.compute_capability(fp.be.device) is not None
+                        and not EMULATE_PTX)
+        self.config = tuple(DEFAULT_CONFIGS[call.head_dim])
+        self.subs: dict = {}
+
+
+class _FastSub:
+    """Per (fast plan, splits, work-group columns): options, grid, arguments but q, k, v and the
+    destinations (the KernelSlot owner: a launch of this sub sets only those)."""
+
+    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits")
+
+    def __init__(self, fp: Any, common: _FastCommon, call: AttnCall, splits: int,
+                 n_cols: int) -> None:
+        ctx, queue, device = fp.ctx, fp.queue, fp.be.device
+        d, config = call.head_dim, common.config
+        bq, sq_arr, hq, _ = call.q.shape
+        hkv = call.k.shape[2]
+        fused = FUSED_MERGE and splits > 1 and fused_fits(d, config, splits)
+        opts = build_options(d, call.dtype, config, softcap=call.softcap is not None,
+                             alibi=False, scale_pos=call.scale > 0, split=splits > 1,
+                             use_ptx=common.use_ptx, fused=fused)
+        counters = _counters(ctx, queue, n_cols * hkv) if fused else common.alibi_buf
+        threads = 32 * config[1]
+        i64, i32 = np.int64, np.int32
+        self.args = [None] * 7 + [
+            common.tile_table.buf, common.seq_table.buf, common.alibi_buf, counters,
+            *common.geometry, i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
+            i64(bq * sq_arr * hq), *common.scalars]
+        self.key = (ctx.int_ptr, device.int_ptr, opts)
+        self.make = lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
+        self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
+        self.fused, self.splits = fused, splits
+
+
+_FAST_VARYING = (0, 1, 2, 3, 4, 5, 6)
+
+
+class _FastStep:
+    __slots__ = ("common", "sub", "seqs", "tiles")
+
+    def __init__(self, common: _FastCommon, sub: _FastSub, seqs: np.ndarray,
+                 tiles: np.ndarray) -> None:
+        self.common, self.sub, self.seqs, self.tiles = common, sub, seqs, tiles
+
+    def run(self, fp: Any, call: AttnCall) -> tuple[Any, Any]:
+        common, sub, queue = self.common, self.sub, fp.queue
+        q = call.q
+        bq, sq_arr, hq, d = q.shape
+        n_out_rows = bq * sq_arr * hq
+        out = _pool.empty(queue, (bq, sq_arr, hq, d), q.dtype)
+        if call.need_lse:
+            lse = _pool.empty(queue, (bq, hq, sq_arr), _F32)
+            lse_buf = lse.base_data
+        else:
+            lse, lse_buf = None, _pool.scratch(queue, n_out_rows * 4)
+        splits, fused, spare = sub.splits, sub.fused, common.alibi_buf
+        args = sub.args.copy()
+        args[0], args[1], args[2] = q.base_data, call.k.base_data, call.v.base_data
+        if splits > 1:
+            part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
+            part_l = _pool.scratch(queue, splits * n_out_rows * 4)
+            args[3:7] = [out.base_data if fused else spare, lse_buf if fused else spare,
+                         part_o, part_l]
+        else:
+            args[3:7] = [out.base_data, lse_buf, spare, spare]
+        with _launch_lock:
+            common.seq_table.put(queue, self.seqs, out)
+            common.tile_table.put(queue, self.tiles, out)
+            evts = [launch(_kernels, sub.key, sub.make, "attn_decode_mma", queue, sub.grid,
+                           sub.local, args, varying=_FAST_VARYING, owner=sub)]
+        if splits > 1 and not fused:
+            evts.append(launch_merge(fp.be, queue, part_o, n_out_rows * d, part_l,
+                                     (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
+                                     n_out_rows, out.base_data, lse_buf, store_kind(_F32),
+                                     store_kind(q.dtype), 0))
+        for e in evts:
+            if e is not None:
+                out.add_event(e)
+                if lse is not None:
+                    lse.add_event(e)
+        return out, lse
+
+
+def fast_step(fp: Any, call: AttnCall, vals: np.ndarray) -> _FastStep | None:
+    """The step of a fast plan (``_fastpath``) for per-sequence values ``vals`` (rows: q_batch,
+    q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0[, causal_hi]); the same tables,
+    splits and kernel as :func:`run` with its defaults."""
+    common = fp.subs.get("decode")
+    if common is None:
+        common = fp.subs["decode"] = _FastCommon(fp, call)
+    block_n = common.config[0]
+    if fp.n == 1:  # _nvidia_mma._tables for one sequence, from Python ints
+        qb, qr0, ql, kb, kr0, kl, qp0, kp0 = vals[:8, 0].tolist()
+        hi = _nvidia_mma._BIG
+        if vals.shape[0] == 9:
+            hi = min(hi, int(vals[8, 0]))
+        if call.window_right is not None:
+            hi = min(hi, call.window_right)
+        lo = -call.window_left if call.window_left is not None else -_nvidia_mma._BIG
+        seqs = np.array([[qb, qr0, ql, kb, kr0, kl, qp0 - kp0, lo, hi]], np.int64)
+        n_cols = -(-ql // MAX_ROWS)
+        tiles = np.zeros((n_cols, 2), np.int32)
+        max_k = kl
+    else:
+        seqs, tiles = _nvidia_mma._tables(call, MAX_ROWS, block_n)
+        n_cols, max_k = tiles.shape[0], int(vals[5].max())
+    if n_cols == 0:
+        return None
+    splits = fp.be.num_splits
+    if splits is None:
+        splits = choose_splits(fp.facts.compute_units, n_cols * call.k.shape[2],
+                               -(-max_k // block_n), call.head_dim, common.config)
+    splits = max(1, int(splits))
+    sub = common.subs.get((splits, n_cols))
+    if sub is None:
+        sub = common.subs[(splits, n_cols)] = _FastSub(fp, common, call, splits, n_cols)
+    return _FastStep(common, sub, seqs, tiles)

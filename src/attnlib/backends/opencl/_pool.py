@@ -36,15 +36,47 @@ def pool_for(queue: Any) -> Any:
         return pool[0]
 
 
+#: (queue, shape, dtype) -> the attributes of an Array of that shape, less its memory and events
+_templates: dict[tuple, dict] = {}
+_TEMPLATES_MAX = 256
+#: the attributes a pyopencl Array of the fast constructor holds (checked on first use)
+_ARRAY_ATTRS = frozenset(("queue", "context", "shape", "dtype", "strides", "events", "nbytes",
+                          "size", "allocator", "base_data", "offset", "_flags"))
+
+
 def empty(queue: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     """An uninitialised C-contiguous ``pyopencl.array.Array`` whose memory comes from the
     queue's pool.
 
     pyopencl's checked constructor (``cla.empty``) validated the shape with several numpy calls:
-    ~15 us of the ~120 us a decode call spends on the H200's host (bench/RESULTS.md). The shape
-    here is always a tuple of non-negative ints made by attnlib, so the Array is built through
-    pyopencl's own fast constructor (what its ``_new_like_me`` uses), falling back to the checked
-    one if that signature ever changes."""
+    ~15 us of the ~120 us a decode call spends on the H200's host (bench/RESULTS.md); its fast
+    constructor (what its ``_new_like_me`` uses) still cost ~5 us here. The first Array of a
+    (queue, shape, dtype) is made by that constructor; later ones copy its attributes with a
+    fresh allocation and event list (~1 us), when the Array holds exactly the attributes that
+    constructor sets (else every Array is constructed)."""
+    key = (queue.int_ptr, shape, dtype)
+    tmpl = _templates.get(key)
+    if tmpl is not None:
+        import pyopencl.array as cla
+
+        arr = cla.Array.__new__(cla.Array)
+        arr.__dict__.update(tmpl)
+        arr.events = []
+        if tmpl["nbytes"]:
+            arr.base_data = tmpl["allocator"].allocate(tmpl["nbytes"])
+        return arr
+    arr = _construct(queue, shape, dtype)
+    attrs = getattr(arr, "__dict__", None)
+    if attrs is not None and set(attrs) == _ARRAY_ATTRS and arr._flags is None:
+        tmpl = dict(attrs, base_data=None, events=None)
+        with _lock:
+            if len(_templates) >= _TEMPLATES_MAX:
+                _templates.clear()
+            _templates[key] = tmpl
+    return arr
+
+
+def _construct(queue: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     import pyopencl.array as cla
 
     dtype = np.dtype(dtype)
@@ -81,3 +113,46 @@ def upload(queue: Any, host: np.ndarray, keeper: Any) -> Any:
     if host.nbytes:
         keeper.add_event(cl.enqueue_copy(queue, buf, host, is_blocking=False))
     return buf
+
+
+class DeviceTable:
+    """A small device table of one plan (descriptors: per-sequence fields, work lists), rewritten
+    in place when its bytes change and left alone when they do not (a decode step that appended
+    a token changes one length; one that did not changes nothing).
+
+    The rewrite is enqueued on the plan's in-order queue, so kernels enqueued before it read the
+    old bytes and those after it the new ones; the caller holds ``_runtime.launch_lock`` from the
+    rewrite to its launch (another thread's rewrite cannot slip in between). Up to 128 bytes the
+    rewrite is ``clEnqueueFillBuffer`` with the table as its pattern, which the driver copies at
+    the call (no host memory to keep alive, no event to hold); larger tables, and simulators
+    (Oclgrind does not count a fill as initialising memory), take a non-blocking write whose
+    event the call's output holds (see :func:`upload`)."""
+
+    __slots__ = ("buf", "size", "sig", "fill")
+
+    def __init__(self, ctx: Any, nbytes: int, fill: bool) -> None:
+        import pyopencl as cl
+
+        size = max(4, int(nbytes))
+        self.fill = fill and size <= 128
+        if self.fill:
+            size = 1 << (size - 1).bit_length()  # a fill's pattern size is a power of two
+        self.size = size
+        self.buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, size)
+        self.sig: bytes | None = None
+
+    def put(self, queue: Any, host: np.ndarray, keeper: Any) -> None:
+        """Make the table hold ``host`` (at most ``size`` bytes) for work enqueued after this."""
+        import pyopencl as cl
+
+        data = host.tobytes()
+        if data == self.sig:
+            return
+        if self.fill:
+            pattern = np.zeros(self.size, np.uint8)
+            pattern[:len(data)] = np.frombuffer(data, np.uint8)
+            cl.enqueue_fill_buffer(queue, self.buf, pattern, 0, self.size)
+        else:
+            keeper.add_event(cl.enqueue_copy(queue, self.buf, np.frombuffer(data, np.uint8),
+                                             is_blocking=False))
+        self.sig = data

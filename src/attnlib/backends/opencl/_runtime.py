@@ -171,30 +171,113 @@ def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...]
 
 
 # clSetKernelArg on a kernel object is not thread-safe: arguments are set and the kernel
-# enqueued under one lock, shared by every launch of the backend
-_launch_lock = threading.Lock()
+# enqueued under one lock, shared by every launch of the backend (re-entrant: a plan's fast path
+# rewrites its device tables and launches under it, see _attention and _nvidia_decode)
+launch_lock = threading.RLock()
+
+
+class KernelSlot:
+    """A kernel object and the arguments last set on it.
+
+    ``clSetKernelArg`` is per-object state, so a launch sets only the arguments that differ from
+    the last launch of the same object: buffers compared by their ``cl_mem`` handle (a pooled
+    buffer handed out again is the same memory), scalars by type and value. ``owner`` is the plan
+    that set every argument last; a launch by that plan compares only its ``varying`` slots."""
+
+    __slots__ = ("knl", "last", "kinds", "owner", "plain")
+
+    def __init__(self, knl: Any, args: Sequence[Any]) -> None:
+        import numpy as np
+
+        self.knl = knl
+        #: per argument: None for a buffer (or NULL), else the pack character of its scalar type
+        self.kinds = [a.dtype.char.encode() if isinstance(a, np.generic) else None
+                      for a in args]
+        self.last: list = [_UNSET] * len(args)
+        self.owner: Any = None
+        # pyopencl's per-group setters (what its generated set_args calls); without them, or
+        # for a scalar type they do not pack, every launch sets every argument
+        self.plain = not (hasattr(knl, "_set_arg_multi")
+                          and hasattr(knl, "_set_arg_buf_pack_multi")
+                          and all(k is None or k in _PACK_CHARS for k in self.kinds))
+        if self.plain:
+            knl.set_scalar_arg_dtypes(
+                [a.dtype if isinstance(a, np.generic) else None for a in args])
+
+    def set(self, args: Sequence[Any], slots: Any) -> None:
+        """Set the arguments of ``slots`` (indices) that changed since the last launch."""
+        if self.plain:
+            self.knl.set_args(*args)
+            return
+        last, kinds = self.last, self.kinds
+        mems: list = []
+        packs: list = []
+        for i in slots:
+            a = args[i]
+            kind = kinds[i]
+            if kind is None:
+                ptr = 0 if a is None else a.int_ptr
+                if ptr != last[i]:
+                    mems += (i, a)
+                    last[i] = ptr
+            else:
+                prev = last[i]
+                if prev is _UNSET or type(a) is not type(prev) or a != prev:
+                    packs += (i, kind, a)
+                    last[i] = a
+        if mems:
+            self.knl._set_arg_multi(tuple(mems))
+        if packs:
+            self.knl._set_arg_buf_pack_multi(tuple(packs))
+
+
+_UNSET = object()
+#: scalar type characters pyopencl's ``_set_arg_buf_pack_multi`` packs (its invoker's list)
+_PACK_CHARS = frozenset(c.encode() for c in "cbBhHiIlLfd")
 
 
 def launch(kernels: dict, key: Any, make_program: Any, name: str, queue: Any, gsize: tuple,
-           lsize: tuple | None, args: Sequence[Any], wait_for: Any = None) -> Any:
-    """Enqueue kernel ``name`` and return its event. ``kernels`` holds one kernel object per
-    ``key``, made on first use from ``make_program()`` with typed scalar arguments (taken from
-    the numpy scalars among the first call's ``args``): a fresh ``cl.Kernel`` per call makes
+           lsize: tuple | None, args: Sequence[Any], wait_for: Any = None,
+           varying: Sequence[int] | None = None, owner: Any = None) -> Any:
+    """Enqueue kernel ``name`` and return its event. ``kernels`` holds one :class:`KernelSlot`
+    per ``key``, made on first use from ``make_program()``: a fresh ``cl.Kernel`` per call makes
     pyopencl generate its argument invoker again (~0.7 ms a call on the H200's host,
-    bench/RESULTS.md), and typed scalars keep it on its fast path."""
-    import numpy as np
+    bench/RESULTS.md). Only the arguments that changed since the object's last launch are set;
+    with ``owner`` (a plan whose other arguments are fixed) only its ``varying`` slots are
+    compared when that plan launched the object last."""
     import pyopencl as cl
 
-    knl = kernels.get(key)
-    if knl is None:
+    slot = kernels.get(key)
+    if slot is None:
         prg = make_program()  # builds outside the launch lock
-        with _launch_lock:
-            knl = kernels.get(key)
-            if knl is None:
-                knl = cl.Kernel(prg, name)
-                knl.set_scalar_arg_dtypes(
-                    [a.dtype if isinstance(a, np.generic) else None for a in args])
-                kernels[key] = knl
-    with _launch_lock:
-        knl.set_args(*args)
-        return cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize, wait_for=wait_for)
+        with launch_lock:
+            slot = kernels.get(key)
+            if slot is None:
+                slot = kernels[key] = KernelSlot(cl.Kernel(prg, name), args)
+    with launch_lock:
+        if owner is not None and slot.owner is owner:
+            slot.set(args, varying)
+        else:
+            slot.set(args, range(len(args)))
+            slot.owner = owner
+        return _enqueue(queue, slot.knl, gsize, lsize, None, wait_for)
+
+
+def _enqueue_wrapped(queue, knl, gsize, lsize, offset, wait_for):  # pragma: no cover
+    import pyopencl as cl
+
+    return cl.enqueue_nd_range_kernel(queue, knl, gsize, lsize, offset, wait_for)
+
+
+def _low_level_enqueue() -> Any:
+    """pyopencl's C-level ``enqueue_nd_range_kernel`` (what the Python name is bound to in
+    2024.x-2026.x), else the Python wrapper."""
+    try:
+        from pyopencl import _cl
+
+        return _cl.enqueue_nd_range_kernel
+    except (ImportError, AttributeError):  # pragma: no cover
+        return _enqueue_wrapped
+
+
+_enqueue = _low_level_enqueue()

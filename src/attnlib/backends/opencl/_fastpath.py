@@ -1,0 +1,240 @@
+"""Repeat calls of the OpenCL attention primitive (decode steps) without the per-call planning.
+
+A decode step repeats one geometry thousands of times: the same array shapes, strides and
+options, per-sequence values that change by one length per step (or not at all). The full path
+(:func:`_attention.attention`, :func:`_nvidia_decode.run`) re-derives its tiling, kernel options,
+argument list and device tables every call; here a *fast plan*, found by a key of everything
+those decisions read except the per-sequence values, holds them:
+
+* the key: backend (and its facts and options), queue, dtype, the shapes, strides and offsets of
+  q, k and v, the number of sequences, ring, scale, softcap, window, whether the call is causal
+  and wants the LSE. Buffers are not in it: they are set per call (only when they changed since
+  the kernel object's last launch, see ``_runtime.KernelSlot``);
+* the per-sequence values (the nine int64 fields) are compared as bytes with the last call's:
+  equal, everything derived from them (which kernel, splits, grid, the device tables) is reused
+  and nothing is uploaded; different, it is derived again and the plan's device tables are
+  rewritten in place (``_pool.DeviceTable``: one fill of at most 128 bytes for one sequence).
+
+Calls with device arrays only, no mask and no ALiBi take it; the NVIDIA tensor-core prefill
+path and every other call go the full way (this returns None for them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _attention as A
+from . import _pool
+from ._arrays import acc_dtype, dummy_buffer, store_kind
+from ._runtime import launch_lock
+
+_FIELDS = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0", "k_pos0")
+_I64, _I32 = np.int64, np.int32
+_NOT = False  # a key whose calls never take the fast path
+_FAST_MAX = 256
+
+
+def _array_type() -> Any:
+    import pyopencl.array as cla
+
+    return cla.Array
+
+
+_ARRAY: list = []
+
+
+class _Plan:
+    """What one key fixes; ``state`` is (signature of the per-sequence values, what they give)."""
+
+    __slots__ = ("be", "facts", "queue", "ctx", "kind", "state", "subs", "group", "n")
+
+    def __init__(self, be: Any, queue: Any, n: int, group: int) -> None:
+        self.be, self.facts, self.queue, self.ctx = be, be.facts, queue, queue.context
+        self.kind = None
+        self.state: tuple = (None, None)
+        self.subs: dict = {}
+        self.group, self.n = group, n
+
+
+def run(be: Any, call: Any) -> tuple[Any, Any] | None:
+    """``(out, lse)`` of ``call`` through its fast plan, or None (take the full path)."""
+    if not _ARRAY:
+        _ARRAY.append(_array_type())
+    arr = _ARRAY[0]
+    q, k, v = call.q, call.k, call.v
+    if (type(q) is not arr or type(k) is not arr or type(v) is not arr
+            or call.mask_view is not None or call.alibi is not None or q.queue is None):
+        return None
+    chi = call.causal_hi
+    n = call.q_len.shape[0]
+    queue = q.queue
+    key = (id(be), id(be.facts), be.tiles, be.num_splits, be.use_mma, queue.int_ptr, q.dtype,
+           q.shape, q.strides, q.offset, k.shape, k.strides, k.offset, v.shape, v.strides,
+           v.offset, n, call.ring, call.scale, call.softcap, call.window_left,
+           call.window_right, chi is None, call.need_lse)
+    fp = A._fast.get(key)
+    if fp is None:
+        fp = _new_plan(be, call, queue)
+        if len(A._fast) >= _FAST_MAX:
+            A._fast.clear()
+        A._fast[key] = fp
+    if fp is _NOT:
+        return None
+    parts = [call.q_batch.tobytes(), call.q_row0.tobytes(), call.q_len.tobytes(),
+             call.k_batch.tobytes(), call.k_row0.tobytes(), call.k_len.tobytes(),
+             call.q_pos0.tobytes(), call.k_pos0.tobytes()]
+    if chi is not None:
+        parts.append(chi.tobytes())
+    sig = b"".join(parts)
+    state = fp.state
+    if sig != state[0]:
+        if len(sig) != 8 * n * len(parts):  # per-sequence fields that are not int64
+            return None
+        state = (sig, _derive(fp, call, np.frombuffer(sig, np.int64).reshape(len(parts), n)))
+        fp.state = state
+    derived = state[1]
+    if derived is None:
+        return None
+    return derived.run(fp, call)
+
+
+def _new_plan(be: Any, call: Any, queue: Any) -> Any:
+    """A fast plan for this key, or _NOT: empty calls, out-of-order queues, zero sizes."""
+    import pyopencl as cl
+
+    q, k, v = call.q, call.k, call.v
+    if q.size == 0 or k.size == 0 or v.size == 0 or call.q_len.shape[0] == 0:
+        return _NOT
+    if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+        return _NOT  # the in-place table rewrites rely on queue order
+    if any(x.base_data is None for x in (q, k, v)):
+        return _NOT
+    return _Plan(be, queue, int(call.q_len.shape[0]), call.n_heads // call.n_kv_heads)
+
+
+def _derive(fp: _Plan, call: Any, vals: np.ndarray) -> Any:
+    """What the per-sequence values ``vals`` (rows: the fields of _FIELDS, then causal_hi when
+    the call is causal) give: a _Portable or _Decode step, or None (full path)."""
+    be = fp.be
+    rows = vals[2] * fp.group
+    max_rows = int(rows.max())
+    if max_rows == 0:
+        return None
+    if be.use_mma and max_rows > A.DECODE_ROWS:
+        from . import _nvidia_mma
+
+        if _nvidia_mma.applicable(be.device, call):
+            return None
+    if be.use_mma and max_rows <= 16:
+        from . import _nvidia_decode
+
+        if _nvidia_decode.applicable(be.device, call):
+            return _nvidia_decode.fast_step(fp, call, vals)
+    return _portable_step(fp, call, vals, rows, max_rows)
+
+
+# ---- the portable kernel (attn_fwd.cl) ----------------------------------------------------------
+class _PortableSub:
+    """Per (plan, packed rows): the tiling, the argument list with everything but q, k, v and the
+    outputs filled in, the kernel options of each split mode and the descriptor table."""
+
+    __slots__ = ("plan", "args", "opts", "table", "owners")
+
+    def __init__(self, fp: _Plan, call: Any, max_rows: int) -> None:
+        from ._arrays import device_view
+
+        ctx = fp.ctx
+        views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
+        key = A._plan_key(fp.be, fp.queue, call, views, max_rows, 0)
+        plan = A._plans.get(key)
+        if plan is None:
+            plan = A._make_plan(fp.be, call, views, max_rows, 0)
+            if len(A._plans) >= A._PLANS_MAX:
+                dict.clear(A._plans)  # the fast plans stay: they hold their own plans
+            A._plans[key] = plan
+        self.plan = plan
+        bm = plan.tiles[0]
+        args = plan.args.copy()
+        n = fp.n
+        cap = 9 * n + 2 * n * -(-max_rows // bm)
+        self.table = _pool.DeviceTable(ctx, 4 * cap, not fp.facts.simulator)
+        args[A._DESC] = self.table.buf
+        args[A._ALIBI] = args[A._MASK] = dummy_buffer(ctx)
+        self.args = args
+        self.opts = tuple(c.options() for c in plan.cfgs)
+        self.owners = (object(), object())  # the KernelSlot owner of each split mode
+
+
+class _Portable:
+    __slots__ = ("sub", "desc", "n_groups", "splits")
+
+    def __init__(self, sub: _PortableSub, desc: np.ndarray, n_groups: int, splits: int) -> None:
+        self.sub, self.desc, self.n_groups, self.splits = sub, desc, n_groups, splits
+
+    def run(self, fp: _Plan, call: Any) -> tuple[Any, Any]:
+        sub, queue, be = self.sub, fp.queue, fp.be
+        q = call.q
+        bq, sq_arr, hq, _ = q.shape
+        dtype = q.dtype
+        acc = acc_dtype(dtype)
+        dv = call.v.shape[3]
+        hkv = call.k.shape[2]
+        n_out_rows = bq * sq_arr * hq
+        out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
+        if call.need_lse:
+            lse = _pool.empty(queue, (bq, hq, sq_arr), acc)
+            lse_buf = lse.base_data
+        else:
+            lse, lse_buf = None, _pool.scratch(queue, n_out_rows * acc.itemsize)
+        args = sub.args.copy()
+        args[A._Q], args[A._K], args[A._V] = q.base_data, call.k.base_data, call.v.base_data
+        splits = self.splits
+        if splits > 1:
+            part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
+            part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
+            args[A._DST], args[A._DST + 1] = part_o, part_l
+        else:
+            args[A._DST], args[A._DST + 1] = out.base_data, lse_buf
+        split = splits > 1
+        nt = sub.plan.tiles[2] * sub.plan.tiles[3]
+        ctx = fp.ctx
+        with launch_lock:
+            sub.table.put(queue, self.desc, out)
+            be.launch(ctx, queue, "attn_fwd.cl", sub.opts[split], "attn_fwd",
+                      (self.n_groups * nt, hkv, splits), (nt, 1, 1), args,
+                      varying=_PORTABLE_VARYING, owner=sub.owners[split])
+        if split:
+            A.launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
+                           (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
+                           out.base_data, lse_buf, store_kind(acc), store_kind(dtype),
+                           int(acc == np.float64))
+        return out, lse
+
+
+_PORTABLE_VARYING = (A._Q, A._K, A._V, A._DST, A._DST + 1)
+
+
+def _portable_step(fp: _Plan, call: Any, vals: np.ndarray, rows: np.ndarray,
+                   max_rows: int) -> Any:
+    sub = fp.subs.get(("portable", max_rows))
+    if sub is None:
+        sub = fp.subs[("portable", max_rows)] = _PortableSub(fp, call, max_rows)
+    bm, bn = sub.plan.tiles[0], sub.plan.tiles[1]
+    n = fp.n
+    if n == 1:
+        head = vals[:, 0].tolist()
+        if len(head) == 8:
+            head.append(A._INT_MAX)
+        nb = -(-int(rows[0]) // bm)
+        table = [x for g in range(nb) for x in (0, g * bm)]
+        desc, n_groups = np.array(head + table, np.int32), nb
+    else:
+        desc, n_groups = A._descriptor(call, rows, bm)
+    if n_groups == 0:
+        return None
+    key_tiles = -(-int(vals[5].max()) // bn)
+    hkv = call.k.shape[2]
+    splits = A.choose_splits(fp.facts, n_groups * hkv, key_tiles, fp.be.num_splits)
+    return _Portable(sub, desc, n_groups, splits)
