@@ -1,0 +1,187 @@
+"""The candidate -D options of the 16-bit tensor-core prefill kernel (notes/kernel4.md) against
+the default build, in one device run: kernel time by OpenCL profiling events (median of REPS
+after WARMUP) for fp16 and bf16, shapes (B, H, S, D) below, causal and not; the largest
+difference of each candidate's output from the default's (the candidates reorder no arithmetic:
+0 is expected); the ptxas report (-cl-nv-verbose: registers, spills, local memory) of every build;
+with --ptx DIR, each build's PTX and log. Optionally PyTorch's flash backend on the same shapes
+(the anchor of issue #5), after the OpenCL part.
+
+    source .gpu/setup.sh && python3 bench/gpu/cand16.py --json $OUT/cand16.jsonl --ptx $OUT/ptx
+
+Records: {"part": "time", dtype, shape, causal, variant, ms, tflops, max_diff_vs_default}
+{"part": "build", name, opts, ptxas}, {"part": "torch", dtype, shape, causal, ms, tflops}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
+WARMUP, REPS = 3, 10
+#: name -> extra -D options (every build also gets -cl-nv-verbose, which only adds the report)
+VARIANTS = {
+    "default": (),
+    "ldsm_bytes": ("-DLDSM_BYTES=1",),
+    "kv_split": ("-DKV_SPLIT_STAGES=1",),
+    "ldsm_bytes_kv_split": ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
+}
+VERBOSE = "-cl-nv-verbose"
+
+
+def emit(rec: dict, path: str | None) -> None:
+    line = json.dumps(rec, default=str)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def report_builds(cl, nv, dev, seen: set, name: str, ptx_dir: str | None,
+                  json_path: str | None) -> None:
+    """The ptxas report (and PTX, log) of every program built since the last call."""
+    for key, prg in list(nv._programs.items()):
+        if key in seen or key[2] != "attn_fwd_mma.cl":
+            continue
+        seen.add(key)
+        opts = list(key[3])
+        log = prg.get_build_info(dev, cl.program_build_info.LOG) or ""
+        ptxas = [ln.strip() for ln in log.splitlines()
+                 if "registers" in ln or "spill" in ln or "stack" in ln]
+        rec = {"part": "build", "name": name, "opts": [o for o in opts if o != VERBOSE],
+               "ptxas": ptxas}
+        if ptx_dir:
+            os.makedirs(ptx_dir, exist_ok=True)
+            ptx = prg.get_info(cl.program_info.BINARIES)[0]
+            with open(os.path.join(ptx_dir, name + ".ptx"), "wb") as f:
+                f.write(ptx)
+            with open(os.path.join(ptx_dir, name + ".log"), "w") as f:
+                f.write(" ".join(opts) + "\n" + log)
+            rec["ptx_bytes"] = len(ptx)
+        emit(rec, json_path)
+
+
+def _torch_median_s(torch, x, causal: bool) -> float:
+    """Median seconds of one scaled_dot_product_attention between two CUDA events."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for _ in range(WARMUP):
+        sdpa(*x, is_causal=causal)
+    ts = []
+    for _ in range(REPS):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        sdpa(*x, is_causal=causal)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    return statistics.median(ts)
+
+
+def torch_anchor(shapes, dtypes, json_path: str | None) -> None:
+    """PyTorch's flash backend (scaled_dot_product_attention), CUDA events, same shapes."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for dname in dtypes:
+        dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dname]
+        for b, h, s, d in shapes:
+            x = [torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(3)]
+            for causal in (False, True):
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    t = _torch_median_s(torch, x, causal)
+                fl = 4 * b * h * s * s * d / (2 if causal else 1)
+                emit({"part": "torch", "dtype": dname, "shape": [b, h, s, d], "causal": causal,
+                      "ms": round(t * 1e3, 4), "tflops": round(fl / t / 1e12, 1)}, json_path)
+            del x
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--ptx", default=None, help="directory for each build's PTX and log")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--dtype", nargs="*", default=["float16", "bfloat16"])
+    ap.add_argument("--d", type=int, nargs="*", default=[128, 64])
+    ap.add_argument("--no-causal", action="store_true", help="non-causal calls only")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch anchor")
+    ap.add_argument("--shapes", nargs="*", default=None, help="B,H,S,D each (default SHAPES)")
+    ap.add_argument("--no-verbose", action="store_true",
+                    help="build without -cl-nv-verbose (not NVIDIA: a smoke test on PoCL)")
+    args = ap.parse_args(argv)
+    import ml_dtypes
+    import pyopencl as cl
+
+    import attnlib
+    from attnlib import _spec
+    from attnlib.backends.opencl import _nvidia_mma as nv
+
+    t_start = time.perf_counter()
+    base = attnlib.get_backend("opencl")
+    ctx, dev = base.context, base.device
+    queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
+    be = attnlib.get_backend("opencl", queue=queue)
+    dtypes = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    shapes = ([tuple(int(v) for v in sh.split(",")) for sh in args.shapes] if args.shapes
+              else [s for s in SHAPES if s[3] in args.d])
+    verbose = () if args.no_verbose else (VERBOSE,)
+    seen: set = set()
+    for dname in args.dtype:
+        dtype = dtypes[dname]
+        for b, h, s, d in shapes:
+            rng = np.random.default_rng(0)
+            x = [attnlib.to_device(rng.standard_normal((b, s, h, d), dtype=np.float32)
+                                   .astype(dtype), backend=be) for _ in range(3)]
+            for causal in (False,) if args.no_causal else (False, True):
+                call = _spec.dense_call(*x, scale=None, mask=None, layout="bshd",
+                                        need_lse=False, alibi_slopes=None, causal=causal,
+                                        window=None, softcap=None)
+                fl = 4 * b * h * s * s * d / (2 if causal else 1)
+                ref = None
+                for name in args.variants:
+                    extra = (*VARIANTS[name], *verbose)
+                    row = {"part": "time", "dtype": dname, "shape": [b, h, s, d],
+                           "causal": causal, "variant": name}
+                    try:
+                        ev: list = []
+                        for _ in range(WARMUP):
+                            nv.run(ctx, queue, dev, call, extra_options=extra)
+                        queue.finish()
+                        report_builds(cl, nv, dev, seen,
+                                      f"{dname}_d{d}_{'causal' if causal else 'dense'}_{name}",
+                                      args.ptx, args.json)
+                        for _ in range(REPS):
+                            out, _ = nv.run(ctx, queue, dev, call, events=ev,
+                                            extra_options=extra)
+                        queue.finish()
+                        t = statistics.median((e.profile.end - e.profile.start) * 1e-9
+                                              for e in ev[-REPS:])
+                        row.update(ms=round(t * 1e3, 4), tflops=round(fl / t / 1e12, 1))
+                        o = out.get().astype(np.float32)
+                        if ref is None and name == "default":
+                            ref = o
+                        elif ref is not None:
+                            row["max_diff_vs_default"] = float(np.max(np.abs(o - ref)))
+                    except Exception as exc:  # noqa: BLE001 - report and go on
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    emit(row, args.json)
+            del x
+    emit({"part": "opencl_done", "s": round(time.perf_counter() - t_start, 1)}, args.json)
+    if not args.no_torch:
+        try:
+            torch_anchor(shapes, args.dtype, args.json)
+        except Exception as exc:  # noqa: BLE001
+            emit({"part": "torch", "error": f"{type(exc).__name__}: {str(exc)[:300]}"},
+                 args.json)
+    emit({"part": "done", "s": round(time.perf_counter() - t_start, 1)}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
