@@ -1,0 +1,258 @@
+"""The repeat-call (decode) host path of the OpenCL backend: KVCache repeat entries
+(kv_cache._FastEntry), fast plans (backends/opencl/_fastpath), in-place device tables and kernel
+arguments set only when they changed (_runtime.KernelSlot).
+
+A cached plan must never serve a call whose geometry, strides, dtypes, options, lengths or
+buffers differ: every test warms a key, changes one thing and checks the answer against the
+numpy backend (float64 accumulation) on a twin cache given the same writes; each step's answer
+must also differ from the previous step's by more than the tolerance, so a stale answer fails.
+The tensor-core decode path runs on PoCL through its emulated kernel under a patched compute
+capability."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib.testing._helpers import randn, rng_for
+
+cl = pytest.importorskip("pyopencl")
+if "opencl" not in attnlib.available_backends():  # pragma: no cover - CI always has PoCL
+    pytest.skip("no OpenCL device", allow_module_level=True)
+
+TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+class Twin:
+    """An OpenCL KVCache and a numpy KVCache given the same writes."""
+
+    def __init__(self, be, b, cap, hkv, d, dtype, ring=False):
+        self.be, self.dtype = be, dtype
+        self.dev = attnlib.KVCache(b, cap, hkv, d, dtype=dtype, ring=ring, backend=be)
+        self.ref = attnlib.KVCache(b, cap, hkv, d, dtype=dtype, ring=ring, backend="numpy")
+        self.last = None
+
+    def update(self, k, v, start):
+        dk, dv = (attnlib.to_device(x, backend=self.be) for x in (k, v))
+        self.dev.update(dk, dv, start)
+        self.ref.update(k, v, start)
+
+    def step(self, q, k=None, v=None, *, q_dev=None, fresh=True, **kw):
+        """One attention_with_kvcache on both; checks the OpenCL answer against numpy's."""
+        dq = attnlib.to_device(q, backend=self.be) if q_dev is None else q_dev
+        dk = None if k is None else attnlib.to_device(k, backend=self.be)
+        dv = None if v is None else attnlib.to_device(v, backend=self.be)
+        got = attnlib.attention_with_kvcache(dq, self.dev, dk, dv, **kw)
+        want = attnlib.attention_with_kvcache(q, self.ref, k, v, **kw)
+        if kw.get("return_lse"):
+            np.testing.assert_allclose(attnlib.to_numpy(got[1]), want[1], atol=1e-4)
+            got, want = got[0], want[0]
+        got = attnlib.to_numpy(got).astype(np.float64)
+        tol = TOL[self.dtype]
+        np.testing.assert_allclose(got, want.astype(np.float64), atol=tol, rtol=0)
+        assert np.array_equal(self.dev.lengths, self.ref.lengths)
+        if fresh and self.last is not None and self.last.shape == got.shape:
+            assert np.abs(got - self.last).max() > 4 * tol, "the step did not change the answer"
+        self.last = got
+        return got
+
+
+def _qkv_step(rng, b, sq, hq, hkv, d, dtype, n_new=1):
+    return (randn(rng, (b, sq, hq, d), dtype), randn(rng, (b, n_new, hkv, d), dtype),
+            randn(rng, (b, n_new, hkv, d), dtype))
+
+
+@pytest.fixture
+def be():
+    return attnlib.get_backend("opencl")
+
+
+def _fill(twin, rng, b, n, hkv, d, dtype):
+    k, v = randn(rng, (b, n, hkv, d), dtype), randn(rng, (b, n, hkv, d), dtype)
+    twin.update(k, v, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_steps_follow_every_change(be, dtype):
+    rng = rng_for("host path steps", dtype)
+    b, cap, hq, hkv, d = 1, 53, 6, 2, 24
+    t = Twin(be, b, cap, hkv, d, dtype)
+    _fill(t, rng, b, 17, hkv, d, dtype)
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
+    t.step(q)
+    t.step(q, fresh=False)  # the repeat entry and the fast plan serve this one
+    q0, dq = q, attnlib.to_device(q, backend=be)
+    for _ in range(4):  # appends: the lengths change every step
+        q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
+        t.step(q, k, v)
+    t.step(rng.standard_normal(q.shape).astype(dtype))  # new q values, same lengths
+    t.step(q0, q_dev=dq)  # the first q's buffer again
+    for kw in ({"scale": 0.3}, {"softcap": 2.0}, {"window": (3, 0)}, {"causal": False},
+               {"scale": 0.7, "return_lse": True}):
+        t.step(q, **kw)
+        t.step(q, fresh=False, **kw)
+    q3, k3, v3 = _qkv_step(rng, b, 3, hq, hkv, d, dtype, n_new=3)
+    t.step(q3, k3, v3)  # three query rows, three new tokens
+    t.step(q3, fresh=False)
+    t.dev.update(attnlib.to_device(k3, backend=be), attnlib.to_device(v3, backend=be), 5)
+    t.ref.update(k3, v3, 5)  # rollback: the length goes down
+    t.step(q3)
+
+
+def test_strides_and_other_caches(be):
+    rng = rng_for("host path strides")
+    b, cap, hq, hkv, d = 2, 31, 4, 2, 12
+    a = Twin(be, b, cap, hkv, d, "float32")
+    _fill(a, rng, b, 11, hkv, d, "float32")
+    q = randn(rng, (b, 3, hq, d))
+    a.step(q)
+    # the same q values as a strided device view (bhsd storage transposed to bshd)
+    qt = attnlib.to_device(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), backend=be)
+    a.step(q, q_dev=qt.transpose((0, 2, 1, 3)), fresh=False)
+    # and at an offset (rows 1..3 of a 4-row array)
+    wide = randn(rng, (b, 4, hq, d))
+    a.step(wide[:, 1:], q_dev=attnlib.to_device(wide, backend=be)[:, 1:])
+    a.step(q)
+    # a second cache of the same geometry: other k / v buffers, other lengths
+    c = Twin(be, b, cap, hkv, d, "float32")
+    _fill(c, rng, b, 9, hkv, d, "float32")
+    c.last = a.last
+    c.step(q)
+    a.last = c.last
+    a.step(q)
+    # different lengths per row (batch_idx: the full path) then the repeat path again
+    k, v = randn(rng, (1, 4, hkv, d)), randn(rng, (1, 4, hkv, d))
+    a.dev.update(attnlib.to_device(k, backend=be), attnlib.to_device(v, backend=be), 11,
+                 batch_idx=[1])
+    a.ref.update(k, v, 11, batch_idx=[1])
+    a.step(q)
+
+
+def test_ring_wraps(be):
+    rng = rng_for("host path ring")
+    b, cap, hq, hkv, d = 1, 13, 4, 1, 8
+    t = Twin(be, b, cap, hkv, d, "float32", ring=True)
+    _fill(t, rng, b, 10, hkv, d, "float32")
+    for _ in range(7):  # wraps: the first held position and the first row move
+        q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
+        t.step(q, k, v)
+    assert int(t.dev.held_from[0]) > 0
+
+
+def test_errors_after_warm_calls(be):
+    rng = rng_for("host path errors")
+    b, cap, hq, hkv, d = 1, 6, 2, 1, 8
+    t = Twin(be, b, cap, hkv, d, "float32")
+    _fill(t, rng, b, 4, hkv, d, "float32")
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
+    t.step(q, k, v, scale=1)
+    t.step(q, k, v, scale=1)  # length 6 = max_seq_len
+    dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+    with pytest.raises(attnlib.CacheOverflowError):
+        attnlib.attention_with_kvcache(dq, t.dev, dk, dv, scale=1)
+    assert int(t.dev.lengths[0]) == 6
+    with pytest.raises(attnlib.ArgumentError):
+        attnlib.attention_with_kvcache(dq, t.dev, scale=True)
+    attnlib.attention_with_kvcache(dq, t.dev, causal=True)
+    with pytest.raises(attnlib.ArgumentError):
+        attnlib.attention_with_kvcache(dq, t.dev, causal=1)
+    with pytest.raises(attnlib.ArgumentError):
+        attnlib.attention_with_kvcache(dq, t.dev, return_lse=1)
+    attnlib.attention_with_kvcache(dq, t.dev, window=(2, 0))
+    with pytest.raises(attnlib.ArgumentError):
+        attnlib.attention_with_kvcache(dq, t.dev, window=(True, 0))
+    with pytest.raises(attnlib.DTypeError):
+        attnlib.attention_with_kvcache(attnlib.to_device(q.astype(np.float16), backend=be),
+                                       t.dev)
+    t.dev.reset()
+    with pytest.raises(attnlib.ShapeError):  # q has 1 row, the cache holds none
+        attnlib.attention_with_kvcache(dq, t.dev)
+
+
+def test_backend_call_with_values_changed_in_place(be):
+    """The fast plan compares the per-sequence values, not the arrays' identities."""
+    from attnlib.testing.reference import reference_call, seq_call
+
+    rng = rng_for("host path in place")
+    q, k, v = (randn(rng, s) for s in ((2, 1, 4, 16), (2, 40, 2, 16), (2, 40, 2, 16)))
+    ar = np.arange(2)
+    kl = np.array([30, 12])
+    call = seq_call(*(attnlib.to_device(x, backend=be) for x in (q, k, v)), q_batch=ar,
+                    q_row0=0 * ar, q_len=ar * 0 + 1, k_batch=ar, k_row0=0 * ar, k_len=kl,
+                    q_pos0=kl - 1, k_pos0=0 * ar, causal=True)
+    host = seq_call(q, k, v, q_batch=ar, q_row0=0 * ar, q_len=ar * 0 + 1, k_batch=ar,
+                    k_row0=0 * ar, k_len=kl, q_pos0=kl - 1, k_pos0=0 * ar, causal=True)
+    prev = None
+    for n in (30, 30, 22, 39):
+        for c in (call, host):
+            c.k_len[0] = n
+            c.q_pos0[0] = n - 1
+        out, lse = be.attention(call)
+        ref, ref_lse = reference_call(host)
+        got = attnlib.to_numpy(out)
+        np.testing.assert_allclose(got, ref, atol=2e-5)
+        np.testing.assert_allclose(attnlib.to_numpy(lse), ref_lse, atol=2e-5)
+        if prev is not None and prev[0] != n:
+            assert np.abs(got - prev[1]).max() > 1e-4
+        prev = (n, got)
+
+
+def test_threads_share_plans(be):
+    """Caches of one geometry share fast plans and device tables; threads appending to their
+    own caches at once must each get their own answer."""
+    rng = rng_for("host path threads")
+    b, cap, hq, hkv, d = 1, 40, 4, 2, 16
+    twins = [Twin(be, b, cap, hkv, d, "float32") for _ in range(4)]
+    for i, t in enumerate(twins):
+        _fill(t, rng, b, 5 + 3 * i, hkv, d, "float32")
+    steps = [[_qkv_step(rng, b, 1, hq, hkv, d, "float32") for _ in range(6)] for _ in twins]
+    errors = []
+
+    def work(i):
+        try:
+            for q, k, v in steps[i]:
+                twins[i].step(q, k, v, fresh=False)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(twins))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+
+
+@pytest.fixture
+def emulated_nvidia(monkeypatch):
+    """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0)."""
+    from attnlib.backends.opencl import _attention, _nvidia_decode, _nvidia_mma
+
+    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
+    _attention._plans.clear()
+    yield _nvidia_decode
+    _attention._plans.clear()
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype", [(8, 2, 64, "float16"), (4, 4, 128, "bfloat16")])
+def test_emulated_tensor_core_decode_steps(emulated_nvidia, hq, hkv, d, dtype):
+    be = attnlib.get_backend("opencl", num_splits=3)
+    rng = rng_for("host path decode", d, dtype)
+    b, cap = 1, 70
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    t = Twin(be, b, cap, hkv, d, dtype)
+    _fill(t, rng, b, 20, hkv, d, dtype)
+    before = len(emulated_nvidia._kernels)
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
+    t.step(q, k, v)
+    assert len(emulated_nvidia._kernels) > before, "the tensor-core decode kernel did not run"
+    for _ in range(3):
+        q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
+        t.step(q, k, v)
+    t.step(q, softcap=3.0)
+    t.step(q, window=(4, 0), return_lse=True)
