@@ -104,6 +104,11 @@
 #ifndef KV_SPLIT_STAGES
 #define KV_SPLIT_STAGES 0
 #endif
+// SOFTMAX_PIPE=1: the tile loop software-pipelined over half tiles, S of the next half issued
+// in the basic block of this half's softmax and P V (attn_fwd_mma_pipe.h).
+#ifndef SOFTMAX_PIPE
+#define SOFTMAX_PIPE 0
+#endif
 #if LDSM_BYTES && IS_TF32
 #error "LDSM_BYTES=1 is for the 16-bit kernel (float32 reads its fragments without ldmatrix)"
 #endif
@@ -243,15 +248,17 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #define LDSM_B_T(R, P, A) emu_ldsm((R), (P), (int)(A) >> 1, 1, scr)
 #define CP_ASYNC16_B(P, A, SRC) CP_ASYNC16((P) + ((A) >> 1), SRC)
 #endif
-// chunk I of the fast loader: row r0_ + I ROW_STEP of the buffer whose chunk 0 is at DST0
-#define CP_ROW_CHUNK(SX, DST0, I, SRC) CP_ASYNC16_B(SX, (DST0) + (I) * (ROW_STEP * LDS * 2), SRC)
+// chunk I of the fast loader: row r0_ + I ROW_STEP of the buffer SX (in the array ARR) whose
+// chunk 0 is at DST0 (LDSM_BYTES: a byte address of ARR's window; else SX + so0)
+#define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC)                                                    \
+  CP_ASYNC16_B(ARR, (DST0) + (I) * (ROW_STEP * LDS * 2), SRC)
 #define LOAD_KV_FAST(BUF)                                                                      \
       UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
-        CP_ROW_CHUNK(sK, kdst0 + (BUF) * KV_BUF_BYTES, i, kt + i * k_step);                    \
-        CP_ROW_CHUNK(sV, vdst0 + (BUF) * KV_BUF_BYTES, i, vt + i * v_step);                    \
+        CP_ROW_CHUNK(sK, sK, kdst0 + (BUF) * KV_BUF_BYTES, i, kt + i * k_step);                \
+        CP_ROW_CHUNK(sV, sV, vdst0 + (BUF) * KV_BUF_BYTES, i, vt + i * v_step);                \
       }
 #else
-#define CP_ROW_CHUNK(SX, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * ROW_STEP * LDS, SRC)
+#define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * ROW_STEP * LDS, SRC)
 #define LOAD_KV_FAST(BUF)                                                                      \
       __local ELEM *skt = sK + (BUF) * BLOCK_N * LDSK + so0;                                   \
       __local ELEM *svt = sV + (BUF) * BLOCK_N * LDSV + SO0_V;                                 \
@@ -286,8 +293,8 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
   const uint vaddr = SBASE(sV) + (ra_ * LDS + ca_) * 2;
   const uint kdst0 = SBASE(sK) + so0 * 2, vdst0 = SBASE(sV) + so0 * 2;
 #endif
-#if KV_SPLIT_STAGES
-// one tensor (K or V) of a tile into its single buffer, as LOAD_KV_CHECKED / LOAD_KV do
+#if KV_SPLIT_STAGES || SOFTMAX_PIPE
+// one tensor (K or V) of a tile into the buffer at SX, as LOAD_KV_CHECKED / LOAD_KV do
 #define LOAD_X_CHECKED(TILE, SX, XH, X_SR)                                                     \
   for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
     int r = c / CHUNKS, ch = c % CHUNKS, j = (TILE) * BLOCK_N + r;                             \
@@ -299,22 +306,28 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
       ZERO16((SX) + r * LDS + ch * EPC);                                                       \
     }                                                                                          \
   }
-#define LOAD_X(TILE, SX, XP0, X_STEP, XH, X_SR, DST0)                                          \
+#define LOAD_X(TILE, SX, ARR, XP0, X_STEP, XH, X_SR, DST0)                                     \
   {                                                                                            \
     const int n0_ = (TILE) * BLOCK_N;                                                          \
     if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
         (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
       __global const ELEM *xt = (XP0) + n0_ * (X_SR);                                          \
       UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
-        CP_ROW_CHUNK(SX, DST0, i, xt + i * (X_STEP));                                          \
+        CP_ROW_CHUNK(SX, ARR, DST0, i, xt + i * (X_STEP));                                     \
       }                                                                                        \
     } else {                                                                                   \
       LOAD_X_CHECKED(TILE, SX, XH, X_SR)                                                       \
     }                                                                                          \
   }
-#define LOAD_K(TILE) LOAD_X(TILE, sK, kp0, k_step, kh, k_sr, kdst0)
-#define LOAD_V(TILE) LOAD_X(TILE, sV, vp0, v_step, vh, v_sr, vdst0)
+#define LOAD_K(TILE) LOAD_X(TILE, sK, sK, kp0, k_step, kh, k_sr, kdst0)
+#define LOAD_V(TILE) LOAD_X(TILE, sV, sV, vp0, v_step, vh, v_sr, vdst0)
+#if SOFTMAX_PIPE  // K and V in separate groups (K is waited for first)
   if (t_first <= t_last) { LOAD_K(t_first) }
+  CP_COMMIT();
+  if (t_first <= t_last) { LOAD_V(t_first) }
+#else
+  if (t_first <= t_last) { LOAD_K(t_first) }
+#endif
 #else
   if (t_first <= t_last) { LOAD_KV(t_first, 0) }
 #endif
@@ -371,6 +384,9 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     UNROLL for (int hf = 0; hf < 2; hf++) { m_i[mt][hf] = -INFINITY; l_i[mt][hf] = 0.f; }
   }
 
+#if SOFTMAX_PIPE
+#include "attn_fwd_mma_pipe.h"
+#else
   for (int t = t_first; t <= t_last; t++) {
 #if KV_SPLIT_STAGES
     // -- K(t) has landed (the only group in flight); after the barrier no warp still reads
@@ -810,6 +826,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     }
 #endif
   }
+#endif
   CP_WAIT(0);
 
   // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf

@@ -216,6 +216,12 @@ CAND_CASES = [
      ("-DKV_SPLIT_STAGES=1", "-DLDSM_BYTES=1"), {"window": (9, 3)}),
     ("kv_split+ldsm_bytes f16 dense", "float16", (1, 33, 150, 2, 1, 128), (128, 64, 4, 0),
      ("-DKV_SPLIT_STAGES=1", "-DLDSM_BYTES=1"), {}),
+    # SOFTMAX_PIPE (half-tile software pipeline, attn_fwd_mma_pipe.h): builds without WARP_SKIP
+    ("softmax_pipe f16 dense", "float16", (1, 61, 203, 2, 1, 128), (128, 64, 4, 0),
+     ("-DSOFTMAX_PIPE=1",), {}),
+    ("softmax_pipe+ldsm_bytes bf16 causal q_regs", "bfloat16", (1, 77, 150, 4, 2, 64),
+     (64, 32, 2, 1), ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
+     {"causal": True, "softcap": 30.0, "alibi": True}),
 ]
 
 
@@ -239,7 +245,8 @@ def test_mma_candidate_options(name, dtype, shape, config, extra, opts):
     _check(q, k, v, slopes, kw, out, lse)
 
 
-@pytest.mark.parametrize("extra", [("-DLDSM_BYTES=1",), ("-DKV_SPLIT_STAGES=1",)])
+@pytest.mark.parametrize("extra", [("-DLDSM_BYTES=1",), ("-DKV_SPLIT_STAGES=1",),
+                                   ("-DSOFTMAX_PIPE=1",)])
 def test_mma_candidate_options_refuse_f32(extra):
     """The 16-bit-only candidates stop the float32 build with their own message."""
     from attnlib.backends.opencl import _nvidia_mma
