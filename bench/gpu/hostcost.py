@@ -1,22 +1,35 @@
-"""What one decode call costs the host, piece by piece, on the machine it runs on.
+"""What one call costs the host, piece by piece, on the machine it runs on.
 
-Each line: the median over 2000 repetitions (after 200 warm-up) of one host-side step of a
-decode call (B=1, 8192 tokens, 32 q / 8 kv heads, D=128, fp16):
+Each figure: the median over ``--n`` repetitions (after a tenth as many warm-up calls) of one
+host-side step, in microseconds. Cases (32 q / 8 kv heads, D=128, fp16, device arrays):
 
-* ``upload_desc``: ``cl.enqueue_copy`` of a 44-byte descriptor, non-blocking (pooled buffer);
-* ``pool_alloc``: one pooled scratch allocation and its release;
-* ``empty_array``: one ``pyopencl.array.Array`` from the pool (the call's output);
-* ``front_door_only``: ``attention_with_kvcache`` with every kernel launch stubbed out (Python
-  front door, validation, descriptor, allocation, upload);
-* ``whole_call``: the real call, no ``finish`` (what the host spends enqueueing);
-* ``portable_*``: the same with ``use_mma=False`` (the portable kernel instead of the NVIDIA
-  tensor-core decode kernel; on other devices the two are the same path).
+* ``decode``: ``attention_with_kvcache(q, cache)``, B=1, 8192 cached tokens;
+* ``append``: ``attention_with_kvcache(q, cache, k1, v1)``: two cache_write launches, then the
+  attention (the cache is reset to 8192 tokens every 512 calls, outside the timing);
+* ``prefill``: ``attention(q, k, v, causal=True)`` at (1, 512, 32 / 8, 128) (the tensor-core
+  prefill kernel on NVIDIA sm_80+, the portable one elsewhere);
+* ``dense_decode``: ``attention(q, k, v)`` with q (1, 1, 32, 128), k, v (1, 8192, 8, 128).
 
-    python bench/gpu/hostcost.py
+For each: ``<case>_stub`` (every kernel launch replaced by a no-op: the Python front door,
+validation, planning, allocation, table uploads), and, unless ``--stub-only`` or
+``--emulate-nvidia``, ``<case>_call`` (the real call, no finish: what the host spends
+enqueueing) and ``<case>_pipelined`` (``--n`` calls back to back, then one finish, per call).
+Prefixes: none for the default backend (NVIDIA tensor-core paths where the device has them),
+``portable_`` for ``use_mma=False``. Also the primitives: ``pool_alloc``, ``empty_array``,
+``upload_desc``.
+
+``--emulate-nvidia`` (any OpenCL device, e.g. PoCL): the dispatch sees an sm_90 device
+(``_nvidia_mma.compute_capability`` patched to (9, 0)) and every launch is stubbed, so the
+NVIDIA-only Python paths (``_nvidia_decode``, ``_nvidia_mma``) run without building PTX.
+
+    python bench/gpu/hostcost.py                       # on the GPU host
+    python bench/gpu/hostcost.py --emulate-nvidia      # the NVIDIA paths' host cost, anywhere
+    python bench/gpu/hostcost.py --stub-only --portable-only
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -25,6 +38,8 @@ import numpy as np
 
 import attnlib
 from attnlib.backends.opencl import OpenCLBackend, _pool
+
+HQ, HKV, D, CTX = 32, 8, 128, 8192
 
 
 def median_us(fn, n=2000, warm=200):
@@ -36,6 +51,16 @@ def median_us(fn, n=2000, warm=200):
         fn()
         ts.append(time.perf_counter() - t0)
     return round(statistics.median(ts) * 1e6, 2)
+
+
+def pipelined_us(fn, queue, n):
+    fn()
+    queue.finish()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    queue.finish()
+    return round((time.perf_counter() - t0) / n * 1e6, 2)
 
 
 def _stub_launches():
@@ -55,38 +80,111 @@ def _stub_launches():
     return restore
 
 
+def _emulate_nvidia():
+    from attnlib.backends.opencl import _attention, _nvidia_mma
+
+    _nvidia_mma.compute_capability = lambda device: (9, 0)
+    _attention._plans.clear()
+
+
+def _dev(rng, shape, be):
+    return attnlib.to_device(rng.standard_normal(shape, dtype=np.float32).astype(np.float16),
+                             backend=be)
+
+
+def cases(be, rng):
+    """(name, fn, reset) per case; reset() (or None) runs outside the timing every 512 calls."""
+    cache = attnlib.KVCache(1, CTX + 1024, HKV, D, dtype="float16", backend=be)
+    kh = rng.standard_normal((1, CTX, HKV, D), dtype=np.float32).astype(np.float16)
+    dk = attnlib.to_device(kh, backend=be)
+    cache.update(dk, dk, 0)
+    q1 = _dev(rng, (1, 1, HQ, D), be)
+    k1, v1 = _dev(rng, (1, 1, HKV, D), be), _dev(rng, (1, 1, HKV, D), be)
+
+    def reset():
+        cache.reset()
+        cache.update(dk, dk, 0)
+
+    qp, kp = _dev(rng, (1, 512, HQ, D), be), _dev(rng, (1, 512, HKV, D), be)
+    kd = _dev(rng, (1, CTX, HKV, D), be)
+    return [
+        ("decode", lambda: attnlib.attention_with_kvcache(q1, cache), None),
+        ("append", lambda: attnlib.attention_with_kvcache(q1, cache, k1, v1), reset),
+        ("prefill", lambda: attnlib.attention(qp, kp, kp, causal=True), None),
+        ("dense_decode", lambda: attnlib.attention(q1, kd, kd), None),
+    ]
+
+
+def timed(fn, reset, n, warm):
+    """median_us with ``reset`` every 512 calls outside the timing."""
+    if reset is None:
+        return median_us(fn, n, warm)
+    ts = []
+    done = 0
+    while done < n + warm:
+        reset()
+        m = min(512, n + warm - done)
+        for _ in range(m):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        done += m
+    return round(statistics.median(ts[warm:]) * 1e6, 2)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--emulate-nvidia", action="store_true")
+    ap.add_argument("--stub-only", action="store_true")
+    ap.add_argument("--portable-only", action="store_true")
+    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--real-n", type=int, default=300)
+    ap.add_argument("--cases", default="decode,append,prefill,dense_decode")
+    args = ap.parse_args()
+    if args.emulate_nvidia:
+        _emulate_nvidia()
+    stub_only = args.stub_only or args.emulate_nvidia
+    want = args.cases.split(",")
     res = {}
-    for label, opts in (("", {}), ("portable_", {"use_mma": False})):
+    variants = [("portable_", {"use_mma": False})]
+    if not args.portable_only:
+        variants.insert(0, ("", {}))
+    for label, opts in variants:
         be = attnlib.get_backend("opencl", **opts)
         queue = be.queue
         rng = np.random.default_rng(0)
-        cache = attnlib.KVCache(1, 8192, 8, 128, dtype="float16", backend=be)
-        kh = rng.standard_normal((1, 8192, 8, 128), dtype=np.float32).astype(np.float16)
-        cache.update(kh, kh, 0)
-        qd = attnlib.to_device(rng.standard_normal((1, 1, 32, 128), dtype=np.float32)
-                               .astype(np.float16), backend=be)
-        out = attnlib.attention_with_kvcache(qd, cache)
-        queue.finish()
         if not label:
+            out = _pool.empty(queue, (1, 1, HQ, D), np.float16)
             desc = np.arange(11, dtype=np.int32)
             res["upload_desc"] = median_us(lambda q=queue, h=desc, o=out: _pool.upload(q, h, o))
             queue.finish()
             res["pool_alloc"] = median_us(lambda q=queue: _pool.scratch(q, 4096))
-            res["empty_array"] = median_us(lambda q=queue: _pool.empty(q, (1, 1, 32, 128),
+            res["empty_array"] = median_us(lambda q=queue: _pool.empty(q, (1, 1, HQ, D),
                                                                        np.float16))
-        restore = _stub_launches()
-        try:
-            res[label + "front_door_only"] = median_us(
-                lambda c=cache, x=qd: attnlib.attention_with_kvcache(x, c))
-        finally:
-            restore()
-        queue.finish()
-        res[label + "whole_call"] = median_us(
-            lambda c=cache, x=qd: attnlib.attention_with_kvcache(x, c), n=300, warm=30)
-        queue.finish()
-        del cache
-    print(json.dumps(res), flush=True)
+        for name, fn, reset in cases(be, rng):
+            if name not in want:
+                continue
+            if stub_only:  # warm the plans with stubs too: no kernel is ever built
+                restore = _stub_launches()
+            else:
+                fn()
+                queue.finish()
+                restore = _stub_launches()
+            try:
+                res[f"{label}{name}_stub"] = timed(fn, reset, args.n, args.n // 10)
+            finally:
+                restore()
+            if stub_only:
+                continue
+            queue.finish()
+            n = args.real_n
+            res[f"{label}{name}_call"] = timed(fn, reset, n, n // 10)
+            queue.finish()
+            if reset is not None:
+                reset()
+            res[f"{label}{name}_pipelined"] = pipelined_us(fn, queue, min(n, 512))
+        print(json.dumps({"emulate_nvidia": args.emulate_nvidia, **res}), flush=True)
+        res = {}
 
 
 if __name__ == "__main__":

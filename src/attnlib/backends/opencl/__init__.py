@@ -24,8 +24,7 @@ to compile (the message holds the options and the build log).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -84,17 +83,27 @@ _OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_
               "INVALID_BUFFER_SIZE")
 
 
-@contextlib.contextmanager
-def device_errors(what: str) -> Iterator[None]:
-    """Device allocation failures become MemoryError (SPEC section 6), never a raw driver error."""
-    import pyopencl as cl
+class device_errors:
+    """Device allocation failures become MemoryError (SPEC section 6), never a raw driver error.
+    (A class, not a generator context manager: it wraps every call, ~1 us less each.)"""
 
-    try:
-        yield
-    except cl.Error as exc:
-        if isinstance(exc, cl.MemoryError) or any(c in str(exc) for c in _OOM_CODES):
-            raise MemoryError(f"opencl: {what} does not fit the device: {exc}") from exc
-        raise
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
+        if exc is None:
+            return False
+        import pyopencl as cl
+
+        if isinstance(exc, cl.Error) and (isinstance(exc, cl.MemoryError)
+                                          or any(c in str(exc) for c in _OOM_CODES)):
+            raise MemoryError(f"opencl: {self.what} does not fit the device: {exc}") from exc
+        return False
 
 
 class OpenCLBackend(Backend):

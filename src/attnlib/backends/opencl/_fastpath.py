@@ -117,22 +117,34 @@ def _new_plan(be: Any, call: Any, queue: Any) -> Any:
 def _derive(fp: _Plan, call: Any, vals: np.ndarray) -> Any:
     """What the per-sequence values ``vals`` (rows: the fields of _FIELDS, then causal_hi when
     the call is causal) give: a _Portable or _Decode step, or None (full path)."""
-    be = fp.be
     rows = vals[2] * fp.group
     max_rows = int(rows.max())
     if max_rows == 0:
         return None
+    route = fp.subs.get(("route", max_rows))
+    if route is None:  # the dispatch of _attention.attention; the key and max_rows fix it
+        route = fp.subs[("route", max_rows)] = _route(fp.be, call, max_rows)
+    if route == "decode":
+        from . import _nvidia_decode
+
+        return _nvidia_decode.fast_step(fp, call, vals)
+    if route == "portable":
+        return _portable_step(fp, call, vals, rows, max_rows)
+    return None
+
+
+def _route(be: Any, call: Any, max_rows: int) -> str:
     if be.use_mma and max_rows > A.DECODE_ROWS:
         from . import _nvidia_mma
 
         if _nvidia_mma.applicable(be.device, call):
-            return None
+            return "mma"
     if be.use_mma and max_rows <= 16:
         from . import _nvidia_decode
 
         if _nvidia_decode.applicable(be.device, call):
-            return _nvidia_decode.fast_step(fp, call, vals)
-    return _portable_step(fp, call, vals, rows, max_rows)
+            return "decode"
+    return "portable"
 
 
 # ---- the portable kernel (attn_fwd.cl) ----------------------------------------------------------

@@ -342,12 +342,15 @@ def fast_step(fp: Any, call: AttnCall, vals: np.ndarray) -> _FastStep | None:
         n_cols, max_k = tiles.shape[0], int(vals[5].max())
     if n_cols == 0:
         return None
-    splits = fp.be.num_splits
+    key_tiles = -(-max_k // block_n)
+    splits = common.subs.get((n_cols, key_tiles))  # choose_splits loops up to ~70 times
     if splits is None:
-        splits = choose_splits(fp.facts.compute_units, n_cols * call.k.shape[2],
-                               -(-max_k // block_n), call.head_dim, common.config)
-    splits = max(1, int(splits))
-    sub = common.subs.get((splits, n_cols))
+        splits = fp.be.num_splits
+        if splits is None:
+            splits = choose_splits(fp.facts.compute_units, n_cols * call.k.shape[2], key_tiles,
+                                   call.head_dim, common.config)
+        splits = common.subs[(n_cols, key_tiles)] = max(1, int(splits))
+    sub = common.subs.get((splits, n_cols, "sub"))
     if sub is None:
-        sub = common.subs[(splits, n_cols)] = _FastSub(fp, common, call, splits, n_cols)
+        sub = common.subs[(splits, n_cols, "sub")] = _FastSub(fp, common, call, splits, n_cols)
     return _FastStep(common, sub, seqs, tiles)

@@ -11,7 +11,7 @@ import numpy as np
 from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
 from ._attention import launch_merge
-from ._runtime import KernelConfig
+from ._runtime import KernelConfig, launch_lock
 
 if TYPE_CHECKING:
     from ..base import RopeSpec
@@ -160,8 +160,71 @@ def rope(be: OpenCLBackend, x: Any, positions: np.ndarray, spec: RopeSpec) -> An
     return _finish(host, out)
 
 
+class _WritePlan:
+    """A KV-cache append of one geometry without RoPE (rope.cl as a strided copy): the kernel
+    options, every argument but the source and destination buffers, and the (row, first slot)
+    table on the device, rewritten in place when it changes (_pool.DeviceTable; the k and the v
+    write of one step share it)."""
+
+    __slots__ = ("be", "opts", "args", "table", "gsize")
+
+    def __init__(self, be: OpenCLBackend, queue: Any, buf: Any, src: Any) -> None:
+        self.be = be  # keeps id(be), part of the plan's key, from being reused while it lives
+        dtype = np.dtype(buf.dtype)
+        acc = acc_dtype(dtype)
+        cfg = RopeConfig(STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
+                         ROTATE=False, INTERLEAVED=False)
+        bsz, s, h, d = src.shape
+        item = dtype.itemsize
+        i64, i32 = np.int64, np.int32
+        self.table = _pool.DeviceTable(queue.context, 8 * bsz, not be.facts.simulator)
+        self.opts = cfg.options()
+        self.args = [None, i64(src.offset // item), *(i64(st // item) for st in src.strides),
+                     dummy_buffer(queue.context), self.table.buf, i32(s), i32(h), i32(d), i32(0),
+                     i32(buf.shape[1]), None, *(i64(st // item) for st in buf.strides[:3])]
+        self.gsize = (d, h, bsz * s)
+
+
+_write_plans: dict[tuple, Any] = {}
+_WRITE_VARYING = (0, 13)
+
+
+def _cache_write_fast(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray,
+                      start_pos: np.ndarray) -> bool:
+    """The append through a _WritePlan; False when the call is not one it takes."""
+    import pyopencl as cl
+
+    if (not is_cl_array(src) or src.base_data is None or buf.base_data is None or src.size == 0
+            or buf.offset):
+        return False
+    queue = be.queue_for(buf)
+    key = (id(be), queue.int_ptr, buf.shape, buf.strides, buf.dtype, src.shape, src.strides,
+           src.offset, src.dtype)
+    plan = _write_plans.get(key)
+    if plan is None:
+        if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+            return False
+        if len(_write_plans) >= 256:
+            _write_plans.clear()
+        plan = _write_plans[key] = _WritePlan(be, queue, buf, src)
+    cap = buf.shape[1]
+    if rows.shape[0] == 1:
+        table = np.array([[int(rows[0]), int(start_pos[0]) % cap]], np.int32)
+    else:
+        table = np.stack([rows, np.asarray(start_pos, np.int64) % cap], axis=1).astype(np.int32)
+    args = plan.args.copy()
+    args[0], args[13] = src.base_data, buf.base_data
+    with launch_lock:
+        plan.table.put(queue, table, buf)
+        be.launch(queue.context, queue, "rope.cl", plan.opts, "rope_copy", plan.gsize, None,
+                  args, varying=_WRITE_VARYING, owner=plan)
+    return True
+
+
 def cache_write(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray, start_pos: np.ndarray,
                 rope_spec: RopeSpec | None) -> None:
+    if rope_spec is None and _cache_write_fast(be, buf, src, rows, start_pos):
+        return
     queue = be.queue_for(buf)
     cap = buf.shape[1]
     bsz, s = src.shape[:2]

@@ -134,7 +134,7 @@ class DeviceTable:
         import pyopencl as cl
 
         size = max(4, int(nbytes))
-        self.fill = fill and size <= 128
+        self.fill = fill and size <= 128 and _fill_ok(ctx)
         if self.fill:
             size = 1 << (size - 1).bit_length()  # a fill's pattern size is a power of two
         self.size = size
@@ -149,10 +149,37 @@ class DeviceTable:
         if data == self.sig:
             return
         if self.fill:
-            pattern = np.zeros(self.size, np.uint8)
-            pattern[:len(data)] = np.frombuffer(data, np.uint8)
-            cl.enqueue_fill_buffer(queue, self.buf, pattern, 0, self.size)
+            if len(data) < self.size:
+                data += bytes(self.size - len(data))
+            _fill(queue, self.buf, data, 0, self.size, None)
         else:
             keeper.add_event(cl.enqueue_copy(queue, self.buf, np.frombuffer(data, np.uint8),
                                              is_blocking=False))
         self.sig = data
+
+
+def _fill_ok(ctx: Any) -> bool:
+    """clEnqueueFillBuffer is OpenCL 1.2: every device of the context must have it."""
+    import pyopencl as cl
+
+    try:
+        return cl.get_cl_header_version() >= (1, 2) and all(
+            tuple(int(x) for x in d.version.split()[1].split(".")[:2]) >= (1, 2)
+            for d in ctx.devices)
+    except Exception:  # pragma: no cover - an unparsable version string
+        return False
+
+
+def _fill_function() -> Any:
+    """pyopencl's C-level fill (its Python wrapper only re-checks the OpenCL version, which
+    DeviceTable checked once), else that wrapper."""
+    import pyopencl as cl
+
+    low = getattr(getattr(cl, "_cl", None), "_enqueue_fill_buffer", None)
+    return low if low is not None else cl.enqueue_fill_buffer
+
+
+def _fill(queue: Any, buf: Any, pattern: bytes, offset: int, size: int, wait_for: Any) -> Any:
+    global _fill
+    _fill = _fill_function()
+    return _fill(queue, buf, pattern, offset, size, wait_for)
