@@ -1,8 +1,9 @@
 """The candidate -D options of the 16-bit tensor-core prefill kernel (notes/kernel4.md) against
 the default build, in one device run: kernel time by OpenCL profiling events (median of REPS
 after WARMUP) for fp16 and bf16, shapes (B, H, S, D) below, causal and not; the largest
-difference of each candidate's output from the default's (the candidates reorder no arithmetic:
-0 is expected); the ptxas report (-cl-nv-verbose: registers, spills, local memory) of every build;
+difference of each candidate's output from the default's (LDSM_BYTES and KV_SPLIT_STAGES reorder
+no arithmetic: 0 is expected; SOFTMAX_PIPE steps the online softmax per half tile: a few output
+ulps); the ptxas report (-cl-nv-verbose: registers, spills, local memory) of every build;
 with --ptx DIR, each build's PTX and log. Optionally PyTorch's flash backend on the same shapes
 (the anchor of issue #5), after the OpenCL part.
 
@@ -26,12 +27,19 @@ import numpy as np
 SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
 WARMUP, REPS = 3, 10
 #: name -> extra -D options (every build also gets -cl-nv-verbose, which only adds the report)
+#: (SOFTMAX_PIPE refuses WARP_SKIP, which causal calls otherwise get: its causal rows run
+#: without it, against a default with it)
 VARIANTS = {
     "default": (),
     "ldsm_bytes": ("-DLDSM_BYTES=1",),
     "kv_split": ("-DKV_SPLIT_STAGES=1",),
+    "softmax_pipe": ("-DSOFTMAX_PIPE=1", "-DWARP_SKIP=0"),
+    "softmax_pipe_ldsm_bytes": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "ldsm_bytes_kv_split": ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
 }
+#: run when --variants is not given
+DEFAULT_VARIANTS = ["default", "ldsm_bytes", "kv_split", "softmax_pipe",
+                    "softmax_pipe_ldsm_bytes"]
 VERBOSE = "-cl-nv-verbose"
 
 
@@ -106,7 +114,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--ptx", default=None, help="directory for each build's PTX and log")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--dtype", nargs="*", default=["float16", "bfloat16"])
     ap.add_argument("--d", type=int, nargs="*", default=[128, 64])
     ap.add_argument("--no-causal", action="store_true", help="non-causal calls only")
