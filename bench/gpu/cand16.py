@@ -4,8 +4,9 @@ after WARMUP) for fp16 and bf16, shapes (B, H, S, D) below, causal and not; the 
 difference of each candidate's output from the default's (LDSM_BYTES and KV_SPLIT_STAGES reorder
 no arithmetic: 0 is expected; SOFTMAX_PIPE steps the online softmax per half tile: a few output
 ulps); the ptxas report (-cl-nv-verbose: registers, spills, local memory) of every build;
-with --ptx DIR, each build's PTX and log. Optionally PyTorch's flash backend on the same shapes
-(the anchor of issue #5), after the OpenCL part.
+with --ptx DIR, each build's PTX and log in one archive DIR/cand16_ptx.tar.gz (the device run
+returns at most 8 files), rewritten after every build. Optionally PyTorch's flash backend on
+the same shapes (the anchor of issue #5), after the OpenCL part.
 
     source .gpu/setup.sh && python3 bench/gpu/cand16.py --json $OUT/cand16.jsonl --ptx $OUT/ptx
 
@@ -20,6 +21,8 @@ import json
 import os
 import statistics
 import sys
+import tarfile
+import tempfile
 import time
 
 import numpy as np
@@ -41,6 +44,7 @@ VARIANTS = {
 DEFAULT_VARIANTS = ["default", "ldsm_bytes", "kv_split", "softmax_pipe",
                     "softmax_pipe_ldsm_bytes"]
 VERBOSE = "-cl-nv-verbose"
+_STAGE = os.path.join(tempfile.gettempdir(), f"cand16_ptx_{os.getpid()}")
 
 
 def emit(rec: dict, path: str | None) -> None:
@@ -65,13 +69,16 @@ def report_builds(cl, nv, dev, seen: set, name: str, ptx_dir: str | None,
         rec = {"part": "build", "name": name, "opts": [o for o in opts if o != VERBOSE],
                "ptxas": ptxas}
         if ptx_dir:
-            os.makedirs(ptx_dir, exist_ok=True)
             ptx = prg.get_info(cl.program_info.BINARIES)[0]
-            with open(os.path.join(ptx_dir, name + ".ptx"), "wb") as f:
+            os.makedirs(_STAGE, exist_ok=True)
+            with open(os.path.join(_STAGE, name + ".ptx"), "wb") as f:
                 f.write(ptx)
-            with open(os.path.join(ptx_dir, name + ".log"), "w") as f:
+            with open(os.path.join(_STAGE, name + ".log"), "w") as f:
                 f.write(" ".join(opts) + "\n" + log)
             rec["ptx_bytes"] = len(ptx)
+            os.makedirs(ptx_dir, exist_ok=True)
+            with tarfile.open(os.path.join(ptx_dir, "cand16_ptx.tar.gz"), "w:gz") as tar:
+                tar.add(_STAGE, arcname="cand16_ptx")
         emit(rec, json_path)
 
 
