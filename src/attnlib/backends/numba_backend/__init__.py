@@ -15,6 +15,7 @@ compiles for a few tens of seconds, later processes load the cache.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -54,12 +55,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _run_tasks(kernel, args: tuple, n_tasks: int, n_threads: int) -> None:
-    """Run ``kernel(*args, counter, done, *rest)`` on this thread and ``n_threads - 1`` helper
-    threads (the kernel releases the GIL); they claim tasks through ``counter``. Returns when
-    ``done`` says every task is finished: a helper that has not started yet (on a loaded
-    machine the OS may not schedule it for a few ms) finds no task left and is not waited for,
-    unlike a fork-join parallel region, whose join waits for every thread."""
+_works: dict[tuple[int, str], np.ndarray] = {}
+
+
+def _work(slot: int, size: int, dtype: np.dtype) -> np.ndarray:
+    """Thread slot ``slot``'s kernel scratch (``size`` elements of ``dtype``, 64-byte aligned),
+    kept across calls (up to ~2 MiB per thread for 256 x 256 tiles at D = 128 in float64).
+    Only used under ``_launch_lock``, so one launch at a time owns it."""
+    key = (slot, np.dtype(dtype).str)
+    w = _works.get(key)
+    if w is None or w.size < size:
+        raw = np.empty(size + 64, dtype)
+        off = (-raw.ctypes.data % 64) // raw.itemsize
+        w = _works[key] = raw[off:off + size]
+    return w
+
+
+def _run_tasks(kernel, args: tuple, n_tasks: int, n_threads: int, work_size: int,
+               dtype: np.dtype) -> None:
+    """Run ``kernel(*args, counter, done, *rest, work)`` on this thread and ``n_threads - 1``
+    helper threads (the kernel releases the GIL), each with its own scratch ``work``; they claim
+    tasks through ``counter``. Returns when ``done`` says every task is finished: a helper that
+    has not started yet (on a loaded machine the OS may not schedule it for a few ms) finds no
+    task left and is not waited for, unlike a fork-join parallel region, whose join waits for
+    every thread."""
     global _pool, _pool_size
     counter = np.zeros(1, np.int64)
     done = np.zeros(1, np.int64)
@@ -71,9 +90,9 @@ def _run_tasks(kernel, args: tuple, n_tasks: int, n_threads: int) -> None:
                 _pool.shutdown(wait=False)
             _pool = ThreadPoolExecutor(n_threads - 1, thread_name_prefix="attnlib-numba")
             _pool_size = n_threads - 1
-        futures = [_pool.submit(kernel, *pre, counter, done, *post)
-                   for _ in range(min(n_threads, n_tasks) - 1)]
-    kernel(*pre, counter, done, *post)
+        futures = [_pool.submit(kernel, *pre, counter, done, *post, _work(i, work_size, dtype))
+                   for i in range(1, min(n_threads, n_tasks))]
+    kernel(*pre, counter, done, *post, _work(0, work_size, dtype))
     while done[0] < n_tasks:  # a helper is finishing its last task
         for f in futures:
             if f.done() and f.exception() is not None:
@@ -130,13 +149,28 @@ def _narrow_keys(call: AttnCall) -> AttnCall:
                    k_batch=inv.astype(np.int64), ring=call.ring if wrapped else 0)
 
 
+_empties: dict[tuple[str, int], np.ndarray] = {}
+
+
+def _empty(cdt: np.dtype, ndim: int, broadcast: bool = False) -> np.ndarray:
+    """An empty ``cdt`` array of ``ndim`` dims (no alibi / mask / partial states), made once;
+    ``broadcast``: a read-only broadcast view, as a mask is, so that the kernel sees the same
+    argument types either way (one compiled signature)."""
+    key = (np.dtype(cdt).str, ndim, broadcast)
+    e = _empties.get(key)
+    if e is None:
+        e = np.zeros((0,) * ndim, cdt) if not broadcast else \
+            np.broadcast_to(np.zeros((1,) * ndim, cdt), (0,) * ndim)
+        _empties[key] = e
+    return e
+
+
 def _compact_mask(call: AttnCall, cdt: np.dtype) -> np.ndarray:
     """The mask as an additive ``cdt`` view broadcast to ``(n_seq, Hq, Sq_arr, Sk)``: converted
     at its stored size only (zero-stride axes stay broadcast), never materialised."""
     mv = call.mask_view
     if mv is None:
-        m = np.zeros((1, 1, 1, 1), cdt)
-        return np.broadcast_to(m, (0, 0, 0, 0))
+        return _empty(cdt, 4, broadcast=True)
     idx = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
                 for st, n in zip(mv.strides, mv.shape))
     small = mv[idx]
@@ -253,37 +287,37 @@ _plans: dict[tuple, tuple] = {}
 MAX_PLANS = 64  # calls of a model repeat a few shapes
 
 
-def _plan(call: AttnCall, seq: np.ndarray, n_threads: int, block_m: int, block_n: int, wl: int,
-          wr: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
-    """(tasks costliest first, tasks in natural order, partial-state slots, whether some task
-    has a full ``block_m x block_n`` tile) for a call, memoised by everything they depend on
-    (``seq`` holds the per-sequence lengths and positions): a repeated call shape skips ~0.1 ms
-    of numpy work. The kernel never writes these arrays."""
-    key = (seq.tobytes(), call.n_heads, call.n_kv_heads, wl, wr, n_threads, block_m, block_n)
+def _plan(call: AttnCall, seq: np.ndarray, n_threads: int, wl: int, wr: int, cdt: np.dtype,
+          d_qk: int, d_v: int) -> tuple:
+    """Everything a launch needs that depends only on the call's shape, memoised (``seq``
+    holds the per-sequence lengths and positions): (block_m, block_n, tasks costliest first,
+    tasks in natural order, partial-state slots, MKL JIT kernels (int64 (4,), zeros: plain
+    gemm), the gemm's address, the per-thread scratch size, whether BLAS needs a thread
+    limit). A repeated call shape skips ~0.1 ms of numpy work. The kernel never writes these
+    arrays."""
+    from . import _blas, _flash
+
+    masked = call.causal_hi is not None or call.window_left is not None or \
+        call.window_right is not None
+    key = (seq.tobytes(), call.n_heads, call.n_kv_heads, wl, wr, n_threads, masked,
+           np.dtype(cdt).str, d_qk, d_v)
     hit = _plans.get(key)
     if hit is not None:
         return hit
+    block_m, block_n = _blocks(call)
     tasks, n_slots = plan_tasks(call, n_threads, block_m, block_n)
     dealt = schedule(call, tasks, block_n) if tasks.shape[0] else tasks
     full = tasks.shape[0] > 0 and int(tasks[:, 3].max()) == block_m and \
         int((tasks[:, 5] - tasks[:, 4]).max()) >= block_n
-    res = (dealt, tasks, n_slots, full)
+    jit = _jit_kernels(cdt, block_m, block_n, d_qk, d_v, call.n_kv_heads) if full else \
+        np.zeros(4, np.int64)
+    size = int(_flash.work_layout(block_m, block_n, d_qk, d_v)[-1])
+    res = (block_m, block_n, dealt, tasks, n_slots, jit, _gemm_address(cdt), size,
+           _blas.gemm(cdt)[1] != "mkl")
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[key] = res
     return res
-
-
-def _blas_limit(cdt: np.dtype):
-    """No-op when the kernel's gemm is MKL's (loaded sequential: it starts no threads), else
-    :func:`_blas_single_thread` (OpenBLAS would start its own threads inside every worker)."""
-    import contextlib
-
-    from . import _blas
-
-    if _blas.gemm(cdt)[1] == "mkl":
-        return contextlib.nullcontext()
-    return _blas_single_thread()
 
 
 def _blas_name() -> str:
@@ -359,7 +393,7 @@ class NumbaBackend(Backend):
         if call.alibi is not None:
             alibi = np.ascontiguousarray(call.alibi, dtype=cdt).reshape(call.n_seq, hq)
         else:
-            alibi = np.zeros((0, 0), cdt)
+            alibi = _empty(cdt, 2)
         mask = _compact_mask(call, cdt)
         # a dense call writes every output row (each row is one task's), so no zero fill
         covered = call.dense and bool((call.q_len == sq_arr).all())
@@ -367,19 +401,21 @@ class NumbaBackend(Backend):
         lse = np.empty((bq, hq, sq_arr), cdt) if covered else \
             np.full((bq, hq, sq_arr), -np.inf, cdt)
         n_threads = numba.get_num_threads()
-        block_m, block_n = _blocks(call)
         g = hq // k.shape[2]
-        dealt, tasks, n_slots, full = _plan(call, seq, n_threads, block_m, block_n, wl, wr)
-        part_o = np.zeros((n_slots, block_m, d_v), cdt)
-        part_ml = np.zeros((n_slots, block_m, 2), cdt)
+        block_m, block_n, dealt, tasks, n_slots, jit, gemm_fn, size, limit = \
+            _plan(call, seq, n_threads, wl, wr, cdt, q.shape[3], d_v)
+        if n_slots:
+            part_o = np.zeros((n_slots, block_m, d_v), cdt)
+            part_ml = np.zeros((n_slots, block_m, 2), cdt)
+        else:
+            part_o = part_ml = _empty(cdt, 3)
         if tasks.shape[0]:
-            with _launch_lock, _blas_limit(cdt):
+            with _launch_lock, (_blas_single_thread() if limit else contextlib.nullcontext()):
                 pre = (q, k, v, seq, dealt, g, float(call.scale), wl, wr,
                        softcap, alibi, mask, int(call.ring), block_m, block_n)
-                jit = _jit_kernels(cdt, block_m, block_n, q.shape[3], d_v, k.shape[2]) \
-                    if full else np.zeros(4, np.int64)
-                post = (out, lse, part_o, part_ml, _gemm_address(cdt), jit)
-                _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads)
+                post = (out, lse, part_o, part_ml, gemm_fn, jit)
+                _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads, size,
+                           cdt)
                 if n_slots:
                     _flash.merge_partials(seq, tasks, g, part_o, part_ml, out, lse)
         if dtype != cdt:

@@ -173,10 +173,9 @@ def _pow2(x):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _exp2_f32(st, n, nr, mu, l_i, e_bits, e_val):
+def _exp2_f32(st, n, nr, mu, l_i):
     """In place ``st = 2**(st - mu[row])`` (scores in log2 units, :func:`_pow2`), ``l_i +=
-    column sums``, in one vectorised pass over the tile. ``e_bits`` / ``e_val`` (scratch of
-    the earlier two-pass version, which stored the ``2**k`` bits to memory) are unused."""
+    column sums``, in one vectorised pass over the tile."""
     _wide_vectors()
     for j in range(n):
         sc = st[j * nr : (j + 1) * nr]
@@ -245,6 +244,24 @@ def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap
                 st[base + r] = NEG_INF
 
 
+WORK_ALIGN = 16  # elements: every scratch tile starts 64-byte aligned (float32)
+
+
+@njit(cache=True)
+def work_layout(block_m, block_n, d_qk, d_v):
+    """int64 (12,): start offsets of the kernel's scratch tiles in ``work`` (Q block, K and V
+    tile copies, scores, saved scores, O, then m, m_new, shift, l, alpha per row) and, last, the
+    size ``work`` needs. Kept outside the kernel so one buffer per thread serves every call: a
+    fresh ~0.6-1 MiB of tiles per call and thread was returned to the OS by malloc's trimming of
+    the helper's arena and faulted back in (~40 page faults per call, S=512)."""
+    sizes = (block_m * d_qk, block_n * d_qk, block_n * d_v, block_m * block_n,
+             block_m * block_n, block_m * d_v, block_m, block_m, block_m, block_m, block_m)
+    lay = np.zeros(12, np.int64)
+    for i in range(11):
+        lay[i + 1] = lay[i] + -(-sizes[i] // WORK_ALIGN) * WORK_ALIGN
+    return lay
+
+
 @njit(cache=True, fastmath=FASTMATH)
 def _all_finite(x):
     for i in range(x.shape[0]):
@@ -256,7 +273,7 @@ def _all_finite(x):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
-                  block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit):
+                  block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit, work):
     """Run every task; see the module docstring.
 
     ``seq`` int64 (n_seq, 9): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
@@ -272,6 +289,9 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
     (dynamic scheduling: a thread that another process delays takes fewer) and counts finished
     ones in ``done[0]``, which the caller waits for (never for a thread that found no task).
     ``alibi`` (n_seq, Hq) or (0, 0); ``mask`` additive (n_seq, Hq, Sq, Sk) view or (0, 0, 0, 0).
+    ``work``: this thread's scratch, 1-D of the compute dtype, at least
+    ``work_layout(block_m, block_n, D, Dv)[-1]`` elements, 64-byte aligned; no other thread
+    uses it during the call.
 
     Scores are kept key-major (``S^T = K Q^T``) so the per-row softmax steps run elementwise
     across rows and vectorise. float32 scores are in log2 units (q pre-scaled by
@@ -290,22 +310,22 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
     f32 = out.itemsize == 4
     unit = LOG2E if f32 else 1.0
     n_tasks = tasks.shape[0]
-    # scratch: every element is written before it is read (only [:rows] slices are used)
-    qt = np.empty(block_m * d_qk, out.dtype)
-    kt = np.empty(block_n * d_qk, out.dtype)
-    vt = np.empty(block_n * d_v, out.dtype)
-    st = np.empty(block_m * block_n, out.dtype)
-    sb = np.empty(block_m * block_n, out.dtype)
+    # scratch: every element is written before it is read (only [:rows] slices are used); it
+    # lives in ``work``, the caller's per-thread buffer kept across calls (see work_layout)
+    lay = work_layout(block_m, block_n, d_qk, d_v)
+    qt = work[lay[0]:lay[1]]
+    kt = work[lay[1]:lay[2]]
+    vt = work[lay[2]:lay[3]]
+    st = work[lay[3]:lay[4]]
+    sb = work[lay[4]:lay[5]]
+    ot = work[lay[5]:lay[6]]
+    m_i = work[lay[6]:lay[7]]
+    m_new = work[lay[7]:lay[8]]
+    mu = work[lay[8]:lay[9]]
+    l_i = work[lay[9]:lay[10]]
+    alpha = work[lay[10]:lay[11]]
     bi = np.zeros(8, np.int32)
     bf = np.zeros(2, out.dtype)
-    ot = np.empty(block_m * d_v, out.dtype)
-    m_i = np.empty(block_m, out.dtype)
-    m_new = np.empty(block_m, out.dtype)
-    mu = np.empty(block_m, out.dtype)
-    l_i = np.empty(block_m, out.dtype)
-    alpha = np.empty(block_m, out.dtype)
-    e_val = np.zeros(block_m, np.float32)
-    e_bits = e_val.view(np.int32)
     qt_addr = np.int64(qt.ctypes.data)  # BLAS operands by address (int64, not uint64)
     st_addr = np.int64(st.ctypes.data)
     ot_addr = np.int64(ot.ctypes.data)
@@ -397,7 +417,7 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                 l_i[r] *= alpha[r]
                 m_i[r] = m_new[r]
             if f32:
-                _exp2_f32(st, n, nr, mu, l_i, e_bits, e_val)
+                _exp2_f32(st, n, nr, mu, l_i)
             else:
                 _exp_f64(st, n, nr, mu, l_i)
             # -- O = O * alpha + P @ V: rescale, then accumulate (gemm with beta = 1)
