@@ -256,3 +256,36 @@ def test_emulated_tensor_core_decode_steps(emulated_nvidia, hq, hkv, d, dtype):
         t.step(q, k, v)
     t.step(q, softcap=3.0)
     t.step(q, window=(4, 0), return_lse=True)
+
+
+def test_repeat_calls_touch_the_queue_once(be, monkeypatch):
+    """A repeated decode step: one kernel enqueue and no table rewrite; after an append: the
+    attention's table is rewritten once (with the two cache writes' shared table, two
+    rewrites in all) and three kernels are enqueued."""
+    from attnlib.backends.opencl import _pool, _runtime
+
+    rng = rng_for("host path counts")
+    b, cap, hq, hkv, d = 1, 40, 4, 2, 16
+    t = Twin(be, b, cap, hkv, d, "float32")
+    _fill(t, rng, b, 9, hkv, d, "float32")
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
+    dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+    attnlib.attention_with_kvcache(dq, t.dev, dk, dv)  # makes the plans
+    attnlib.attention_with_kvcache(dq, t.dev)
+    tally = {"enqueue": 0, "fill": 0, "write": 0}
+    enqueue, fill, copy = _runtime._enqueue, _pool._fill_function(), cl.enqueue_copy
+
+    def count(name, fn):
+        def wrapped(*a, **kw):
+            tally[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(_runtime, "_enqueue", count("enqueue", enqueue))
+    monkeypatch.setattr(_pool, "_fill", count("fill", fill))
+    monkeypatch.setattr(cl, "enqueue_copy", count("write", copy))
+    for _ in range(3):
+        attnlib.attention_with_kvcache(dq, t.dev)
+    assert tally == {"enqueue": 3, "fill": 0, "write": 0}
+    attnlib.attention_with_kvcache(dq, t.dev, dk, dv)
+    assert tally == {"enqueue": 6, "fill": 2, "write": 0}

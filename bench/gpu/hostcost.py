@@ -22,9 +22,16 @@ Prefixes: none for the default backend (NVIDIA tensor-core paths where the devic
 (``_nvidia_mma.compute_capability`` patched to (9, 0)) and every launch is stubbed, so the
 NVIDIA-only Python paths (``_nvidia_decode``, ``_nvidia_mma``) run without building PTX.
 
+``--count``: instead of times, what 16 real calls of each case do per call on the queue:
+``enqueues`` (kernel launches), ``fills`` / ``writes`` (device-table rewrites: fills of at most
+128 bytes, host-to-device copies), ``args_set`` (kernel arguments set). With
+``--emulate-nvidia`` the tensor-core decode kernel is built emulated (USE_PTX=0) and the prefill
+case is left out (its kernel has no emulated build on this path).
+
     python bench/gpu/hostcost.py                       # on the GPU host
     python bench/gpu/hostcost.py --emulate-nvidia      # the NVIDIA paths' host cost, anywhere
     python bench/gpu/hostcost.py --stub-only --portable-only
+    python bench/gpu/hostcost.py --count [--emulate-nvidia]
 """
 
 from __future__ import annotations
@@ -132,10 +139,53 @@ def timed(fn, reset, n, warm):
     return round(statistics.median(ts[warm:]) * 1e6, 2)
 
 
+def count(fn, reset, queue, n=16):
+    """Per call: kernel enqueues, table fills, host-to-device writes, kernel arguments set."""
+    import pyopencl as cl
+
+    from attnlib.backends.opencl import _runtime
+
+    tally = {"enqueues": 0, "fills": 0, "writes": 0, "args_set": 0}
+    saved = (_runtime._enqueue, _pool._fill, cl.enqueue_copy, _runtime.KernelSlot.set)
+
+    def enqueue(*a):
+        tally["enqueues"] += 1
+        return saved[0](*a)
+
+    def fill(*a):
+        tally["fills"] += 1
+        return _pool._fill_function()(*a)
+
+    def copy(queue, dest, src, **kw):
+        tally["writes"] += isinstance(src, np.ndarray) and not isinstance(dest, np.ndarray)
+        return saved[2](queue, dest, src, **kw)
+
+    def set_args(self, args, slots):
+        before = list(self.last)
+        saved[3](self, args, slots)
+        tally["args_set"] += (len(args) if self.plain
+                              else sum(a is not b for a, b in zip(before, self.last)))
+
+    if reset is not None:
+        reset()
+    fn()  # the first call makes the plans
+    queue.finish()
+    _runtime._enqueue, _pool._fill, cl.enqueue_copy, _runtime.KernelSlot.set = (
+        enqueue, fill, copy, set_args)
+    try:
+        for _ in range(n):
+            fn()
+    finally:
+        _runtime._enqueue, _pool._fill, cl.enqueue_copy, _runtime.KernelSlot.set = saved
+    queue.finish()
+    return {k: round(v / n, 2) for k, v in tally.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--emulate-nvidia", action="store_true")
     ap.add_argument("--stub-only", action="store_true")
+    ap.add_argument("--count", action="store_true")
     ap.add_argument("--portable-only", action="store_true")
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--real-n", type=int, default=300)
@@ -143,6 +193,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.emulate_nvidia:
         _emulate_nvidia()
+        if args.count:
+            from attnlib.backends.opencl import _nvidia_decode
+
+            _nvidia_decode.EMULATE_PTX = True
     stub_only = args.stub_only or args.emulate_nvidia
     want = args.cases.split(",")
     res = {}
@@ -153,6 +207,13 @@ def main() -> None:
         be = attnlib.get_backend("opencl", **opts)
         queue = be.queue
         rng = np.random.default_rng(0)
+        if args.count:
+            for name, fn, reset in cases(be, rng):
+                if name in want and not (args.emulate_nvidia and name == "prefill"):
+                    res[f"{label}{name}"] = count(fn, reset, queue)
+            print(json.dumps({"emulate_nvidia": args.emulate_nvidia, "count": res}), flush=True)
+            res = {}
+            continue
         if not label:
             out = _pool.empty(queue, (1, 1, HQ, D), np.float16)
             desc = np.arange(11, dtype=np.int32)

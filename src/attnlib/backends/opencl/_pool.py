@@ -149,9 +149,8 @@ class DeviceTable:
         if data == self.sig:
             return
         if self.fill:
-            if len(data) < self.size:
-                data += bytes(self.size - len(data))
-            _fill(queue, self.buf, data, 0, self.size, None)
+            pad = bytes(self.size - len(data)) if len(data) < self.size else b""
+            _fill(queue, self.buf, data + pad, 0, self.size, None)
         else:
             keeper.add_event(cl.enqueue_copy(queue, self.buf, np.frombuffer(data, np.uint8),
                                              is_blocking=False))
