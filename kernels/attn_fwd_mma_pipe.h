@@ -4,6 +4,9 @@
 // the mma.sync of one with the FP/MUFU work of the other inside one warp (FlashAttention-3
 // overlaps softmax with the next GEMM the same way, with wgmma); the online softmax steps once
 // per half tile.  Included inside the kernel body in place of the plain loop.
+// SOFTMAX_PIPE=2: S of the next half is issued before the current half's row max (A) instead
+// of after it, so the max and its shuffles run under those mma.sync too (then the
+// exponentials overlap only with P V).
 //
 // K and V are double-buffered with separate phases (two barriers per tile):
 //   alpha_t (before S(t, half 0) is issued): K(t) landed; K(t+1) is issued into K(t-1)'s buffer
@@ -191,6 +194,9 @@
     __local const ELEM *sKb = sK + buf * BLOCK_N * LDS;
     __local const ELEM *sVb = sV + buf * BLOCK_N * LDS;
     __local const ELEM *sKn = sK + (buf ^ 1) * BLOCK_N * LDS;  // K(t+1)
+#if SOFTMAX_PIPE == 2
+    S_HALF(s1, sKb, K_ADDR(buf), HN)
+#endif
     A_HALF(s0, n0)
     // -- beta_t: V(t) landed; no warp reads V(t-1) any more
     CP_WAIT(1);
@@ -217,9 +223,13 @@
     }
 #endif
     // -- B(t, 0): S(t, 1) under the softmax and P V of half 0
+#if SOFTMAX_PIPE != 2
     S_HALF(s1, sKb, K_ADDR(buf), HN)
+#endif
     EXP_PV(s0, sVb, V_ADDR(buf), 0)
+#if SOFTMAX_PIPE != 2
     A_HALF(s1, n0 + HN)
+#endif
     // -- alpha_t+1: K(t+1) landed; no warp reads K(t) any more
     CP_WAIT(1);
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -227,6 +237,9 @@
     CP_COMMIT();
     // -- B(t, 1): S(t+1, 0) (unused after the last tile) under the softmax and P V of half 1
     S_HALF(s0, sKn, K_ADDR(buf ^ 1), 0)
+#if SOFTMAX_PIPE == 2
+    A_HALF(s1, n0 + HN)
+#endif
     EXP_PV(s1, sVb, V_ADDR(buf), HN)
     if (v_bad) {
       UNROLL for (int mt = 0; mt < M_TILES; mt++) {

@@ -222,6 +222,8 @@ CAND_CASES = [
     ("softmax_pipe+ldsm_bytes bf16 causal q_regs", "bfloat16", (1, 77, 150, 4, 2, 64),
      (64, 32, 2, 1), ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
      {"causal": True, "softcap": 30.0, "alibi": True}),
+    ("softmax_pipe=2 f16 window", "float16", (1, 70, 181, 3, 1, 64), (64, 32, 2, 0),
+     ("-DSOFTMAX_PIPE=2",), {"window": (40, 9)}),
 ]
 
 

@@ -33,16 +33,18 @@ WARMUP, REPS = 3, 10
 #: (SOFTMAX_PIPE refuses WARP_SKIP, which causal calls otherwise get: its causal rows run
 #: without it, against a default with it)
 VARIANTS = {
+    "auto": None,  # the library's choice (_nvidia_mma.DEFAULT_OPTIONS_16); no ptxas report
     "default": (),
     "ldsm_bytes": ("-DLDSM_BYTES=1",),
     "kv_split": ("-DKV_SPLIT_STAGES=1",),
     "softmax_pipe": ("-DSOFTMAX_PIPE=1", "-DWARP_SKIP=0"),
     "softmax_pipe_ldsm_bytes": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
+    "softmax_pipe2_ldsm_bytes": ("-DSOFTMAX_PIPE=2", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "ldsm_bytes_kv_split": ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
 }
 #: run when --variants is not given
 DEFAULT_VARIANTS = ["default", "ldsm_bytes", "kv_split", "softmax_pipe",
-                    "softmax_pipe_ldsm_bytes"]
+                    "softmax_pipe_ldsm_bytes", "softmax_pipe2_ldsm_bytes"]
 VERBOSE = "-cl-nv-verbose"
 _STAGE = os.path.join(tempfile.gettempdir(), f"cand16_ptx_{os.getpid()}")
 
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
                 fl = 4 * b * h * s * s * d / (2 if causal else 1)
                 ref = None
                 for name in args.variants:
-                    extra = (*VARIANTS[name], *verbose)
+                    extra = None if VARIANTS[name] is None else (*VARIANTS[name], *verbose)
                     row = {"part": "time", "dtype": dname, "shape": [b, h, s, d],
                            "causal": causal, "variant": name}
                     try:
