@@ -55,7 +55,7 @@ def main() -> int:
                     continue
                 t0 = time.perf_counter()
                 out, lse = nv.run(ctx, queue, dev, call, config=cfg,
-                                  use_ptx=not args.emulate, extra_options=extra)
+                                  use_ptx=not args.emulate, extra_options=extra or None)
                 dt = time.perf_counter() - t0
                 ok, err, tol, lerr = mc.check(call, out, lse)
                 failed += not ok

@@ -69,6 +69,20 @@ HEADS_INNER = False
 #: 251 -> 301 TFLOP/s), outputs bit-identical; not causal they lost up to 10% (D=64) and stay
 #: off. float32 D=64 was not measured with them.
 F32_SCHEDULED = (128,)
+#: Kernel options of the 16-bit kernel per (head dim, causal), added when ``run`` is not given
+#: ``extra_options``: the fastest of H200 run 3 of the fourth session (``bench/gpu/cand16.py``,
+#: fp16, kernel events, TFLOP/s at (1,16,8192,128) / (1,32,16384,128) / (4,16,2048,128), and
+#: (4,16,2048,64); outputs bit-identical to the default build but for SOFTMAX_PIPE's few ulps):
+#: D=128 not causal LDSM_BYTES (ldmatrix at per-thread byte addresses + constants)
+#: 306.7 / 310.6 / 291.8 -> 333.8 / 325.6 / 317.7; D=128 causal KV_SPLIT_STAGES (FA2's one-K,
+#: one-V-buffer schedule) 301.6 / 312.6 / 256.4 -> 309.1 / 320.5 / 265.2; D=64 causal
+#: SOFTMAX_PIPE + LDSM_BYTES (the next half tile's S issued with this one's softmax; it refuses
+#: WARP_SKIP) 231.0 -> 254.5. D=64 not causal stays (KV_SPLIT_STAGES 294.9 -> 301.0: noise).
+DEFAULT_OPTIONS_16 = {
+    (128, False): ("-DLDSM_BYTES=1",),
+    (128, True): ("-DKV_SPLIT_STAGES=1",),
+    (64, True): ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
+}
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
@@ -296,7 +310,7 @@ def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
 
 
 def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | None = None,
-        use_ptx: bool | None = None, extra_options: tuple[str, ...] = (),
+        use_ptx: bool | None = None, extra_options: tuple[str, ...] | None = None,
         heads_inner: bool | None = None, wait_for: Any = None,
         events: list | None = None) -> tuple[Any, Any]:
     """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
@@ -305,6 +319,8 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     (:data:`DEFAULT_CONFIGS_F32` for float32);
     ``use_ptx=False`` builds the emulated kernel (any OpenCL device; for layout checks only);
     ``heads_inner`` (default :data:`HEADS_INNER`) picks the grid order (see there);
+    ``extra_options`` (-D options of the kernel) replace :data:`DEFAULT_OPTIONS_16` when given
+    (``()``: the plain build; benchmarks compare variants that way);
     ``events``, when given, receives the kernel's event (for timing).
     """
 
@@ -315,6 +331,9 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         use_ptx = compute_capability(device) is not None
     dtype = call.dtype
     scheduled = call.causal_hi is not None and (dtype != _F32 or d in F32_SCHEDULED)
+    if extra_options is None:
+        extra_options = () if dtype == _F32 else DEFAULT_OPTIONS_16.get(
+            (d, call.causal_hi is not None), ())
     if heads_inner is None:
         heads_inner = HEADS_INNER or scheduled
     if scheduled and not any("WARP_SKIP" in o for o in extra_options):
