@@ -289,3 +289,49 @@ def test_repeat_calls_touch_the_queue_once(be, monkeypatch):
     assert tally == {"enqueue": 3, "fill": 0, "write": 0}
     attnlib.attention_with_kvcache(dq, t.dev, dk, dv)
     assert tally == {"enqueue": 6, "fill": 2, "write": 0}
+
+
+def test_dense_front_door_repeat_calls(be, monkeypatch):
+    """attention(q, k, v) with device arrays: after a warm call of one key, every change of
+    options, layout, buffers or backend choice still gets the oracle's answer or its error."""
+    rng = rng_for("host path dense")
+    q, k, v = (randn(rng, s) for s in ((2, 3, 4, 12), (2, 29, 2, 12), (2, 29, 2, 12)))
+    dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+
+    def check(qq, kk, vv, hq, hk, hv, **kw):
+        got = attnlib.attention(qq, kk, vv, **kw)
+        want = attnlib.attention(hq, hk, hv, backend="numpy", **kw)
+        if kw.get("return_lse"):
+            np.testing.assert_allclose(attnlib.to_numpy(got[1]), want[1], atol=2e-5)
+            got, want = got[0], want[0]
+        np.testing.assert_allclose(attnlib.to_numpy(got), want, atol=2e-5)
+        return attnlib.to_numpy(got)
+
+    first = check(dq, dk, dv, q, k, v)
+    assert np.array_equal(check(dq, dk, dv, q, k, v), first)
+    seen = [first]
+    for kw in ({"scale": 0.2}, {"causal": True}, {"window": (5, 1)}, {"softcap": 1.5},
+               {"causal": "top_left", "return_lse": True}):
+        got = check(dq, dk, dv, q, k, v, **kw)
+        got = got if not isinstance(got, tuple) else got[0]
+        assert all(np.abs(got - s).max() > 1e-4 for s in seen)
+        seen.append(got)
+    k2 = randn(rng, k.shape)
+    check(dq, attnlib.to_device(k2, backend=be), dv, q, k2, v)
+    qb, kb, vb = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+    dqb, dkb, dvb = (attnlib.to_device(x, backend=be) for x in (qb, kb, vb))
+    check(dqb, dkb, dvb, qb, kb, vb, layout="bhsd")
+    check(dqb, dkb, dvb, qb, kb, vb, layout="bhsd")
+    with pytest.raises(attnlib.ArgumentError):
+        attnlib.attention(dq, dk, dv, scale=True)
+    with pytest.raises(attnlib.ArgumentError):
+        attnlib.attention(dq, dk, dv, causal=1)
+    with pytest.raises(attnlib.ArgumentError):  # the numpy backend cannot read device arrays
+        attnlib.attention(dq, dk, dv, backend="numpy")
+    with attnlib.use_backend("numpy"), pytest.raises(attnlib.ArgumentError):
+        attnlib.attention(dq, dk, dv)
+    d64 = [attnlib.to_device(x.astype(np.float64), backend=be) for x in (q, k, v)]
+    attnlib.attention(*d64)
+    monkeypatch.setattr(be, "facts", be.facts.__class__(**{**vars(be.facts), "fp64": False}))
+    with pytest.raises(attnlib.UnsupportedError, match="cl_khr_fp64"):
+        attnlib.attention(*d64)
