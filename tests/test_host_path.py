@@ -233,6 +233,7 @@ def emulated_nvidia(monkeypatch):
 
     monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
+    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
     _attention._plans.clear()
     yield _nvidia_decode
     _attention._plans.clear()
@@ -335,3 +336,35 @@ def test_dense_front_door_repeat_calls(be, monkeypatch):
     monkeypatch.setattr(be, "facts", be.facts.__class__(**{**vars(be.facts), "fp64": False}))
     with pytest.raises(attnlib.UnsupportedError, match="cl_khr_fp64"):
         attnlib.attention(*d64)
+
+
+def test_emulated_tensor_core_prefill_repeat_calls(emulated_nvidia):
+    """attention(q, k, v) on the tensor-core prefill kernel (emulated) through its fast plan:
+    repeats, new buffers, options and lengths (a varlen call changes the tables)."""
+    from attnlib.backends.opencl import _nvidia_mma
+
+    be = attnlib.get_backend("opencl")
+    rng = rng_for("host path prefill")
+    q, k, v = (randn(rng, s, "float16") for s in ((1, 21, 4, 64), (1, 37, 2, 64), (1, 37, 2, 64)))
+    dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+    before = len(_nvidia_mma._kernels)
+    prev = None
+    for kw in ({}, {}, {"causal": True}, {"causal": True}, {"softcap": 2.0}):
+        got = attnlib.to_numpy(attnlib.attention(dq, dk, dv, **kw)).astype(np.float64)
+        want = attnlib.attention(q, k, v, backend="numpy", **kw).astype(np.float64)
+        np.testing.assert_allclose(got, want, atol=TOL["float16"])
+        if prev is not None and kw != prev[0]:
+            assert np.abs(got - prev[1]).max() > 4 * TOL["float16"]
+        prev = (kw, got)
+    assert len(_nvidia_mma._kernels) > before, "the tensor-core prefill kernel did not run"
+    k2 = randn(rng, k.shape, "float16")
+    got = attnlib.attention(dq, attnlib.to_device(k2, backend=be), dv, causal=True)
+    want = attnlib.attention(q, k2, v, backend="numpy", causal=True)
+    np.testing.assert_allclose(attnlib.to_numpy(got).astype(np.float64), want, atol=2e-3)
+    qv, kv = q[0], k[0]
+    for cu_q, cu_k in (([0, 9, 21], [0, 15, 37]), ([0, 12, 21], [0, 30, 37])):
+        cq, ck = np.array(cu_q, np.int32), np.array(cu_k, np.int32)
+        got = attnlib.attention_varlen(dq.reshape(21, 4, 64), dk.reshape(37, 2, 64),
+                                       dv.reshape(37, 2, 64), cq, ck, causal=True)
+        want = attnlib.attention_varlen(qv, kv, v[0], cq, ck, causal=True, backend="numpy")
+        np.testing.assert_allclose(attnlib.to_numpy(got).astype(np.float64), want, atol=2e-3)

@@ -15,8 +15,9 @@ those decisions read except the per-sequence values, holds them:
   and nothing is uploaded; different, it is derived again and the plan's device tables are
   rewritten in place (``_pool.DeviceTable``: one fill of at most 128 bytes for one sequence).
 
-Calls with device arrays only, no mask and no ALiBi take it; the NVIDIA tensor-core prefill
-path and every other call go the full way (this returns None for them).
+Calls with device arrays only, no mask and no ALiBi take it, on each of the three kernels the
+full path would pick (portable, NVIDIA tensor-core decode and prefill); every other call goes the
+full way (this returns None for them).
 """
 
 from __future__ import annotations
@@ -125,12 +126,14 @@ def _derive(fp: _Plan, call: Any, vals: np.ndarray) -> Any:
     if route is None:  # the dispatch of _attention.attention; the key and max_rows fix it
         route = fp.subs[("route", max_rows)] = _route(fp.be, call, max_rows)
     if route == "decode":
-        from . import _nvidia_decode
+        from . import _fastnv
 
-        return _nvidia_decode.fast_step(fp, call, vals)
+        return _fastnv.decode_step(fp, call, vals)
     if route == "portable":
         return _portable_step(fp, call, vals, rows, max_rows)
-    return None
+    from . import _fastnv
+
+    return _fastnv.mma_step(fp, call, vals)
 
 
 def _route(be: Any, call: Any, max_rows: int) -> str:
