@@ -41,7 +41,17 @@ VARIANTS = {
     "softmax_pipe_ldsm_bytes": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "softmax_pipe2_ldsm_bytes": ("-DSOFTMAX_PIPE=2", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "ldsm_bytes_kv_split": ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
+    # the causal baseline of the softmax_pipe rows (they cannot have WARP_SKIP)
+    "default_no_warp_skip": ("-DWARP_SKIP=0",),
+    # BLOCK_N=32 (the rest of the default config kept): half tiles of 16 keys for the pipe,
+    # 2 x 16 S registers instead of 2 x 32 (NVIDIA's D=128 pipe builds spilled 52-56 B)
+    "ldsm_bytes_n32": ("-DLDSM_BYTES=1",),
+    "softmax_pipe_ldsm_bytes_n32": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
+    "softmax_pipe2_ldsm_bytes_n32": ("-DSOFTMAX_PIPE=2", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
 }
+#: variants with another BLOCK_N than the default config's
+VARIANT_BLOCK_N = {"ldsm_bytes_n32": 32, "softmax_pipe_ldsm_bytes_n32": 32,
+                   "softmax_pipe2_ldsm_bytes_n32": 32}
 #: run when --variants is not given
 DEFAULT_VARIANTS = ["default", "ldsm_bytes", "kv_split", "softmax_pipe",
                     "softmax_pipe_ldsm_bytes", "softmax_pipe2_ldsm_bytes"]
@@ -163,22 +173,25 @@ def main(argv=None) -> int:
                 ref = None
                 for name in args.variants:
                     extra = None if VARIANTS[name] is None else (*VARIANTS[name], *verbose)
+                    cfg = nv.default_config(dtype, d)
+                    if name in VARIANT_BLOCK_N:
+                        cfg = (cfg[0], VARIANT_BLOCK_N[name], *cfg[2:])
                     row = {"part": "time", "dtype": dname, "shape": [b, h, s, d],
                            "causal": causal, "variant": name}
                     try:
                         ev: list = []
                         t0 = time.perf_counter()
-                        nv.run(ctx, queue, dev, call, extra_options=extra)
+                        nv.run(ctx, queue, dev, call, config=cfg, extra_options=extra)
                         queue.finish()
                         row["first_call_s"] = round(time.perf_counter() - t0, 2)  # + build
                         for _ in range(WARMUP - 1):
-                            nv.run(ctx, queue, dev, call, extra_options=extra)
+                            nv.run(ctx, queue, dev, call, config=cfg, extra_options=extra)
                         queue.finish()
                         report_builds(cl, nv, dev, seen,
                                       f"{dname}_d{d}_{'causal' if causal else 'dense'}_{name}",
                                       args.ptx, args.json)
                         for _ in range(REPS):
-                            out, _ = nv.run(ctx, queue, dev, call, events=ev,
+                            out, _ = nv.run(ctx, queue, dev, call, config=cfg, events=ev,
                                             extra_options=extra)
                         queue.finish()
                         t = statistics.median((e.profile.end - e.profile.start) * 1e-9
