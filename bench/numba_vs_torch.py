@@ -16,6 +16,12 @@ after each call; ``--steady`` times each call after an untimed call of the same 
 steady state of a program that calls one of them repeatedly), for both alike; ``--isolated``
 also pauses 30 ms before that untimed call, so PyTorch's workers have stopped spinning.
 Speed ratio = torch time / numba time (> 1: numba faster). FLOPs = 4 * B * H * D * visible pairs.
+
+In the default mode numba is timed right after PyTorch, whose libgomp worker keeps one of this
+machine's two cores busy for ~8 ms after every call; calls shorter than that (S=512) then run
+beside it. A program that mixes PyTorch CPU ops with attnlib does the same; its remedy is
+libgomp's own setting, made before torch is imported: ``OMP_WAIT_POLICY=PASSIVE`` (or a small
+``GOMP_SPINCOUNT``). The header line prints these variables, since they change the result.
 """
 
 from __future__ import annotations
@@ -281,7 +287,10 @@ def main() -> None:
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {cpu}, "
           f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} at start; "
           f"numba {numba.__version__} ({numba.get_num_threads()} threads); torch "
-          f"{torch.__version__} ({torch.get_num_threads()} threads)\n")
+          f"{torch.__version__} ({torch.get_num_threads()} threads); "
+          + ", ".join(f"{k}={os.environ.get(k, 'unset')}"
+                      for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"))
+          + "\n")
     reps = 3 if args.quick else args.reps
     if args.opencl:
         prefill_opencl(reps)
