@@ -235,6 +235,26 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 // Fast path for a tile inside the block's range that does not wrap: each thread copies the same
 // 16-byte column chunk of rows r0, r0 + ROW_STEP, ... from pointers hoisted out of the loop.
 #define ROW_STEP (THREADS / CHUNKS)
+// KV_ROWWISE=1 (16-bit): each thread copies chunks ch0_, ch0_ + TPR, ... of ONE row instead:
+// its sources and destinations in a tile are then one address plus compile-time constants
+// (cp.async [R+imm], no 64-bit add per chunk); a warp's copy still covers whole 32-byte
+// sectors (TPR adjacent threads per row).
+#ifndef KV_ROWWISE
+#define KV_ROWWISE 0
+#endif
+#if KV_ROWWISE
+#define TPR (THREADS / BLOCK_N)  // threads per K/V row
+#if IS_TF32 || THREADS % BLOCK_N || CHUNKS % (THREADS / BLOCK_N)
+#error "KV_ROWWISE=1 is for the 16-bit kernel with 32*WARPS % BLOCK_N == 0 (and HEAD_DIM/8 % that)"
+#endif
+#define FAST_N (CHUNKS / TPR)      // chunks per thread per tile
+#define FAST_STEP (TPR * EPC)      // elements from one to the next, in local and global memory
+#define FAST_SRC(I, STEP) ((I) * FAST_STEP)
+#else
+#define FAST_N (BLOCK_N / ROW_STEP)
+#define FAST_STEP (ROW_STEP * LDS)
+#define FAST_SRC(I, STEP) ((I) * (STEP))
+#endif
 #if LDSM_BYTES
 #define KV_BUF_BYTES (BLOCK_N * LDS * 2)
 #if USE_PTX
@@ -251,11 +271,18 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 // chunk I of the fast loader: row r0_ + I ROW_STEP of the buffer SX (in the array ARR) whose
 // chunk 0 is at DST0 (LDSM_BYTES: a byte address of ARR's window; else SX + so0)
 #define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC)                                                    \
-  CP_ASYNC16_B(ARR, (DST0) + (I) * (ROW_STEP * LDS * 2), SRC)
+  CP_ASYNC16_B(ARR, (DST0) + (I) * (FAST_STEP * 2), SRC)
 #define LOAD_KV_FAST(BUF)                                                                      \
-      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
-        CP_ROW_CHUNK(sK, sK, kdst0 + (BUF) * KV_BUF_BYTES, i, kt + i * k_step);                \
-        CP_ROW_CHUNK(sV, sV, vdst0 + (BUF) * KV_BUF_BYTES, i, vt + i * v_step);                \
+      UNROLL for (int i = 0; i < FAST_N; i++) {                                                \
+        CP_ROW_CHUNK(sK, sK, kdst0 + (BUF) * KV_BUF_BYTES, i, kt + FAST_SRC(i, k_step));       \
+        CP_ROW_CHUNK(sV, sV, vdst0 + (BUF) * KV_BUF_BYTES, i, vt + FAST_SRC(i, v_step));       \
+      }
+#elif KV_ROWWISE
+#define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * FAST_STEP, SRC)
+#define LOAD_KV_FAST(BUF)                                                                      \
+      UNROLL for (int i = 0; i < FAST_N; i++) {                                                \
+        CP_ROW_CHUNK(sK + (BUF) * BLOCK_N * LDS, sK, 0, i, kt + FAST_SRC(i, k_step));          \
+        CP_ROW_CHUNK(sV + (BUF) * BLOCK_N * LDS, sV, 0, i, vt + FAST_SRC(i, v_step));          \
       }
 #else
 #define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * ROW_STEP * LDS, SRC)
@@ -278,7 +305,11 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
       LOAD_KV_CHECKED(TILE, BUF)                                                               \
     }                                                                                          \
   }
+#if KV_ROWWISE
+  const int r0_ = tid / TPR, ch0_ = tid % TPR, so0 = r0_ * LDSK + ch0_ * EPC;
+#else
   const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDSK + ch0_ * EPC;
+#endif
   __global const ELEM *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * EPC;
   __global const ELEM *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * EPC;
   const long k_step = ROW_STEP * k_sr, v_step = ROW_STEP * v_sr;
@@ -312,8 +343,8 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
         (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
       __global const ELEM *xt = (XP0) + n0_ * (X_SR);                                          \
-      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
-        CP_ROW_CHUNK(SX, ARR, DST0, i, xt + i * (X_STEP));                                     \
+      UNROLL for (int i = 0; i < FAST_N; i++) {                                                \
+        CP_ROW_CHUNK(SX, ARR, DST0, i, xt + FAST_SRC(i, X_STEP));                              \
       }                                                                                        \
     } else {                                                                                   \
       LOAD_X_CHECKED(TILE, SX, XH, X_SR)                                                       \

@@ -224,6 +224,13 @@ CAND_CASES = [
      {"causal": True, "softcap": 30.0, "alibi": True}),
     ("softmax_pipe=2 f16 window", "float16", (1, 70, 181, 3, 1, 64), (64, 32, 2, 0),
      ("-DSOFTMAX_PIPE=2",), {"window": (40, 9)}),
+    # KV_ROWWISE (each thread copies chunks of one K/V row: [R+imm] sources and destinations)
+    ("kv_rowwise+ldsm_bytes f16 dense", "float16", (1, 33, 150, 2, 1, 128), (128, 64, 4, 0),
+     ("-DKV_ROWWISE=1", "-DLDSM_BYTES=1"), {}),
+    ("kv_rowwise+kv_split f16 causal", "float16", (1, 70, 203, 2, 2, 128), (128, 64, 4, 0),
+     ("-DKV_ROWWISE=1", "-DKV_SPLIT_STAGES=1"), {"causal": True}),
+    ("kv_rowwise+softmax_pipe bf16 window", "bfloat16", (1, 70, 181, 2, 1, 64), (64, 32, 2, 1),
+     ("-DKV_ROWWISE=1", "-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1"), {"window": (40, 9)}),
 ]
 
 
@@ -248,7 +255,7 @@ def test_mma_candidate_options(name, dtype, shape, config, extra, opts):
 
 
 @pytest.mark.parametrize("extra", [("-DLDSM_BYTES=1",), ("-DKV_SPLIT_STAGES=1",),
-                                   ("-DSOFTMAX_PIPE=1",)])
+                                   ("-DSOFTMAX_PIPE=1",), ("-DKV_ROWWISE=1",)])
 def test_mma_candidate_options_refuse_f32(extra):
     """The 16-bit-only candidates stop the float32 build with their own message."""
     from attnlib.backends.opencl import _nvidia_mma

@@ -49,12 +49,21 @@ VARIANTS = {
     "softmax_pipe_ldsm_bytes_n32": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "softmax_pipe2_ldsm_bytes_n32": ("-DSOFTMAX_PIPE=2", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
 }
+# KV_ROWWISE: the fast K/V loader copies chunks of one row per thread ([R+imm] cp.async)
+VARIANTS.update({
+    "ldsm_bytes_rowwise": ("-DLDSM_BYTES=1", "-DKV_ROWWISE=1"),
+    "kv_split_rowwise": ("-DKV_SPLIT_STAGES=1", "-DKV_ROWWISE=1"),
+    "softmax_pipe_ldsm_bytes_rowwise": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DKV_ROWWISE=1",
+                                        "-DWARP_SKIP=0"),
+})
 #: variants with another BLOCK_N than the default config's
 VARIANT_BLOCK_N = {"ldsm_bytes_n32": 32, "softmax_pipe_ldsm_bytes_n32": 32,
                    "softmax_pipe2_ldsm_bytes_n32": 32}
 #: run when --variants is not given
-DEFAULT_VARIANTS = ["default", "ldsm_bytes", "kv_split", "softmax_pipe",
-                    "softmax_pipe_ldsm_bytes", "softmax_pipe2_ldsm_bytes"]
+DEFAULT_VARIANTS = ["default", "auto", "ldsm_bytes", "ldsm_bytes_rowwise", "kv_split",
+                    "kv_split_rowwise", "softmax_pipe_ldsm_bytes",
+                    "softmax_pipe_ldsm_bytes_rowwise", "softmax_pipe_ldsm_bytes_n32",
+                    "ldsm_bytes_kv_split"]
 VERBOSE = "-cl-nv-verbose"
 _STAGE = os.path.join(tempfile.gettempdir(), f"cand16_ptx_{os.getpid()}")
 
