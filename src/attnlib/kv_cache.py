@@ -371,17 +371,17 @@ class _FastEntry:
         b, sq, cap, n_new = self.b, self.sq, cache.max_seq_len, self.n_new
         if b == 1:
             length, lo = int(cache._len[0]), int(cache._lo[0])
+            start = length
             if n_new is not None:
-                start, length = length, length + n_new
+                length += n_new
                 if not cache.ring and length > cap:
                     return None  # overflow: the full path raises CacheOverflowError
                 if cache.ring:
                     lo = max(lo, length - cap)
             if length < sq:
                 return None  # the full path raises ShapeError
-            per = np.array([[lo % cap], [length - lo], [length - sq], [lo], [length]], np.int64)
-            k_row0, k_len, q_pos0, k_pos0, new_len = per
-            lo_arr = k_pos0
+            per = np.array([[lo % cap], [length - lo], [length - sq], [lo], [start]], np.int64)
+            k_row0, k_len, q_pos0, k_pos0, start = per
         else:
             new_len, lo_arr = cache._len[:b].copy(), cache._lo[:b].copy()
             if n_new is not None:
@@ -396,12 +396,14 @@ class _FastEntry:
             k_row0, k_len, q_pos0, k_pos0 = lo_arr % cap, new_len - lo_arr, new_len - sq, lo_arr
         be = self.be
         if n_new:  # everything is checked: only now touch the cache (as _commit does)
-            st = np.array([start], np.int64) if b == 1 else start
-            be.cache_write(cache.k, k, self.rows, st, self.rope)
-            be.cache_write(cache.v, v, self.rows, st, None)
+            be.cache_write(cache.k, k, self.rows, start, self.rope)
+            be.cache_write(cache.v, v, self.rows, start, None)
         if n_new is not None:
-            cache._len[:b] = new_len
-            cache._lo[:b] = np.minimum(lo_arr, new_len)
+            if b == 1:
+                cache._len[0], cache._lo[0] = length, min(lo, length)
+            else:
+                cache._len[:b] = new_len
+                cache._lo[:b] = np.minimum(lo_arr, new_len)
         q_batch, q_row0, q_len, chi = self.consts
         values = dict(self.fields, q=q, k=cache.k, v=cache.v, q_batch=q_batch.copy(),
                       q_row0=q_row0.copy(), q_len=q_len.copy(), k_batch=q_batch.copy(),

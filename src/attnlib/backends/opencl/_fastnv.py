@@ -117,7 +117,8 @@ class _DecodeStep:
         return out, lse
 
 
-def decode_step(fp: Any, call: AttnCall, vals: np.ndarray) -> _DecodeStep | None:
+def decode_step(fp: Any, call: AttnCall, vals: np.ndarray,
+                col: list | None) -> _DecodeStep | None:
     """The step of a fast plan (``_fastpath``) for per-sequence values ``vals`` (rows: q_batch,
     q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0[, causal_hi]); the same tables,
     splits and kernel as :func:`run` with its defaults."""
@@ -126,10 +127,10 @@ def decode_step(fp: Any, call: AttnCall, vals: np.ndarray) -> _DecodeStep | None
         common = fp.subs["decode"] = _DecodeCommon(fp, call)
     block_n = common.config[0]
     if fp.n == 1:  # mma._tables for one sequence, from Python ints
-        qb, qr0, ql, kb, kr0, kl, qp0, kp0 = vals[:8, 0].tolist()
+        qb, qr0, ql, kb, kr0, kl, qp0, kp0 = col[:8]
         hi = mma._BIG
-        if vals.shape[0] == 9:
-            hi = min(hi, int(vals[8, 0]))
+        if len(col) == 9:
+            hi = min(hi, col[8])
         if call.window_right is not None:
             hi = min(hi, call.window_right)
         lo = -call.window_left if call.window_left is not None else -mma._BIG

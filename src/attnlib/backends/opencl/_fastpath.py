@@ -118,8 +118,12 @@ def _new_plan(be: Any, call: Any, queue: Any) -> Any:
 def _derive(fp: _Plan, call: Any, vals: np.ndarray) -> Any:
     """What the per-sequence values ``vals`` (rows: the fields of _FIELDS, then causal_hi when
     the call is causal) give: a _Portable or _Decode step, or None (full path)."""
-    rows = vals[2] * fp.group
-    max_rows = int(rows.max())
+    if fp.n == 1:  # Python ints: numpy's operations on 1-element arrays cost ~1 us each
+        col = vals[:, 0].tolist()
+        rows, max_rows = None, col[2] * fp.group
+    else:
+        col, rows = None, vals[2] * fp.group
+        max_rows = int(rows.max())
     if max_rows == 0:
         return None
     route = fp.subs.get(("route", max_rows))
@@ -128,9 +132,9 @@ def _derive(fp: _Plan, call: Any, vals: np.ndarray) -> Any:
     if route == "decode":
         from . import _fastnv
 
-        return _fastnv.decode_step(fp, call, vals)
+        return _fastnv.decode_step(fp, call, vals, col)
     if route == "portable":
-        return _portable_step(fp, call, vals, rows, max_rows)
+        return _portable_step(fp, call, vals, col, rows, max_rows)
     from . import _fastnv
 
     return _fastnv.mma_step(fp, call, vals)
@@ -231,7 +235,7 @@ class _Portable:
 _PORTABLE_VARYING = (A._Q, A._K, A._V, A._DST, A._DST + 1)
 
 
-def _portable_step(fp: _Plan, call: Any, vals: np.ndarray, rows: np.ndarray,
+def _portable_step(fp: _Plan, call: Any, vals: np.ndarray, col: list | None, rows: Any,
                    max_rows: int) -> Any:
     sub = fp.subs.get(("portable", max_rows))
     if sub is None:
@@ -239,17 +243,17 @@ def _portable_step(fp: _Plan, call: Any, vals: np.ndarray, rows: np.ndarray,
     bm, bn = sub.plan.tiles[0], sub.plan.tiles[1]
     n = fp.n
     if n == 1:
-        head = vals[:, 0].tolist()
-        if len(head) == 8:
-            head.append(A._INT_MAX)
-        nb = -(-int(rows[0]) // bm)
+        head = col if len(col) == 9 else col + [A._INT_MAX]
+        nb = -(-max_rows // bm)
         table = [x for g in range(nb) for x in (0, g * bm)]
         desc, n_groups = np.array(head + table, np.int32), nb
+        max_k = col[5]
     else:
         desc, n_groups = A._descriptor(call, rows, bm)
+        max_k = int(vals[5].max())
     if n_groups == 0:
         return None
-    key_tiles = -(-int(vals[5].max()) // bn)
+    key_tiles = -(-max_k // bn)
     hkv = call.k.shape[2]
     splits = A.choose_splits(fp.facts, n_groups * hkv, key_tiles, fp.be.num_splits)
     return _Portable(sub, desc, n_groups, splits)

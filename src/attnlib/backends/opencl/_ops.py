@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -186,6 +187,7 @@ class _WritePlan:
 
 
 _write_plans: dict[tuple, Any] = {}
+_ROW_SLOT = struct.Struct("=ii")  # one (cache row, first slot) entry of the table
 _WRITE_VARYING = (0, 13)
 
 
@@ -209,7 +211,7 @@ def _cache_write_fast(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray,
         plan = _write_plans[key] = _WritePlan(be, queue, buf, src)
     cap = buf.shape[1]
     if rows.shape[0] == 1:
-        table = np.array([[int(rows[0]), int(start_pos[0]) % cap]], np.int32)
+        table = _ROW_SLOT.pack(int(rows[0]), int(start_pos[0]) % cap)
     else:
         table = np.stack([rows, np.asarray(start_pos, np.int64) % cap], axis=1).astype(np.int32)
     args = plan.args.copy()

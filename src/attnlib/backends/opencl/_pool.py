@@ -142,10 +142,11 @@ class DeviceTable:
         self.sig: bytes | None = None
 
     def put(self, queue: Any, host: np.ndarray, keeper: Any) -> None:
-        """Make the table hold ``host`` (at most ``size`` bytes) for work enqueued after this."""
+        """Make the table hold ``host`` (an array or its bytes, at most ``size`` bytes) for work
+        enqueued after this."""
         import pyopencl as cl
 
-        data = host.tobytes()
+        data = host if type(host) is bytes else host.tobytes()
         if data == self.sig:
             return
         if self.fill:
