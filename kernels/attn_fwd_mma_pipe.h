@@ -16,10 +16,11 @@
 //   B(t,h): issue S of the next half | exponentials of S(t,h), l, O += P V(t, keys of h)
 // The groups in flight at alpha and beta: the one waited for and the one issued after it, so
 // both wait with cp.async.wait_group 1.  The last tile's B(t,1) computes S of a tile that does
-// not exist from a stale K buffer (kept branch-free; the result is never used).
+// not exist from a stale K buffer (kept branch-free; the result is never used; with WARP_SKIP
+// it is skipped where the warp sees no key there).
 
-#if IS_TF32 || KV_SPLIT_STAGES || WARP_SKIP || KV_STAGES != 2 || BLOCK_N % 32
-#error "SOFTMAX_PIPE=1 is for the 16-bit kernel, BLOCK_N % 32 == 0, no WARP_SKIP, KV_SPLIT_STAGES, KV_STAGES"
+#if IS_TF32 || KV_SPLIT_STAGES || KV_STAGES != 2 || BLOCK_N % 32
+#error "SOFTMAX_PIPE=1 is for the 16-bit kernel, BLOCK_N % 32 == 0, no KV_SPLIT_STAGES / KV_STAGES"
 #endif
 #define HN (BLOCK_N / 2)
 #define NT_H (HN / 8)   // 8-column n-tiles of S per half tile
@@ -178,6 +179,63 @@
 #define LOAD_V_B(TILE, BUF)                                                                    \
   LOAD_X(TILE, sV + (BUF) * BLOCK_N * LDS, sV, vp0, v_step, vh, v_sr, vdst0 + (BUF) * KV_BUF_BYTES)
 
+// WARP_SKIP: a warp skips the half tiles none of its rows sees (S, A and P V of that half,
+// each guarded by the same test).  B keeps S and P V in one basic block when neither is skipped.
+// Emulated: everything is computed and m, l, O restored after a skipped half (plain loop's way).
+#if WARP_SKIP
+#define HSKIP(N0H) ((N0H) > w_hi || (N0H) + HN - 1 < w_lo)
+#if USE_PTX
+#define S_STEP(SH, KB, KA, KEY0, N0H) if (!HSKIP(N0H)) { S_HALF(SH, KB, KA, KEY0) }
+#define A_STEP(SH, N0H) if (!HSKIP(N0H)) { A_HALF(SH, N0H) }
+#define PV_STEP(SH, VB, VA, KEY0, N0H) if (!HSKIP(N0H)) { EXP_PV(SH, VB, VA, KEY0) }
+#define SPV_STEP(SN, KB, KA, KEYN, N0N, SC, VB, VA, KEYC, N0C)                                 \
+  if (!HSKIP(N0N) && !HSKIP(N0C)) {                                                            \
+    S_HALF(SN, KB, KA, KEYN)                                                                   \
+    EXP_PV(SC, VB, VA, KEYC)                                                                   \
+  } else {                                                                                     \
+    S_STEP(SN, KB, KA, KEYN, N0N)                                                              \
+    PV_STEP(SC, VB, VA, KEYC, N0C)                                                             \
+  }
+#else
+#define KEEP_MLO                                                                               \
+  UNROLL for (int mt = 0; mt < M_TILES; mt++) {                                                \
+    UNROLL for (int hf = 0; hf < 2; hf++) {                                                    \
+      m_keep[mt][hf] = m_i[mt][hf];                                                            \
+      l_keep[mt][hf] = l_i[mt][hf];                                                            \
+    }                                                                                          \
+    UNROLL for (int nd = 0; nd < NT_O; nd++) {                                                 \
+      UNROLL for (int c = 0; c < 4; c++) o_keep[mt][nd][c] = o[mt][nd][c];                     \
+    }                                                                                          \
+  }
+#define RESTORE_MLO                                                                            \
+  UNROLL for (int mt = 0; mt < M_TILES; mt++) {                                                \
+    UNROLL for (int hf = 0; hf < 2; hf++) {                                                    \
+      m_i[mt][hf] = m_keep[mt][hf];                                                            \
+      l_i[mt][hf] = l_keep[mt][hf];                                                            \
+    }                                                                                          \
+    UNROLL for (int nd = 0; nd < NT_O; nd++) {                                                 \
+      UNROLL for (int c = 0; c < 4; c++) o[mt][nd][c] = o_keep[mt][nd][c];                     \
+    }                                                                                          \
+  }
+  float o_keep[M_TILES][NT_O][4], m_keep[M_TILES][2], l_keep[M_TILES][2];
+#define S_STEP(SH, KB, KA, KEY0, N0H) S_HALF(SH, KB, KA, KEY0)
+#define A_STEP(SH, N0H) KEEP_MLO A_HALF(SH, N0H)
+#define PV_STEP(SH, VB, VA, KEY0, N0H)                                                         \
+  EXP_PV(SH, VB, VA, KEY0)                                                                     \
+  if (HSKIP(N0H)) { RESTORE_MLO }
+#define SPV_STEP(SN, KB, KA, KEYN, N0N, SC, VB, VA, KEYC, N0C)                                 \
+  S_HALF(SN, KB, KA, KEYN)                                                                     \
+  PV_STEP(SC, VB, VA, KEYC, N0C)
+#endif
+#else
+#define S_STEP(SH, KB, KA, KEY0, N0H) S_HALF(SH, KB, KA, KEY0)
+#define A_STEP(SH, N0H) A_HALF(SH, N0H)
+#define PV_STEP(SH, VB, VA, KEY0, N0H) EXP_PV(SH, VB, VA, KEY0)
+#define SPV_STEP(SN, KB, KA, KEYN, N0N, SC, VB, VA, KEYC, N0C)                                 \
+  S_HALF(SN, KB, KA, KEYN)                                                                     \
+  EXP_PV(SC, VB, VA, KEYC)
+#endif
+
   float s0[M_TILES][NT_H][4], s1[M_TILES][NT_H][4];
   if (t_first <= t_last) {
     // alpha of the first tile: Q and K(t_first) landed (V(t_first) may be in flight)
@@ -185,7 +243,7 @@
     barrier(CLK_LOCAL_MEM_FENCE);
     if (t_first < t_last) { LOAD_K_B(t_first + 1, 1) }
     CP_COMMIT();
-    S_HALF(s0, sK, K_ADDR(0), 0)
+    S_STEP(s0, sK, K_ADDR(0), 0, t_first * BLOCK_N)
   }
   for (int t = t_first; t <= t_last; t++) {
     const int buf = (t - t_first) & 1;
@@ -195,9 +253,9 @@
     __local const ELEM *sVb = sV + buf * BLOCK_N * LDS;
     __local const ELEM *sKn = sK + (buf ^ 1) * BLOCK_N * LDS;  // K(t+1)
 #if SOFTMAX_PIPE == 2
-    S_HALF(s1, sKb, K_ADDR(buf), HN)
+    S_STEP(s1, sKb, K_ADDR(buf), HN, n0 + HN)
 #endif
-    A_HALF(s0, n0)
+    A_STEP(s0, n0)
     // -- beta_t: V(t) landed; no warp reads V(t-1) any more
     CP_WAIT(1);
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -224,11 +282,10 @@
 #endif
     // -- B(t, 0): S(t, 1) under the softmax and P V of half 0
 #if SOFTMAX_PIPE != 2
-    S_HALF(s1, sKb, K_ADDR(buf), HN)
-#endif
-    EXP_PV(s0, sVb, V_ADDR(buf), 0)
-#if SOFTMAX_PIPE != 2
-    A_HALF(s1, n0 + HN)
+    SPV_STEP(s1, sKb, K_ADDR(buf), HN, n0 + HN, s0, sVb, V_ADDR(buf), 0, n0)
+    A_STEP(s1, n0 + HN)
+#else
+    PV_STEP(s0, sVb, V_ADDR(buf), 0, n0)
 #endif
     // -- alpha_t+1: K(t+1) landed; no warp reads K(t) any more
     CP_WAIT(1);
@@ -236,11 +293,13 @@
     if (t + 1 < t_last) { LOAD_K_B(t + 2, buf) }
     CP_COMMIT();
     // -- B(t, 1): S(t+1, 0) (unused after the last tile) under the softmax and P V of half 1
-    S_HALF(s0, sKn, K_ADDR(buf ^ 1), 0)
-#if SOFTMAX_PIPE == 2
-    A_HALF(s1, n0 + HN)
+#if SOFTMAX_PIPE != 2
+    SPV_STEP(s0, sKn, K_ADDR(buf ^ 1), 0, n0 + BLOCK_N, s1, sVb, V_ADDR(buf), HN, n0 + HN)
+#else
+    S_STEP(s0, sKn, K_ADDR(buf ^ 1), 0, n0 + BLOCK_N)
+    A_STEP(s1, n0 + HN)
+    PV_STEP(s1, sVb, V_ADDR(buf), HN, n0 + HN)
 #endif
-    EXP_PV(s1, sVb, V_ADDR(buf), HN)
     if (v_bad) {
       UNROLL for (int mt = 0; mt < M_TILES; mt++) {
         UNROLL for (int hf = 0; hf < 2; hf++) {

@@ -216,7 +216,7 @@ CAND_CASES = [
      ("-DKV_SPLIT_STAGES=1", "-DLDSM_BYTES=1"), {"window": (9, 3)}),
     ("kv_split+ldsm_bytes f16 dense", "float16", (1, 33, 150, 2, 1, 128), (128, 64, 4, 0),
      ("-DKV_SPLIT_STAGES=1", "-DLDSM_BYTES=1"), {}),
-    # SOFTMAX_PIPE (half-tile software pipeline, attn_fwd_mma_pipe.h): builds without WARP_SKIP
+    # SOFTMAX_PIPE (half-tile software pipeline, attn_fwd_mma_pipe.h), with and without WARP_SKIP
     ("softmax_pipe f16 dense", "float16", (1, 61, 203, 2, 1, 128), (128, 64, 4, 0),
      ("-DSOFTMAX_PIPE=1",), {}),
     ("softmax_pipe+ldsm_bytes bf16 causal q_regs", "bfloat16", (1, 77, 150, 4, 2, 64),
@@ -224,6 +224,8 @@ CAND_CASES = [
      {"causal": True, "softcap": 30.0, "alibi": True}),
     ("softmax_pipe=2 f16 window", "float16", (1, 70, 181, 3, 1, 64), (64, 32, 2, 0),
      ("-DSOFTMAX_PIPE=2",), {"window": (40, 9)}),
+    ("softmax_pipe+warp_skip f16 causal", "float16", (1, 100, 131, 2, 2, 64), (128, 64, 4, 1),
+     ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1"), {"causal": True}),  # WARP_SKIP=1 added by run
     # KV_ROWWISE (each thread copies chunks of one K/V row: [R+imm] sources and destinations)
     ("kv_rowwise+ldsm_bytes f16 dense", "float16", (1, 33, 150, 2, 1, 128), (128, 64, 4, 0),
      ("-DKV_ROWWISE=1", "-DLDSM_BYTES=1"), {}),

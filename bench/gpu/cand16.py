@@ -30,8 +30,7 @@ import numpy as np
 SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
 WARMUP, REPS = 3, 10
 #: name -> extra -D options (every build also gets -cl-nv-verbose, which only adds the report)
-#: (SOFTMAX_PIPE refuses WARP_SKIP, which causal calls otherwise get: its causal rows run
-#: without it, against a default with it)
+#: (causal calls get -DWARP_SKIP=1 unless a variant sets WARP_SKIP itself)
 VARIANTS = {
     "auto": None,  # the library's choice (_nvidia_mma.DEFAULT_OPTIONS_16); no ptxas report
     "default": (),
@@ -41,8 +40,10 @@ VARIANTS = {
     "softmax_pipe_ldsm_bytes": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "softmax_pipe2_ldsm_bytes": ("-DSOFTMAX_PIPE=2", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "ldsm_bytes_kv_split": ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
-    # the causal baseline of the softmax_pipe rows (they cannot have WARP_SKIP)
+    # the causal baseline of the softmax_pipe rows without WARP_SKIP
     "default_no_warp_skip": ("-DWARP_SKIP=0",),
+    # SOFTMAX_PIPE with WARP_SKIP (half tiles a warp cannot see skipped) on causal calls
+    "softmax_pipe_ldsm_bytes_skip": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1"),
     # BLOCK_N=32 (the rest of the default config kept): half tiles of 16 keys for the pipe,
     # 2 x 16 S registers instead of 2 x 32 (NVIDIA's D=128 pipe builds spilled 52-56 B)
     "ldsm_bytes_n32": ("-DLDSM_BYTES=1",),
@@ -63,7 +64,7 @@ VARIANT_BLOCK_N = {"ldsm_bytes_n32": 32, "softmax_pipe_ldsm_bytes_n32": 32,
 DEFAULT_VARIANTS = ["default", "auto", "ldsm_bytes", "ldsm_bytes_rowwise", "kv_split",
                     "kv_split_rowwise", "softmax_pipe_ldsm_bytes",
                     "softmax_pipe_ldsm_bytes_rowwise", "softmax_pipe_ldsm_bytes_n32",
-                    "ldsm_bytes_kv_split"]
+                    "softmax_pipe_ldsm_bytes_skip", "ldsm_bytes_kv_split"]
 VERBOSE = "-cl-nv-verbose"
 _STAGE = os.path.join(tempfile.gettempdir(), f"cand16_ptx_{os.getpid()}")
 
