@@ -170,13 +170,7 @@ class _MmaCommon:
         config = tuple(mma.default_config(dtype, d))
         self.block_m, self.block_n, warps = config[0], config[1], config[2]
         use_ptx = mma.compute_capability(device) is not None and not mma.EMULATE_PTX
-        scheduled = call.causal_hi is not None and (dtype != _F32 or d in mma.F32_SCHEDULED)
-        self.heads_inner = mma.HEADS_INNER or scheduled
-        opts = mma.build_options(d, dtype, config, softcap=call.softcap is not None,
-                                 alibi=False, scale_pos=call.scale > 0, use_ptx=use_ptx,
-                                 heads_inner=self.heads_inner)
-        if scheduled:
-            opts += ("-DWARP_SKIP=1",)
+        opts, self.heads_inner = mma.kernel_options(call, config, use_ptx)
         alibi_buf, _, geometry, scalars = mma.kernel_inputs(ctx, call)
         _, sq_arr, hq, _ = call.q.shape
         i32 = np.int32

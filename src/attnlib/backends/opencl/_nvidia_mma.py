@@ -43,7 +43,7 @@ from ._arrays import is_cl_array
 from ._runtime import build_program, kernel_source, launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
-           "default_config", "build_options"]
+           "default_config", "build_options", "kernel_options"]
 
 #: head dims (D == Dv) the kernel is built for
 HEAD_DIMS = (64, 128)
@@ -312,6 +312,27 @@ def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
     return out_h, lse_h
 
 
+def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
+                   extra_options: tuple[str, ...] | None = None,
+                   heads_inner: bool | None = None) -> tuple[tuple[str, ...], bool]:
+    """The build options of ``call``'s kernel and its grid order (see :func:`run` for the
+    arguments): the one place that picks DEFAULT_OPTIONS_16 and the causal scheduling, for
+    :func:`run` and the repeat-call plans of ``_fastnv``."""
+    d, dtype = call.head_dim, call.dtype
+    causal = call.causal_hi is not None
+    scheduled = causal and (dtype != _F32 or d in F32_SCHEDULED)
+    if extra_options is None:
+        extra_options = () if dtype == _F32 else DEFAULT_OPTIONS_16.get((d, causal), ())
+    if heads_inner is None:
+        heads_inner = HEADS_INNER or scheduled
+    if scheduled and not any("WARP_SKIP" in o for o in extra_options):
+        extra_options = ("-DWARP_SKIP=1", *extra_options)
+    opts = build_options(d, dtype, config, softcap=call.softcap is not None,
+                         alibi=call.alibi is not None, scale_pos=call.scale > 0,
+                         use_ptx=use_ptx, heads_inner=heads_inner) + tuple(extra_options)
+    return opts, heads_inner
+
+
 def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | None = None,
         use_ptx: bool | None = None, extra_options: tuple[str, ...] | None = None,
         heads_inner: bool | None = None, wait_for: Any = None,
@@ -333,14 +354,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     if use_ptx is None:
         use_ptx = compute_capability(device) is not None
     dtype = call.dtype
-    scheduled = call.causal_hi is not None and (dtype != _F32 or d in F32_SCHEDULED)
-    if extra_options is None:
-        extra_options = () if dtype == _F32 else DEFAULT_OPTIONS_16.get(
-            (d, call.causal_hi is not None), ())
-    if heads_inner is None:
-        heads_inner = HEADS_INNER or scheduled
-    if scheduled and not any("WARP_SKIP" in o for o in extra_options):
-        extra_options = ("-DWARP_SKIP=1", *extra_options)
+    opts, heads_inner = kernel_options(call, config, use_ptx, extra_options, heads_inner)
     bq, sq_arr, hq, _ = call.q.shape
     hkv = call.k.shape[2]
     is_dev = is_cl_array(call.q)
@@ -350,9 +364,6 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     out = _pool.empty(queue, out_shape, dtype)
     lse = _pool.empty(queue, lse_shape, np.float32)
     if n_tiles and hq:
-        opts = build_options(d, dtype, config, softcap=call.softcap is not None,
-                             alibi=call.alibi is not None, scale_pos=call.scale > 0,
-                             use_ptx=use_ptx, heads_inner=heads_inner) + tuple(extra_options)
         alibi_buf, bufs, geometry, scalars = kernel_inputs(ctx, call)
         i32 = np.int32
         threads = 32 * warps
