@@ -118,8 +118,8 @@ def cases(be, rng):
     return [
         ("decode", lambda: attnlib.attention_with_kvcache(q1, cache), None),
         ("append", lambda: attnlib.attention_with_kvcache(q1, cache, k1, v1), reset),
-        ("prefill", lambda: attnlib.attention(qp, kp, kp, causal=True), None),
-        ("dense_decode", lambda: attnlib.attention(q1, kd, kd), None),
+        ("prefill", lambda: attnlib.attention(qp, kp, kp, causal=True, backend=be), None),
+        ("dense_decode", lambda: attnlib.attention(q1, kd, kd, backend=be), None),
     ]
 
 
