@@ -24,9 +24,12 @@ _pools: dict[int, Any] = {}
 
 def pool_for(queue: Any) -> Any:
     """The memory pool of ``queue`` (made on first use)."""
+    key = queue.int_ptr
+    hit = _pools.get(key)  # made once per queue: the lock only guards the making
+    if hit is not None:
+        return hit[0]
     import pyopencl.tools as clt
 
-    key = queue.int_ptr
     with _lock:
         pool = _pools.get(key)
         if pool is None:
