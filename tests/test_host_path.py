@@ -392,3 +392,50 @@ def test_emulated_tensor_core_prefill_repeat_calls(emulated_nvidia):
                                        dv.reshape(37, 2, 64), cq, ck, causal=True)
         want = attnlib.attention_varlen(qv, kv, v[0], cq, ck, causal=True, backend="numpy")
         np.testing.assert_allclose(attnlib.to_numpy(got).astype(np.float64), want, atol=2e-3)
+
+
+def _recorded_launches(monkeypatch, module):
+    """Replace ``module.launch`` by a recorder of (options, grid, local size, scalar args)."""
+    seen = []
+
+    def record(kernels, key, make, name, queue, gsize, lsize, args, **kw):
+        seen.append((key[-1], tuple(gsize), tuple(lsize),
+                     [a if isinstance(a, np.generic) else None for a in args]))
+
+    monkeypatch.setattr(module, "launch", record)
+    return seen
+
+
+@pytest.mark.parametrize("kind,splits", [("decode", None), ("decode", 3), ("prefill", None)])
+@pytest.mark.parametrize("causal,softcap", [(True, None), (False, 2.0)])
+def test_fast_plans_launch_what_run_launches(emulated_nvidia, monkeypatch, kind, splits, causal,
+                                             softcap):
+    """The fast plans build the tensor-core kernels' options, grid and scalar arguments
+    themselves: they must equal what ``_nvidia_decode.run`` / ``_nvidia_mma.run`` launch with
+    their defaults for the same call (a default changed in run and not here fails this)."""
+    from attnlib.backends.opencl import _nvidia_decode, _nvidia_mma
+    from attnlib.testing.reference import seq_call
+
+    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", False)
+    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", False)
+    module = _nvidia_decode if kind == "decode" else _nvidia_mma
+    seen = _recorded_launches(monkeypatch, module)
+    be = attnlib.get_backend("opencl", **({} if splits is None else {"num_splits": splits}))
+    rng = rng_for("host path same launch", kind, causal)
+    sq, hq, hkv, d, n_k = (1, 8, 2, 128, 300) if kind == "decode" else (40, 4, 2, 64, 90)
+    q = attnlib.to_device(randn(rng, (2, sq, hq, d), "float16"), backend=be)
+    k, v = (attnlib.to_device(randn(rng, (2, n_k, hkv, d), "float16"), backend=be)
+            for _ in range(2))
+    ar = np.arange(2)
+    kl = np.array([n_k, n_k - 37])
+    call = seq_call(q, k, v, q_batch=ar, q_row0=0 * ar, q_len=ar * 0 + sq, k_batch=ar,
+                    k_row0=0 * ar, k_len=kl, q_pos0=kl - sq, k_pos0=0 * ar, causal=causal,
+                    softcap=softcap)
+    be.attention(call)  # the dispatch: a fast plan
+    be.attention(call)  # its repeat
+    if kind == "decode":
+        _nvidia_decode.run(be, be.queue, call)
+    else:
+        _nvidia_mma.run(be.context, be.queue, be.device, call)
+    assert len(seen) == 3
+    assert seen[0] == seen[1] == seen[2]
