@@ -40,6 +40,10 @@ VARIANTS = {
     "softmax_pipe_ldsm_bytes": ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "softmax_pipe2_ldsm_bytes": ("-DSOFTMAX_PIPE=2", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
     "ldsm_bytes_kv_split": ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
+    # not causal with the causal build's shape of code (the tile body under WARP_SKIP's test;
+    # no tile is skipped): run 5's causal LDSM_BYTES + KV_SPLIT_STAGES build did not spill
+    "ldsm_bytes_skip": ("-DLDSM_BYTES=1", "-DWARP_SKIP=1"),
+    "ldsm_bytes_kv_split_skip": ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1", "-DWARP_SKIP=1"),
     # the causal baseline of the softmax_pipe rows without WARP_SKIP
     "default_no_warp_skip": ("-DWARP_SKIP=0",),
     # SOFTMAX_PIPE with WARP_SKIP (half tiles a warp cannot see skipped) on causal calls
