@@ -461,3 +461,17 @@ def test_wrapped_run_is_called(emulated_nvidia, monkeypatch):
         got = attnlib.attention(q, k, k, causal=True)
         np.testing.assert_allclose(attnlib.to_numpy(got).astype(np.float64), want, atol=2e-3)
         assert len(calls) == (1 if module is _nvidia_mma else 2)
+
+
+def test_batched_steps_with_large_tables(be):
+    """Five sequences: the descriptor (> 128 bytes) is rewritten by a non-blocking write, not a
+    fill; each step still gets the oracle's answer, outputs dropped at once included."""
+    rng = rng_for("host path batched")
+    b, cap, hq, hkv, d = 5, 45, 4, 2, 16
+    t = Twin(be, b, cap, hkv, d, "float32")
+    _fill(t, rng, b, 7, hkv, d, "float32")
+    for _ in range(6):
+        q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
+        dq = attnlib.to_device(q, backend=be)
+        attnlib.attention_with_kvcache(dq, t.dev)  # output dropped before its kernel ran
+        t.step(q, k, v)

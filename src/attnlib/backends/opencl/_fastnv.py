@@ -102,8 +102,8 @@ class _DecodeStep:
         else:
             args[3:7] = [out.base_data, lse_buf, spare, spare]
         with launch_lock:
-            common.seq_table.put(queue, self.seqs, out)
-            common.tile_table.put(queue, self.tiles, out)
+            common.seq_table.put(queue, self.seqs)
+            common.tile_table.put(queue, self.tiles)
             evts = [nd.launch(nd._kernels, sub.key, sub.make, "attn_decode_mma", queue,
                               sub.grid, sub.local, args, varying=_DECODE_VARYING, owner=sub)]
         if splits > 1 and not fused:

@@ -220,7 +220,7 @@ class _Portable:
         nt = sub.plan.tiles[2] * sub.plan.tiles[3]
         ctx = fp.ctx
         with launch_lock:
-            sub.table.put(queue, self.desc, out)
+            sub.table.put(queue, self.desc)
             be.launch(ctx, queue, "attn_fwd.cl", sub.opts[split], "attn_fwd",
                       (self.n_groups * nt, hkv, splits), (nt, 1, 1), args,
                       varying=_PORTABLE_VARYING, owner=sub.owners[split])

@@ -217,7 +217,7 @@ def _cache_write_fast(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray,
     args = plan.args.copy()
     args[0], args[13] = src.base_data, buf.base_data
     with launch_lock:
-        plan.table.put(queue, table, buf)
+        plan.table.put(queue, table)
         be.launch(queue.context, queue, "rope.cl", plan.opts, "rope_copy", plan.gsize, None,
                   args, varying=_WRITE_VARYING, owner=plan)
     return True

@@ -128,10 +128,14 @@ class DeviceTable:
     rewrite to its launch (another thread's rewrite cannot slip in between). Up to 128 bytes the
     rewrite is ``clEnqueueFillBuffer`` with the table as its pattern, which the driver copies at
     the call (no host memory to keep alive, no event to hold); larger tables, and simulators
-    (Oclgrind does not count a fill as initialising memory), take a non-blocking write whose
-    event the call's output holds (see :func:`upload`)."""
+    (Oclgrind does not count a fill as initialising memory), take a non-blocking write. Its
+    event (a pyopencl NannyEvent: it keeps the host bytes alive, and dropping it waits for the
+    write) stays with the table for the next PENDING rewrites, not with the call's output: an
+    output dropped right away would otherwise wait for the write, i.e. for every kernel enqueued
+    before it (``_pool.upload``'s keeper made each such call wait for the previous one)."""
 
-    __slots__ = ("buf", "size", "sig", "fill")
+    __slots__ = ("buf", "size", "sig", "fill", "pending")
+    PENDING = 8
 
     def __init__(self, ctx: Any, nbytes: int, fill: bool) -> None:
         import pyopencl as cl
@@ -143,8 +147,9 @@ class DeviceTable:
         self.size = size
         self.buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, size)
         self.sig: bytes | None = None
+        self.pending: list = []
 
-    def put(self, queue: Any, host: np.ndarray, keeper: Any) -> None:
+    def put(self, queue: Any, host: Any) -> None:
         """Make the table hold ``host`` (an array or its bytes, at most ``size`` bytes) for work
         enqueued after this."""
         import pyopencl as cl
@@ -156,8 +161,10 @@ class DeviceTable:
             pad = bytes(self.size - len(data)) if len(data) < self.size else b""
             _fill(queue, self.buf, data + pad, 0, self.size, None)
         else:
-            keeper.add_event(cl.enqueue_copy(queue, self.buf, np.frombuffer(data, np.uint8),
-                                             is_blocking=False))
+            self.pending.append(cl.enqueue_copy(queue, self.buf, np.frombuffer(data, np.uint8),
+                                                is_blocking=False))
+            if len(self.pending) > self.PENDING:
+                del self.pending[0]  # a write PENDING rewrites ago: done long since
         self.sig = data
 
 
