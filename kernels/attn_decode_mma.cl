@@ -225,22 +225,8 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     // are zero-filled): in such tiles the non-finite v values are zeroed for the mma and added
     // back after PV, from global memory, to the rows that see them (rare: q_len > 1 or window).
     int v_bad = 0;
-    if ((n0 < lo_all && n0 + BLOCK_N - 1 >= lo_blk) || (n0 + BLOCK_N - 1 > hi_all && n0 <= hi_blk)) {
-      int mine = 0;
-      for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
-        __local ushort *pv = sV + (c / CHUNKS) * LDS + (c % CHUNKS) * 8;
-        const uint4 w = *(__local const uint4 *)pv;
-        if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
-          for (int e = 0; e < 8; e++) {
-            if (NONFINITE16((uint)pv[e])) pv[e] = 0;
-          }
-          mine = 1;
-        }
-      }
-      if (mine) v_flag = t + 1;
-      barrier(CLK_LOCAL_MEM_FENCE);
-      v_bad = v_flag == t + 1;
-    }
+    if ((n0 < lo_all && n0 + BLOCK_N - 1 >= lo_blk) || (n0 + BLOCK_N - 1 > hi_all && n0 <= hi_blk))
+      SCAN_HIDDEN_V16(sV, LDS)
 
     // -- S = Q K^T over this warp's KW keys
     float sacc[NT_S][4];

@@ -135,6 +135,41 @@
 #define OUT_PACK(A, B) pack2(A, B)
 #endif
 
+// The hidden keys' inf/NaN v values the scan zeroed for the mma (SCAN_HIDDEN_V16 or the float32
+// scan), added back from global memory to the rows that see them (p > 0: inf or NaN stays); uses
+// the kernel's tile state (v_bad, rlo, rhi, n0, o, krow0, ring, vh, v_sr, tg).
+#if IS_TF32
+#define ADD_BACK_VALUE(ACC, P)                                                                  \
+  {                                                                                             \
+    const float b_ = *(P);                                                                      \
+    if (NONFINITE32(as_uint(b_))) ACC += b_;                                                    \
+  }
+#else
+#define ADD_BACK_VALUE(ACC, P)                                                                  \
+  {                                                                                             \
+    const uint b_ = *(P);                                                                       \
+    if (NONFINITE16(b_)) ACC += nonfinite_value(b_);                                            \
+  }
+#endif
+#define ADD_BACK_HIDDEN_V()                                                                     \
+  if (v_bad) {                                                                                  \
+    UNROLL for (int mt = 0; mt < M_TILES; mt++) {                                               \
+      UNROLL for (int hf = 0; hf < 2; hf++) {                                                   \
+        const int j_hi = min(rhi[mt][hf], n0 + BLOCK_N - 1);                                    \
+        for (int j = max(rlo[mt][hf], n0); j <= j_hi; j++) {                                    \
+          long row = krow0 + j;                                                                 \
+          if (ring > 0 && row >= ring) row -= ring;                                             \
+          __global const ELEM *vr = vh + row * v_sr + 2 * tg;                                   \
+          UNROLL for (int nd = 0; nd < NT_O; nd++) {                                            \
+            UNROLL for (int e = 0; e < 2; e++) {                                                \
+              ADD_BACK_VALUE(o[mt][nd][2 * hf + e], vr + nd * 8 + e)                            \
+            }                                                                                   \
+          }                                                                                     \
+        }                                                                                       \
+      }                                                                                         \
+    }                                                                                           \
+  }
+
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
 void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const ELEM *v,
                   __global ELEM *out, __global float *lse,
@@ -462,33 +497,24 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #if HIDDEN_NONFINITE && !KV_SPLIT_STAGES
 #if IS_TF32
     {
-#else
-    if (need_mask) {
-#endif
       int mine = 0;
       for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
         __local ELEM *pv = sV + buf * BLOCK_N * LDSV + (c / CHUNKS) * LDSV + (c % CHUNKS) * EPC;
         const uint4 w = *(__local const uint4 *)pv;
-#if IS_TF32
         if (NONFINITE32(w.x) || NONFINITE32(w.y) || NONFINITE32(w.z) || NONFINITE32(w.w)) {
           for (int e = 0; e < 4; e++) {
             if (NONFINITE32(as_uint(pv[e]))) pv[e] = 0.f;
           }
           mine = 1;
         }
-#else
-        if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
-          for (int e = 0; e < 8; e++) {
-            if (NONFINITE16((uint)pv[e])) pv[e] = 0;
-          }
-          mine = 1;
-        }
-#endif
       }
       if (mine) v_flag = t + 1;
       barrier(CLK_LOCAL_MEM_FENCE);
       v_bad = v_flag == t + 1;
     }
+#else
+    if (need_mask) SCAN_HIDDEN_V16(sV + buf * BLOCK_N * LDSV, LDSV)
+#endif
 #endif
 
 #if KV_SPLIT_STAGES  // S lives across the mid-tile sync (outside the WARP_SKIP blocks)
@@ -674,22 +700,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
       CP_COMMIT();
     }
 #if HIDDEN_NONFINITE
-    if (need_mask) {  // (as above, for the one V buffer)
-      int mine = 0;
-      for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
-        __local ELEM *pv = sV + (c / CHUNKS) * LDS + (c % CHUNKS) * EPC;
-        const uint4 w = *(__local const uint4 *)pv;
-        if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
-          for (int e = 0; e < 8; e++) {
-            if (NONFINITE16((uint)pv[e])) pv[e] = 0;
-          }
-          mine = 1;
-        }
-      }
-      if (mine) v_flag = t + 1;
-      barrier(CLK_LOCAL_MEM_FENCE);
-      v_bad = v_flag == t + 1;
-    }
+    if (need_mask) SCAN_HIDDEN_V16(sV, LDS)  // (as above, for the one V buffer)
 #endif
 #if WARP_SKIP && USE_PTX
     if (!w_skip) {
@@ -809,29 +820,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #endif
 
     // -- the inf/NaN zeroed above, for the rows that see their keys (p > 0: inf or NaN stays)
-    if (v_bad) {
-      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
-        UNROLL for (int hf = 0; hf < 2; hf++) {
-          const int j_hi = min(rhi[mt][hf], n0 + BLOCK_N - 1);
-          for (int j = max(rlo[mt][hf], n0); j <= j_hi; j++) {
-            long row = krow0 + j;
-            if (ring > 0 && row >= ring) row -= ring;
-            __global const ELEM *vr = vh + row * v_sr + 2 * tg;
-            UNROLL for (int nd = 0; nd < NT_O; nd++) {
-              UNROLL for (int e = 0; e < 2; e++) {
-#if IS_TF32
-                const float b = vr[nd * 8 + e];
-                if (NONFINITE32(as_uint(b))) o[mt][nd][2 * hf + e] += b;
-#else
-                const uint b = vr[nd * 8 + e];
-                if (NONFINITE16(b)) o[mt][nd][2 * hf + e] += nonfinite_value(b);
-#endif
-              }
-            }
-          }
-        }
-      }
-    }
+    ADD_BACK_HIDDEN_V()
 #if WARP_SKIP
 #if USE_PTX
     }

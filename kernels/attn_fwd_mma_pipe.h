@@ -263,22 +263,8 @@
     CP_COMMIT();
     int v_bad = 0;
 #if HIDDEN_NONFINITE
-    if (need_mask) {  // as in the plain loop: zero inf/NaN of V(t), added back after P V
-      int mine = 0;
-      for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
-        __local ELEM *pv = sV + buf * BLOCK_N * LDS + (c / CHUNKS) * LDS + (c % CHUNKS) * EPC;
-        const uint4 w = *(__local const uint4 *)pv;
-        if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
-          for (int e = 0; e < 8; e++) {
-            if (NONFINITE16((uint)pv[e])) pv[e] = 0;
-          }
-          mine = 1;
-        }
-      }
-      if (mine) v_flag = t + 1;
-      barrier(CLK_LOCAL_MEM_FENCE);
-      v_bad = v_flag == t + 1;
-    }
+    // as in the plain loop: zero inf/NaN of V(t), added back after P V
+    if (need_mask) SCAN_HIDDEN_V16(sV + buf * BLOCK_N * LDS, LDS)
 #endif
     // -- B(t, 0): S(t, 1) under the softmax and P V of half 0
 #if SOFTMAX_PIPE != 2
@@ -300,22 +286,5 @@
     A_STEP(s1, n0 + HN)
     PV_STEP(s1, sVb, V_ADDR(buf), HN, n0 + HN)
 #endif
-    if (v_bad) {
-      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
-        UNROLL for (int hf = 0; hf < 2; hf++) {
-          const int j_hi = min(rhi[mt][hf], n0 + BLOCK_N - 1);
-          for (int j = max(rlo[mt][hf], n0); j <= j_hi; j++) {
-            long row = krow0 + j;
-            if (ring > 0 && row >= ring) row -= ring;
-            __global const ELEM *vr = vh + row * v_sr + 2 * tg;
-            UNROLL for (int nd = 0; nd < NT_O; nd++) {
-              UNROLL for (int e = 0; e < 2; e++) {
-                const uint b = vr[nd * 8 + e];
-                if (NONFINITE16(b)) o[mt][nd][2 * hf + e] += nonfinite_value(b);
-              }
-            }
-          }
-        }
-      }
-    }
+    ADD_BACK_HIDDEN_V()
   }

@@ -245,6 +245,28 @@ inline int emu_any(int pred, __local uint *scr) {
 inline float nonfinite_value(uint b) {
   return (b & MANT16) ? NAN : ((b & 0x8000u) ? -INFINITY : INFINITY);
 }
+// Hidden keys whose v holds inf/NaN (the mma would multiply P = 0 by them): zero the non-finite
+// halves of the staged 16-bit V tile at VT (BLOCK_N rows of CHUNKS 16-byte chunks, LD_ halves
+// apart) and set v_bad for the whole work-group when any was found (v_flag = t + 1: a new value
+// per tile, never reset); the kernel adds them back after P V to the rows that see their keys.
+// Work-group uniform; uses the kernel's tid, THREADS, BLOCK_N, CHUNKS, t, v_flag and v_bad.
+#define SCAN_HIDDEN_V16(VT, LD_)                                                                \
+  {                                                                                             \
+    int mine_ = 0;                                                                              \
+    for (int c_ = tid; c_ < BLOCK_N * CHUNKS; c_ += THREADS) {                                  \
+      __local ushort *pv_ = (VT) + (c_ / CHUNKS) * (LD_) + (c_ % CHUNKS) * 8;                   \
+      const uint4 w_ = *(__local const uint4 *)pv_;                                             \
+      if (NONFINITE2(w_.x) || NONFINITE2(w_.y) || NONFINITE2(w_.z) || NONFINITE2(w_.w)) {       \
+        for (int e_ = 0; e_ < 8; e_++) {                                                        \
+          if (NONFINITE16((uint)pv_[e_])) pv_[e_] = 0;                                          \
+        }                                                                                       \
+        mine_ = 1;                                                                              \
+      }                                                                                         \
+    }                                                                                           \
+    if (mine_) v_flag = t + 1;                                                                  \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                               \
+    v_bad = v_flag == t + 1;                                                                    \
+  }
 
 // Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
 inline int row_lo(long i, long base, long dlo, int klen) {

@@ -17,7 +17,6 @@ Records: {"part": "time", dtype, shape, causal, variant, ms, tflops, max_diff_vs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,9 @@ import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from devrun import emit  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
 WARMUP, REPS = 3, 10
@@ -71,14 +73,6 @@ DEFAULT_VARIANTS = ["default", "auto", "ldsm_bytes", "ldsm_bytes_rowwise", "kv_s
                     "softmax_pipe_ldsm_bytes_skip", "ldsm_bytes_kv_split"]
 VERBOSE = "-cl-nv-verbose"
 _STAGE = os.path.join(tempfile.gettempdir(), f"cand16_ptx_{os.getpid()}")
-
-
-def emit(rec: dict, path: str | None) -> None:
-    line = json.dumps(rec, default=str)
-    print(line, flush=True)
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
 
 
 def report_builds(cl, nv, dev, seen: set, name: str, ptx_dir: str | None,
