@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from devrun import emit  # noqa: E402
+from devrun import emit, torch_median_s  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
 WARMUP, REPS = 3, 10
@@ -107,15 +107,7 @@ def _torch_median_s(torch, x, causal: bool) -> float:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for _ in range(WARMUP):
         sdpa(*x, is_causal=causal)
-    ts = []
-    for _ in range(REPS):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        sdpa(*x, is_causal=causal)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-    return statistics.median(ts)
+    return torch_median_s(torch, lambda: sdpa(*x, is_causal=causal), REPS)
 
 
 def torch_anchor(shapes, dtypes, json_path: str | None) -> None:

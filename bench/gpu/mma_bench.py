@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mma_common as mc  # noqa: E402
-from devrun import cl_env, flops, peak_tflops  # noqa: E402 - the script's folder
+from devrun import cl_env, flops, peak_tflops, torch_median_s  # noqa: E402 - the script's folder
 
 nv = mc.nv
 CASES = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128)]
@@ -138,15 +138,7 @@ def torch_time(fn):
     for _ in range(WARMUP):
         fn()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
-    return float(np.median(ts))
+    return torch_median_s(torch, fn, REPS)
 
 
 def table(args):

@@ -48,13 +48,10 @@ class _DecodeSub:
     def __init__(self, fp: Any, common: _DecodeCommon, call: AttnCall, splits: int,
                  n_cols: int) -> None:
         ctx, queue, device = fp.ctx, fp.queue, fp.be.device
-        d, config = call.head_dim, common.config
+        config = common.config
         bq, sq_arr, hq, _ = call.q.shape
         hkv = call.k.shape[2]
-        fused = nd.FUSED_MERGE and splits > 1 and nd.fused_fits(d, config, splits)
-        opts = nd.build_options(d, call.dtype, config, softcap=call.softcap is not None,
-                                alibi=False, scale_pos=call.scale > 0, split=splits > 1,
-                                use_ptx=common.use_ptx, fused=fused)
+        opts, fused = nd.kernel_options(call, config, splits, common.use_ptx)
         counters = nd._counters(ctx, queue, n_cols * hkv) if fused else common.alibi_buf
         threads = 32 * config[1]
         i64, i32 = np.int64, np.int32

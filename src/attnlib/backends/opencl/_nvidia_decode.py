@@ -30,7 +30,8 @@ from ._attention import launch_merge
 from ._runtime import launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS",
-           "choose_splits", "build_options", "local_bytes", "fused_fits", "FUSED_MERGE"]
+           "choose_splits", "build_options", "kernel_options", "local_bytes", "fused_fits",
+           "FUSED_MERGE"]
 
 #: head dims (D == Dv) the dispatch sends to the kernel
 HEAD_DIMS = (64, 128)
@@ -100,6 +101,20 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
         f"-DSOFTCAP={int(softcap)}", f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}",
         f"-DSPLIT={int(split)}", f"-DUSE_PTX={int(use_ptx)}", f"-DFUSED_MERGE={int(fused)}",
     )
+
+
+def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
+                   fused: bool | None = None) -> tuple[tuple[str, ...], bool]:
+    """The build options of ``call``'s kernel with ``splits`` key splits, and whether the splits
+    are merged in the kernel (``fused``, default FUSED_MERGE, where the buffers hold them): the one
+    place for :func:`run` and the repeat-call plans of ``_fastnv``."""
+    d = call.head_dim
+    fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
+        d, config, splits)
+    opts = build_options(d, call.dtype, config, softcap=call.softcap is not None,
+                         alibi=call.alibi is not None, scale_pos=call.scale > 0,
+                         split=splits > 1, use_ptx=use_ptx, fused=fused)
+    return opts, fused
 
 
 def fused_fits(head_dim: int, config: tuple, splits: int) -> bool:
@@ -179,11 +194,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
             key_tiles = -(-int(np.max(call.k_len)) // block_n)
             splits = choose_splits(be.facts.compute_units, n_cols * hkv, key_tiles, d, config)
         splits = max(1, int(splits))
-        fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
-            d, config, splits)
-        opts = build_options(d, dtype, config, softcap=call.softcap is not None,
-                             alibi=call.alibi is not None, scale_pos=call.scale > 0,
-                             split=splits > 1, use_ptx=use_ptx, fused=fused)
+        opts, fused = kernel_options(call, config, splits, use_ptx, fused)
         alibi_buf, bufs, geometry, scalars = _nvidia_mma.kernel_inputs(ctx, call)
         i64, i32 = np.int64, np.int32
         n_out_rows = bq * sq_arr * hq
