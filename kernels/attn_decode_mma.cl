@@ -32,7 +32,6 @@
 #define NT_O (HEAD_DIM / 8)         // 8-column n-tiles of O
 #define CHUNKS (HEAD_DIM / 8)       // 16-byte chunks per row
 #define ROW_STEP (THREADS / CHUNKS)
-#define SEQ_FIELDS 9
 #if KW % 16 || HEAD_DIM % 16 || THREADS % CHUNKS || BLOCK_N % ROW_STEP || STAGES < 2
 #error "need BLOCK_N / WARPS % 16 == 0, HEAD_DIM % 16 == 0, 32*WARPS % (HEAD_DIM/8) == 0, STAGES>=2"
 #endif
@@ -94,11 +93,7 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
   const int hk = get_group_id(1), split = get_group_id(2), n_splits = get_num_groups(2);
   const int s = tiles[2 * get_group_id(0)];
   __global const long *sp = seqs + (long)s * SEQ_FIELDS;
-  const long qb = sp[0], qrow0 = sp[1];
-  const int qlen = (int)sp[2];
-  const long kb = sp[3], krow0 = sp[4];
-  const int klen = (int)sp[5];
-  const long base = sp[6], dlo = sp[7], dhi = sp[8];
+  LOAD_SEQ(sp)
   const int nrows = qlen * group;  // <= 16
 
   // keys some row sees: [lo_blk, hi_blk]; keys every row sees: [lo_all, hi_all]

@@ -57,7 +57,6 @@
 #define NT_S (BLOCK_N / 8)          // 8-column n-tiles of S
 #define NT_O (HEAD_DIM / 8)         // 8-column n-tiles of O
 #define CHUNKS (HEAD_DIM / EPC)     // 16-byte chunks per row
-#define SEQ_FIELDS 9
 #if BLOCK_M % (16 * WARPS) || BLOCK_N % 16 || HEAD_DIM % 16 || THREADS % CHUNKS
 #error "BLOCK_M must be a multiple of 16*WARPS, BLOCK_N and HEAD_DIM of 16, 32*WARPS of HEAD_DIM/8"
 #endif
@@ -151,6 +150,21 @@
     if (NONFINITE16(b_)) ACC += nonfinite_value(b_);                                            \
   }
 #endif
+// The online-softmax state (m, l, O) of this lane's rows, copied whole: the emulated WARP_SKIP
+// builds compute a tile the warp skips, then restore the state kept before it (so a skip that
+// drops a visible key shows as an error).
+#define COPY_STATE(MD, LD, OD, MS, LS, OS)                                                      \
+  UNROLL for (int mt = 0; mt < M_TILES; mt++) {                                                 \
+    UNROLL for (int hf = 0; hf < 2; hf++) {                                                     \
+      MD[mt][hf] = MS[mt][hf];                                                                  \
+      LD[mt][hf] = LS[mt][hf];                                                                  \
+    }                                                                                           \
+    UNROLL for (int nd = 0; nd < NT_O; nd++) {                                                  \
+      UNROLL for (int c = 0; c < 4; c++) OD[mt][nd][c] = OS[mt][nd][c];                         \
+    }                                                                                           \
+  }
+#define KEEP_STATE COPY_STATE(m_keep, l_keep, o_keep, m_i, l_i, o)
+#define RESTORE_STATE COPY_STATE(m_i, l_i, o, m_keep, l_keep, o_keep)
 #define ADD_BACK_HIDDEN_V()                                                                     \
   if (v_bad) {                                                                                  \
     UNROLL for (int mt = 0; mt < M_TILES; mt++) {                                               \
@@ -205,11 +219,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
   const int s = tiles[2 * get_group_id(0)], m0 = tiles[2 * get_group_id(0) + 1];
 #endif
   __global const long *sp = seqs + (long)s * SEQ_FIELDS;
-  const long qb = sp[0], qrow0 = sp[1];
-  const int qlen = (int)sp[2];
-  const long kb = sp[3], krow0 = sp[4];
-  const int klen = (int)sp[5];
-  const long base = sp[6], dlo = sp[7], dhi = sp[8];
+  LOAD_SEQ(sp)
   const int nrows = min(BLOCK_M, qlen - m0);
   const int wrow0 = warp * 16 * M_TILES;  // this warp's first row in the block
 
@@ -526,15 +536,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
     if (!w_skip) {  // (the tile's math below, up to the K/V reload, is not re-indented)
 #else
     float o_keep[M_TILES][NT_O][4], m_keep[M_TILES][2], l_keep[M_TILES][2];
-    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
-      UNROLL for (int hf = 0; hf < 2; hf++) {
-        m_keep[mt][hf] = m_i[mt][hf];
-        l_keep[mt][hf] = l_i[mt][hf];
-      }
-      UNROLL for (int nd = 0; nd < NT_O; nd++) {
-        UNROLL for (int c = 0; c < 4; c++) o_keep[mt][nd][c] = o[mt][nd][c];
-      }
-    }
+    KEEP_STATE
 #endif
 #endif
     // -- S = Q K^T
@@ -825,17 +827,7 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
 #if USE_PTX
     }
 #else
-    if (w_skip) {
-      UNROLL for (int mt = 0; mt < M_TILES; mt++) {
-        UNROLL for (int hf = 0; hf < 2; hf++) {
-          m_i[mt][hf] = m_keep[mt][hf];
-          l_i[mt][hf] = l_keep[mt][hf];
-        }
-        UNROLL for (int nd = 0; nd < NT_O; nd++) {
-          UNROLL for (int c = 0; c < 4; c++) o[mt][nd][c] = o_keep[mt][nd][c];
-        }
-      }
-    }
+    if (w_skip) { RESTORE_STATE }
 #endif
 #endif
 #if KV_STAGES == 1

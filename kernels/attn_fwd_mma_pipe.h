@@ -197,32 +197,12 @@
     PV_STEP(SC, VB, VA, KEYC, N0C)                                                             \
   }
 #else
-#define KEEP_MLO                                                                               \
-  UNROLL for (int mt = 0; mt < M_TILES; mt++) {                                                \
-    UNROLL for (int hf = 0; hf < 2; hf++) {                                                    \
-      m_keep[mt][hf] = m_i[mt][hf];                                                            \
-      l_keep[mt][hf] = l_i[mt][hf];                                                            \
-    }                                                                                          \
-    UNROLL for (int nd = 0; nd < NT_O; nd++) {                                                 \
-      UNROLL for (int c = 0; c < 4; c++) o_keep[mt][nd][c] = o[mt][nd][c];                     \
-    }                                                                                          \
-  }
-#define RESTORE_MLO                                                                            \
-  UNROLL for (int mt = 0; mt < M_TILES; mt++) {                                                \
-    UNROLL for (int hf = 0; hf < 2; hf++) {                                                    \
-      m_i[mt][hf] = m_keep[mt][hf];                                                            \
-      l_i[mt][hf] = l_keep[mt][hf];                                                            \
-    }                                                                                          \
-    UNROLL for (int nd = 0; nd < NT_O; nd++) {                                                 \
-      UNROLL for (int c = 0; c < 4; c++) o[mt][nd][c] = o_keep[mt][nd][c];                     \
-    }                                                                                          \
-  }
   float o_keep[M_TILES][NT_O][4], m_keep[M_TILES][2], l_keep[M_TILES][2];
 #define S_STEP(SH, KB, KA, KEY0, N0H) S_HALF(SH, KB, KA, KEY0)
-#define A_STEP(SH, N0H) KEEP_MLO A_HALF(SH, N0H)
+#define A_STEP(SH, N0H) KEEP_STATE A_HALF(SH, N0H)
 #define PV_STEP(SH, VB, VA, KEY0, N0H)                                                         \
   EXP_PV(SH, VB, VA, KEY0)                                                                     \
-  if (HSKIP(N0H)) { RESTORE_MLO }
+  if (HSKIP(N0H)) { RESTORE_STATE }
 #define SPV_STEP(SN, KB, KA, KEYN, N0N, SC, VB, VA, KEYC, N0C)                                 \
   S_HALF(SN, KB, KA, KEYN)                                                                     \
   PV_STEP(SC, VB, VA, KEYC, N0C)

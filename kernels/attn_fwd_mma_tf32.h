@@ -8,6 +8,7 @@
 // Fragments (g = lane / 4, t = lane % 4): A 16x8 row: a0 (g, t), a1 (g+8, t), a2 (g, t+4),
 // a3 (g+8, t+4); B 8x8 col: b0 (k t, n g), b1 (k t+4, n g); C/D as m16n8k16: c0 (g, 2t),
 // c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1).
+// Included after nv_warp.h (the emulated mma below publishes its operands with emu_publish).
 
 #define NONFINITE32(U) (((U) & 0x7f800000u) == 0x7f800000u)
 
@@ -39,12 +40,7 @@ inline float tf32_operand(uint b) { return as_float(b & 0xffffe000u); }
 // m16n8k8 tf32: the products of tf32 values are exact in float32; they are accumulated in
 // float32 onto the accumulator, k in order
 inline void emu_mma_tf32(float *d, const uint *a, uint b0, uint b1, __local uint *scr) {
-  int lane = get_local_id(0) & 31;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (int r = 0; r < 4; r++) scr[lane * 8 + r] = a[r];
-  scr[lane * 8 + 4] = b0;
-  scr[lane * 8 + 5] = b1;
-  barrier(CLK_LOCAL_MEM_FENCE);
+  int lane = emu_publish(a, b0, b1, scr);
   int g = lane >> 2, t = lane & 3;
   for (int c = 0; c < 4; c++) {
     int row = g + ((c >> 1) << 3), col = 2 * t + (c & 1);

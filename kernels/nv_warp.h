@@ -148,14 +148,22 @@ inline float emu_b(__local uint *scr, int k, int n) {
   return bits_to_float((scr[ln * 8 + reg] >> ((k & 1) * 16)) & 0xffffu);
 }
 
-// D (16x8 f32): d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)
-inline void emu_mma(float *d, const uint *a, uint b0, uint b1, __local uint *scr) {
+// Every lane publishes its A fragment (4 registers) and B pair in the warp's scratch area,
+// slots lane * 8 + 0..5, between two barriers; then any lane reads any lane's operands (the mma
+// emulations here and in attn_fwd_mma_tf32.h).  Returns the lane.
+inline int emu_publish(const uint *a, uint b0, uint b1, __local uint *scr) {
   int lane = get_local_id(0) & 31;
   barrier(CLK_LOCAL_MEM_FENCE);
   for (int r = 0; r < 4; r++) scr[lane * 8 + r] = a[r];
   scr[lane * 8 + 4] = b0;
   scr[lane * 8 + 5] = b1;
   barrier(CLK_LOCAL_MEM_FENCE);
+  return lane;
+}
+
+// D (16x8 f32): d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)
+inline void emu_mma(float *d, const uint *a, uint b0, uint b1, __local uint *scr) {
+  int lane = emu_publish(a, b0, b1, scr);
   int g = lane >> 2, t = lane & 3;
   for (int c = 0; c < 4; c++) {
     int row = g + ((c >> 1) << 3), col = 2 * t + (c & 1);
@@ -267,6 +275,17 @@ inline float nonfinite_value(uint b) {
     barrier(CLK_LOCAL_MEM_FENCE);                                                               \
     v_bad = v_flag == t + 1;                                                                    \
   }
+
+// One sequence's row of the kernels' seqs table (SEQ_FIELDS longs, in the order the host
+// writes them: _nvidia_mma._tables): query batch and first row, query rows, key batch and first
+// row, keys, then the mask's base and its diagonal bounds (see row_lo / row_hi).
+#define SEQ_FIELDS 9
+#define LOAD_SEQ(SP)                                                                            \
+  const long qb = SP[0], qrow0 = SP[1];                                                         \
+  const int qlen = (int)SP[2];                                                                  \
+  const long kb = SP[3], krow0 = SP[4];                                                         \
+  const int klen = (int)SP[5];                                                                  \
+  const long base = SP[6], dlo = SP[7], dhi = SP[8];
 
 // Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
 inline int row_lo(long i, long base, long dlo, int klen) {

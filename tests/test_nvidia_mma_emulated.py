@@ -150,7 +150,8 @@ def test_tf32_rounding_emulated():
 
     from attnlib.backends.opencl._runtime import kernel_source
 
-    header = kernel_source("attn_fwd_mma_tf32.h")
+    # the header's context in attn_fwd_mma.cl: nv_warp.h (the emulation's operand exchange) first
+    header = kernel_source("nv_warp.h") + kernel_source("attn_fwd_mma_tf32.h")
     # TF32_SPLIT 0: lo rounded by cvt.rna too (the split that holds 22 bits of x)
     src = "#define USE_PTX 0\n#define TF32_SPLIT 0\n" + header + """
 __kernel void split(__global const float *x, __global uint *hi, __global uint *lo) {
