@@ -217,3 +217,53 @@ def test_bhsd_layout_with_device_arrays(be):
     out = attnlib.attention(dq, dq, dq, layout="bhsd", backend=be)
     ref = attnlib.attention(q, q, q, layout="bhsd", backend="numpy")
     np.testing.assert_allclose(attnlib.to_numpy(out), ref, atol=2e-5)
+
+
+class _RecordingKernel:
+    """Stands in for a cl.Kernel in a KernelSlot: records the (index, cl_mem handle) of each
+    buffer a launch sets, holding no buffer alive."""
+
+    def __init__(self):
+        self.mems: list = []
+        self.packs: list = []
+
+    def _set_arg_multi(self, items):
+        for i in range(0, len(items), 2):
+            b = items[i + 1]
+            self.mems.append((items[i], 0 if b is None else b.int_ptr))
+
+    def _set_arg_buf_pack_multi(self, items):
+        self.packs.append(items)
+
+
+def test_kernel_slot_sets_a_new_buffer_with_a_reused_handle(be):
+    """A released buffer's cl_mem value is handed to the next buffer made (Oclgrind does so every
+    time): the slot must set the new buffer, not skip it as 'unchanged' (CI caught a kernel
+    reading a fresh input through the stale argument). Pooled blocks it set stay retained, so
+    a block handed out again is the same memory and is not set twice."""
+    from attnlib.backends.opencl import _pool
+
+    ctx = be.context
+    knl = _RecordingKernel()
+    slot = _runtime.KernelSlot(knl, [None, np.int32(0)])
+    mf = cl.mem_flags
+    for i in range(6):
+        buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=np.full(5 + i, i, np.int8))
+        before = len(knl.mems)
+        slot.set([buf, np.int32(7)], range(2))
+        assert knl.mems[before:] == [(0, buf.int_ptr)]
+        del buf
+    assert len(knl.packs) == 1  # the unchanged scalar was set once
+    pool = _pool.pool_for(cl.CommandQueue(ctx))  # a fresh pool: its one block comes back
+    block = pool.allocate(256)
+    ptr = block.int_ptr
+    slot.set([block, np.int32(7)], range(2))
+    assert knl.mems[-1] == (0, ptr) and slot.held[0].int_ptr == ptr
+    del block
+    again = pool.allocate(256)
+    n = len(knl.mems)
+    slot.set([again, np.int32(7)], range(2))
+    assert again.int_ptr == ptr  # the pool handed the same block out again
+    assert len(knl.mems) == n  # and the slot knew it was the same memory
+    slot.set([None, np.int32(7)], range(2))
+    assert knl.mems[-1] == (0, 0) and slot.held[0] is None

@@ -180,20 +180,32 @@ class KernelSlot:
     """A kernel object and the arguments last set on it.
 
     ``clSetKernelArg`` is per-object state, so a launch sets only the arguments that differ from
-    the last launch of the same object: buffers compared by their ``cl_mem`` handle (a pooled
-    buffer handed out again is the same memory), scalars by type and value. ``owner`` is the plan
-    that set every argument last; a launch by that plan compares only its ``varying`` slots."""
+    the last launch of the same object: scalars compared by type and value, pooled buffers by
+    their ``cl_mem`` handle (a pooled block handed out again is the same memory), every other
+    buffer set again. A handle is only a name: once its object is released the driver may give
+    the same value to a new buffer, and a kernel argument set from the old one may still address
+    the old memory (Oclgrind resolves the address when the argument is set, and caught a fresh
+    input buffer read through such a stale argument in CI). So the slot retains each pooled
+    handle it set (``held``), which keeps that value from being reused while it is compared
+    against; a non-pooled buffer (an input uploaded for one call) is not retained, so that its
+    memory is freed with it, and is set on every launch. ``owner`` is the plan that set every
+    argument last; a launch by that plan compares only its ``varying`` slots (its other
+    arguments are buffers the plan itself holds)."""
 
-    __slots__ = ("knl", "last", "kinds", "owner", "plain")
+    __slots__ = ("knl", "last", "held", "kinds", "owner", "plain")
 
     def __init__(self, knl: Any, args: Sequence[Any]) -> None:
         import numpy as np
 
+        global _POOLED
+        if _POOLED is None:
+            _POOLED = _pooled_type()
         self.knl = knl
         #: per argument: None for a buffer (or NULL), else the pack character of its scalar type
         self.kinds = [a.dtype.char.encode() if isinstance(a, np.generic) else None
                       for a in args]
         self.last: list = [_UNSET] * len(args)
+        self.held: list = [None] * len(args)
         self.owner: Any = None
         # pyopencl's per-group setters (what its generated set_args calls); without them, or
         # for a scalar type they do not pack, every launch sets every argument
@@ -216,10 +228,18 @@ class KernelSlot:
             a = args[i]
             kind = kinds[i]
             if kind is None:
-                ptr = 0 if a is None else a.int_ptr
-                if ptr != last[i]:
+                if a is None:
+                    if last[i] != 0:
+                        mems += (i, a)
+                        last[i], self.held[i] = 0, None
+                elif type(a) is _POOLED:
+                    ptr = a.int_ptr
+                    if ptr != last[i]:
+                        mems += (i, a)
+                        last[i], self.held[i] = ptr, _retain(ptr)
+                else:
                     mems += (i, a)
-                    last[i] = ptr
+                    last[i], self.held[i] = _UNSET, None
             else:
                 prev = last[i]
                 if prev is _UNSET or type(a) is not type(prev) or a != prev:
@@ -232,6 +252,26 @@ class KernelSlot:
 
 
 _UNSET = object()
+
+
+def _pooled_type() -> Any:
+    try:
+        import pyopencl._cl as _cl
+
+        return _cl.PooledBuffer
+    except (ImportError, AttributeError):  # pragma: no cover - every buffer is then set again
+        return type("NoPooledBuffer", (), {})
+
+
+def _retain(ptr: int) -> Any:
+    """A new reference to the ``cl_mem`` ``ptr`` (``clRetainMemObject``), released with it."""
+    import pyopencl as cl
+
+    return cl.Buffer.from_int_ptr(ptr, retain=True)
+
+
+#: pyopencl's PooledBuffer type, looked up when the first KernelSlot is made
+_POOLED: Any = None
 #: scalar type characters pyopencl's ``_set_arg_buf_pack_multi`` packs (its invoker's list)
 _PACK_CHARS = frozenset(c.encode() for c in "cbBhHiIlLfd")
 
