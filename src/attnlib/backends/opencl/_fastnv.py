@@ -161,23 +161,21 @@ class _MmaCommon:
     """Per fast plan: kernel options, block sizes, grid order, and every argument but q, k, v,
     the outputs and the two tables (the defaults of :func:`run`: config, PTX, grid order)."""
 
-    __slots__ = ("block_m", "block_n", "threads", "heads_inner", "key", "make", "args")
+    __slots__ = ("block_m", "block_n", "threads", "heads_inner", "key", "make", "args", "name")
 
     def __init__(self, fp: Any, call: AttnCall) -> None:
         ctx, device = fp.ctx, fp.be.device
-        d, dtype = call.head_dim, call.dtype
-        config = tuple(mma.default_config(dtype, d))
-        self.block_m, self.block_n, warps = config[0], config[1], config[2]
         use_ptx = mma.compute_capability(device) is not None and not mma.EMULATE_PTX
-        opts, self.heads_inner = mma.kernel_options(call, config, use_ptx)
+        plan = mma.plan_launch(ctx, device, call, use_ptx=use_ptx)
+        self.block_m, self.block_n, self.threads = plan.block_m, plan.block_n, plan.threads
+        self.heads_inner, self.name, opts = plan.heads_inner, plan.name, plan.opts
         alibi_buf, _, geometry, scalars = mma.kernel_inputs(ctx, call)
         _, sq_arr, hq, _ = call.q.shape
         i32 = np.int32
         self.args = [None] * 7 + [alibi_buf, *geometry, i32(sq_arr), i32(hq),
                                   i32(hq // call.k.shape[2]), i32(call.ring), *scalars]
-        self.threads = 32 * warps
         self.key = (ctx.int_ptr, device.int_ptr, opts)
-        self.make = lambda: mma.get_program(ctx, device, opts)
+        self.make = plan.make
 
 
 _MMA_VARYING = (0, 1, 2, 3, 4, 5, 6)
@@ -204,7 +202,7 @@ class _MmaStep:
         args = common.args.copy()
         args[0:7] = [q.base_data, call.k.base_data, call.v.base_data, out.base_data, lse_buf,
                      self.tile_buf, self.seq_buf]
-        evt = mma.launch(mma._kernels, common.key, common.make, "attn_fwd_mma", queue,
+        evt = mma.launch(mma._kernels, common.key, common.make, common.name, queue,
                          self.grid, (common.threads, 1), args, varying=_MMA_VARYING,
                          owner=common)
         if evt is not None:

@@ -87,6 +87,11 @@ DEFAULT_OPTIONS_16 = {
     (64, False): ("-DKV_SPLIT_STAGES=1",),
     (64, True): ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
 }
+#: Hopper (compute capability 9.0): float16/bfloat16 run kernels/attn_fwd_wgmma.cl (warpgroup
+#: MMA through the PTX rewrite of _nvidia_wgmma) when True; (WGS, BLOCK_N) per head dim
+#: (BLOCK_M = 64 WGS query rows, 128 WGS threads)
+WGMMA_ON = True
+WGMMA_CONFIGS = {64: (2, 128), 128: (2, 128)}
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
@@ -337,10 +342,72 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
     return opts, heads_inner
 
 
+def use_wgmma(device: Any, call: AttnCall) -> bool:
+    """True when ``call`` runs the warpgroup-MMA kernel (Hopper, 16-bit, a head dim of
+    :data:`WGMMA_CONFIGS`)."""
+    return (WGMMA_ON and not EMULATE_PTX and compute_capability(device) == (9, 0)
+            and call.dtype != _F32 and call.head_dim in WGMMA_CONFIGS)
+
+
+class Launch:
+    """What a launch of a call's prefill kernel needs besides q, k, v, outputs and tables: the
+    kernel name, build options, program maker, work-group size, block sizes and grid order."""
+
+    __slots__ = ("name", "opts", "make", "threads", "block_m", "block_n", "heads_inner")
+
+    def __init__(self, name: str, opts: tuple, make: Any, threads: int, block_m: int,
+                 block_n: int, heads_inner: bool) -> None:
+        self.name, self.opts, self.make, self.threads = name, opts, make, threads
+        self.block_m, self.block_n, self.heads_inner = block_m, block_n, heads_inner
+
+    def grid(self, n_tiles: int, hq: int) -> tuple[int, int]:
+        t = self.threads
+        return (n_tiles * hq * t, 1) if self.heads_inner else (n_tiles * t, hq)
+
+
+def wgmma_options(call: AttnCall, wgs: int, block_n: int,
+                  heads_inner: bool) -> tuple[str, ...]:
+    return (f"-DHEAD_DIM={call.head_dim}", f"-DWGS={wgs}", f"-DBLOCK_N={block_n}",
+            f"-DIS_BF16={int(call.dtype == _BF16)}", f"-DSOFTCAP={int(call.softcap is not None)}",
+            f"-DALIBI={int(call.alibi is not None)}", f"-DSCALE_POS={int(call.scale > 0)}",
+            f"-DHEADS_INNER={int(heads_inner)}")
+
+
+def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None = None,
+                use_ptx: bool | None = None, extra_options: tuple[str, ...] | None = None,
+                heads_inner: bool | None = None, kernel: str | None = None,
+                wgmma_config: tuple | None = None) -> Launch:
+    """The kernel ``call`` runs with (see :func:`run` for the arguments): the warpgroup-MMA
+    kernel when :func:`use_wgmma` says so and no mma.sync ``config`` / ``extra_options`` were
+    given (or ``kernel="wgmma"``), else attn_fwd_mma.cl."""
+    if kernel is None:
+        kernel = ("wgmma" if config is None and extra_options is None and use_wgmma(device, call)
+                  else "mma")
+    if kernel == "wgmma":
+        from . import _nvidia_wgmma
+
+        wgs, block_n = wgmma_config or WGMMA_CONFIGS[call.head_dim]
+        causal = call.causal_hi is not None
+        hi = causal if heads_inner is None else heads_inner
+        opts = wgmma_options(call, wgs, block_n, hi) + tuple(extra_options or ())
+        return Launch("attn_fwd_wgmma", opts,
+                      lambda: _nvidia_wgmma.get_program(ctx, device, opts, block_n,
+                                                        call.head_dim),
+                      128 * wgs, 64 * wgs, block_n, hi)
+    d = call.head_dim
+    config = tuple(config or default_config(call.dtype, d))
+    if use_ptx is None:
+        use_ptx = compute_capability(device) is not None
+    opts, hi = kernel_options(call, config, use_ptx, extra_options, heads_inner)
+    return Launch("attn_fwd_mma", opts, lambda: get_program(ctx, device, opts), 32 * config[2],
+                  config[0], config[1], hi)
+
+
 def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | None = None,
         use_ptx: bool | None = None, extra_options: tuple[str, ...] | None = None,
         heads_inner: bool | None = None, wait_for: Any = None,
-        events: list | None = None) -> tuple[Any, Any]:
+        events: list | None = None, kernel: str | None = None,
+        wgmma_config: tuple | None = None) -> tuple[Any, Any]:
     """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
 
     ``config`` = (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) overrides :data:`DEFAULT_CONFIGS`
@@ -349,34 +416,29 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     ``heads_inner`` (default :data:`HEADS_INNER`) picks the grid order (see there);
     ``extra_options`` (-D options of the kernel) replace :data:`DEFAULT_OPTIONS_16` when given
     (``()``: the plain build; benchmarks compare variants that way);
-    ``events``, when given, receives the kernel's event (for timing).
+    ``events``, when given, receives the kernel's event (for timing);
+    ``kernel`` ("mma" or "wgmma") and ``wgmma_config`` = (WGS, BLOCK_N) override the choice of
+    :func:`plan_launch`.
     """
-
-    d = call.head_dim
-    config = tuple(config or default_config(call.dtype, d))
-    block_m, block_n, warps = config[0], config[1], config[2]
-    if use_ptx is None:
-        use_ptx = compute_capability(device) is not None
+    plan = plan_launch(ctx, device, call, config=config, use_ptx=use_ptx,
+                       extra_options=extra_options, heads_inner=heads_inner, kernel=kernel,
+                       wgmma_config=wgmma_config)
     dtype = call.dtype
-    opts, heads_inner = kernel_options(call, config, use_ptx, extra_options, heads_inner)
     bq, sq_arr, hq, _ = call.q.shape
     hkv = call.k.shape[2]
     is_dev = is_cl_array(call.q)
     out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
 
-    seq_buf, tile_buf, n_tiles = _tables_on_device(ctx, call, block_m, block_n)
+    seq_buf, tile_buf, n_tiles = _tables_on_device(ctx, call, plan.block_m, plan.block_n)
     out = _pool.empty(queue, out_shape, dtype)
     lse = _pool.empty(queue, lse_shape, np.float32)
     if n_tiles and hq:
         alibi_buf, bufs, geometry, scalars = kernel_inputs(ctx, call)
         i32 = np.int32
-        threads = 32 * warps
-        grid = (n_tiles * hq * threads, 1) if heads_inner else (n_tiles * threads, hq)
         args = [*bufs, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf, *geometry,
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), *scalars]
-        evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
-                     lambda: get_program(ctx, device, opts), "attn_fwd_mma", queue,
-                     grid, (threads, 1), args, wait_for=wait_for)
+        evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, plan.opts), plan.make, plan.name,
+                     queue, plan.grid(n_tiles, hq), (plan.threads, 1), args, wait_for=wait_for)
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:
