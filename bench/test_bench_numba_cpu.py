@@ -9,6 +9,11 @@ and the first call's time (numba: loading or compiling the kernels). Prefill: (B
 over a KV cache of 4k to 32k tokens, 32 query heads over 8 kv heads, D = 128 (memory-bound:
 compare GB/s of cache read). bench/numba_vs_torch.py prints the same comparison as a table
 (alternating the two runners call by call) for bench/RESULTS.md.
+
+PyTorch is imported when this module is collected, before any numba call: the backend's first
+MKL call makes the ``mkl`` wheel's sequential libraries global symbols, and a torch imported
+after that sizes its OpenMP pool from their ``mkl_get_max_threads()`` (1), so it would run on one
+thread (its SDPA 1.5-1.8x slower here). ``extra_info["threads"]`` records each side's threads.
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ import pytest
 
 from attnlib._bench.runners import AttnlibRunner, TorchRunner
 from attnlib._bench.shapes import Case
+
+try:  # before the numba backend loads MKL (see the module docstring)
+    import torch
+except ImportError:
+    torch = None
 
 PREFILL = [
     Case(task="prefill", dtype="float32", B=b, H=h, Hkv=h, S=s, D=d, causal=c)
@@ -30,11 +40,10 @@ DECODE = [
 _RUNNERS: dict[str, object] = {}
 
 
-@pytest.fixture(params=["numba", "torch"])
-def numba_or_torch(request: pytest.FixtureRequest):
-    name = request.param
+def _runner(name: str):
     if name == "torch":
-        pytest.importorskip("torch", reason="the torch side of the comparison needs PyTorch")
+        if torch is None:
+            pytest.skip("the torch side of the comparison needs PyTorch")
     else:
         pytest.importorskip("numba")
     if name not in _RUNNERS:
@@ -45,11 +54,27 @@ def numba_or_torch(request: pytest.FixtureRequest):
     return runner
 
 
+def _threads(name: str) -> int:
+    if name == "torch":
+        return torch.get_num_threads()
+    import numba
+
+    return numba.get_num_threads()
+
+
+# the side varies fastest, so each shape's two runs are neighbours in time (this VM's speed
+# drifts over minutes)
+@pytest.mark.parametrize("side", ["numba", "torch"])
 @pytest.mark.parametrize("case", PREFILL, ids=Case.ident)
-def test_numba_cpu_prefill(run_case, numba_or_torch, case):
-    run_case(numba_or_torch, case)
+def test_numba_cpu_prefill(run_case, case, side, benchmark):
+    runner = _runner(side)
+    benchmark.extra_info["threads"] = _threads(side)
+    run_case(runner, case)
 
 
+@pytest.mark.parametrize("side", ["numba", "torch"])
 @pytest.mark.parametrize("case", DECODE, ids=Case.ident)
-def test_numba_cpu_decode(run_case, numba_or_torch, case):
-    run_case(numba_or_torch, case)
+def test_numba_cpu_decode(run_case, case, side, benchmark):
+    runner = _runner(side)
+    benchmark.extra_info["threads"] = _threads(side)
+    run_case(runner, case)
