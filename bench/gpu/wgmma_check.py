@@ -65,6 +65,7 @@ def check(be, args_json, dtypes, swaps: bool) -> bool:
             want = attnlib.attention(q, k, v, backend="numpy", **kw).astype(np.float64)
             rec = {"part": "check", "dtype": dname, "case": [b, sq, sk, hq, hkv, d],
                    "kw": {k_: str(v_) for k_, v_ in kw.items()}}
+            was = nv.WGMMA_ON
             try:
                 nv.WGMMA_ON = False
                 mma = attnlib.to_numpy(attnlib.attention(q, k, v, backend=be, **kw))
@@ -79,7 +80,7 @@ def check(be, args_json, dtypes, swaps: bool) -> bool:
             except Exception as exc:  # noqa: BLE001
                 rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:600]}")
             finally:
-                nv.WGMMA_ON = True
+                nv.WGMMA_ON = was
             emit(rec, args_json)
             all_ok &= rec["ok"]
             if not rec["ok"] and swaps and i == 0:

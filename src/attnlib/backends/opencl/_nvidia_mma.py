@@ -30,6 +30,7 @@ the handling itself was checked through the emulated kernel only (bench/RESULTS.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -89,9 +90,15 @@ DEFAULT_OPTIONS_16 = {
 }
 #: Hopper (compute capability 9.0): float16/bfloat16 run kernels/attn_fwd_wgmma.cl (warpgroup
 #: MMA through the PTX rewrite of _nvidia_wgmma) when True; (WGS, BLOCK_N) per head dim
-#: (BLOCK_M = 64 WGS query rows, 128 WGS threads)
-WGMMA_ON = True
-WGMMA_CONFIGS = {64: (2, 128), 128: (2, 128)}
+#: (BLOCK_M = 64 WGS query rows, 128 WGS threads). Off: on the H200 (fifth session, run 1,
+#: bench/RESULTS.md) it was correct (conformance 296/296 with it on, 12/12 checks against
+#: float64) but slower than this module's mma.sync kernel: fp16 D=128 243-278 TFLOP/s against
+#: 319-347 (flash 315-350, cuDNN 566-671); its schedule is serial within a warpgroup (S, wait,
+#: softmax, P V, wait) and both warpgroups meet at one barrier per tile, so their softmax phases
+#: coincide and the tensor cores idle through them. Opt in with WGMMA_ON = True (or the
+#: environment variable ATTNLIB_NV_WGMMA=1 before import, e.g. for the conformance suite).
+WGMMA_ON = os.environ.get("ATTNLIB_NV_WGMMA") == "1"
+WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
