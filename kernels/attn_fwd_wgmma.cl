@@ -25,7 +25,9 @@
 // Compile-time sizes (-D): HEAD_DIM (64 or 128), WGS (1..3), BLOCK_N (multiple of 16, at most
 // 256), IS_BF16, SOFTCAP, ALIBI, SCALE_POS; debugging: V_SWAP / QK_SWAP exchange LBO and SBO.
 
+#ifndef USE_PTX
 #define USE_PTX 1
+#endif
 #define BLOCK_M (64 * WGS)
 #define THREADS (128 * WGS)
 #define ELEM ushort
@@ -49,6 +51,11 @@
 #ifndef HEADS_INNER
 #define HEADS_INNER 0
 #endif
+// WG_OVERLAP=1: the overlapped schedule (S of tile t issued with P V of tile t-1, softmax of
+// S(t) under P V(t-1)); 0: the serial schedule measured first (bench/RESULTS.md, fifth session)
+#ifndef WG_OVERLAP
+#define WG_OVERLAP 0
+#endif
 #ifndef V_SWAP
 #define V_SWAP 0
 #endif
@@ -58,13 +65,76 @@
 #define LOG2E 1.4426950408889634f
 #include "nv_warp.h"
 
+#if USE_PTX
 // make the generic-proxy writes to shared memory (cp.async, stores) visible to wgmma's reads
 #define FENCE_ASYNC_SHARED() asm volatile("fence.proxy.async.shared::cta;" ::: "memory")
+#define SBASE(P) ((uint)(size_t)(P))  // shared-window byte address of local array P
+#define WAIT_S() WG_WAIT_S(sacc)
+#define WAIT1_S() WG_WAIT1_S(sacc)
+#define WAIT_O() WG_WAIT_O(o)
+#else
+// USE_PTX=0 (any OpenCL device; layout checks on PoCL, never for speed): each wgmma is done by
+// the warps' emulated m16n8k16 products (nv_warp.h), their operands read from local memory
+// through the descriptors exactly as the hardware reads them (start address, LBO, SBO; the same
+// descriptor values as the PTX build, addresses relative to the array). The waits are no-ops
+// (the emulated product is done when it returns).
+#define FENCE_ASYNC_SHARED()
+#define SBASE(P) 0u
+#define WAIT_S()
+#define WAIT1_S()
+#define WAIT_O()
+#endif
 
 // 64-bit wgmma matrix descriptor: start address, LBO, SBO (bytes, each >> 4), no swizzle
 inline ulong wg_desc(uint addr, uint lbo, uint sbo) {
   return (ulong)((addr & 0x3FFFFu) >> 4) | ((ulong)(lbo >> 4) << 16) | ((ulong)(sbo >> 4) << 32);
 }
+#if !USE_PTX
+// byte offset of element (r, k) of a K-major operand (r along M/N) and of element (k, n) of an
+// N-major one, from a descriptor (no swizzle): core matrices of 8 rows x 16 bytes
+inline int desc_kmaj(ulong d, int r, int k) {
+  return (int)((d & 0x3FFFu) << 4) + (r >> 3) * (int)(((d >> 32) & 0x3FFFu) << 4) +
+         (k >> 3) * (int)(((d >> 16) & 0x3FFFu) << 4) + (r & 7) * 16 + (k & 7) * 2;
+}
+inline int desc_nmaj(ulong d, int k, int n) {
+  return (int)((d & 0x3FFFu) << 4) + (n >> 3) * (int)(((d >> 32) & 0x3FFFu) << 4) +
+         (k >> 3) * (int)(((d >> 16) & 0x3FFFu) << 4) + (k & 7) * 16 + (n & 7) * 2;
+}
+#define H16(P, BYTES) ((uint)(P)[(BYTES) >> 1])
+#define PAIR(P, B0, B1) (H16(P, B0) | (H16(P, B1) << 16))
+// D (m64 n8*NT, this warp's 16 rows) = [D +] A B^T over one k-slice of 16, A and B K-major
+inline void emu_wg_ss(float (*d)[4], int nt_count, __local const ushort *a_arr, ulong da,
+                      __local const ushort *b_arr, ulong db, int acc, __local uint *scr) {
+  const int lane = get_local_id(0) & 31, w = (get_local_id(0) >> 5) & 3;
+  const int g = lane >> 2, tg = lane & 3, r0 = 16 * w;
+  uint a[4];
+  a[0] = PAIR(a_arr, desc_kmaj(da, r0 + g, 2 * tg), desc_kmaj(da, r0 + g, 2 * tg + 1));
+  a[1] = PAIR(a_arr, desc_kmaj(da, r0 + g + 8, 2 * tg), desc_kmaj(da, r0 + g + 8, 2 * tg + 1));
+  a[2] = PAIR(a_arr, desc_kmaj(da, r0 + g, 2 * tg + 8), desc_kmaj(da, r0 + g, 2 * tg + 9));
+  a[3] = PAIR(a_arr, desc_kmaj(da, r0 + g + 8, 2 * tg + 8),
+              desc_kmaj(da, r0 + g + 8, 2 * tg + 9));
+  for (int nt = 0; nt < nt_count; nt++) {
+    const int n = nt * 8 + g;
+    const uint b0 = PAIR(b_arr, desc_kmaj(db, n, 2 * tg), desc_kmaj(db, n, 2 * tg + 1));
+    const uint b1 = PAIR(b_arr, desc_kmaj(db, n, 2 * tg + 8), desc_kmaj(db, n, 2 * tg + 9));
+    if (!acc) {
+      for (int c = 0; c < 4; c++) d[nt][c] = 0.f;
+    }
+    emu_mma(d[nt], a, b0, b1, scr);
+  }
+}
+// D += A B over one k-slice of 16, A = this warp's registers (m16n8k16 A layout), B N-major
+inline void emu_wg_rs(float (*d)[4], int nt_count, const uint *a, __local const ushort *b_arr,
+                      ulong db, __local uint *scr) {
+  const int lane = get_local_id(0) & 31, g = lane >> 2, tg = lane & 3;
+  for (int nt = 0; nt < nt_count; nt++) {
+    const int n = nt * 8 + g;
+    const uint b0 = PAIR(b_arr, desc_nmaj(db, 2 * tg, n), desc_nmaj(db, 2 * tg + 1, n));
+    const uint b1 = PAIR(b_arr, desc_nmaj(db, 2 * tg + 8, n), desc_nmaj(db, 2 * tg + 9, n));
+    emu_mma(d[nt], a, b0, b1, scr);
+  }
+}
+#endif
 #if QK_SWAP
 #define DESC_KMAJ(A) wg_desc((A), 16 * HEAD_DIM, 128)
 #else
@@ -111,6 +181,10 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
   __local ELEM sK[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(128)));
   __local ELEM sV[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(128)));
   __local int v_flag;  // = t + 1 when tile t's V held inf/NaN under hidden keys
+#if !USE_PTX
+  __local uint scr_all[(THREADS / 32) * 256];
+  __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
+#endif
   const int tid = get_local_id(0), lane = tid & 31;
   const int wgi = tid >> 7, warp = (tid >> 5) & 3;
   const int g = lane >> 2, tg = lane & 3;
@@ -188,9 +262,35 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
   }
   if (t_first <= t_last) { LOAD_KV(t_first, 0) }
   CP_COMMIT();
+  // one tensor of a tile (the overlapped schedule loads K and V in separate groups)
+#define LOAD_X1(TILE, SX, XP0, XH, X_SR)                                                       \
+  {                                                                                            \
+    const int n0_ = (TILE) * BLOCK_N;                                                          \
+    __local ELEM *xd_ = (SX) + 8 * tid;                                                        \
+    if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
+        (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
+      __global const ELEM *xt = (XP0) + n0_ * (X_SR);                                          \
+      UNROLL for (int i = 0; i < KV_PER; i++) {                                                \
+        CP_ASYNC16(xd_ + i * 8 * THREADS, xt + i * ROW_STEP * (X_SR));                         \
+      }                                                                                        \
+    } else {                                                                                   \
+      UNROLL for (int i = 0; i < KV_PER; i++) {                                                \
+        const int j = n0_ + r0_ + i * ROW_STEP;                                                \
+        if (j >= lo_blk && j <= hi_blk) {                                                      \
+          long row = krow0 + j;                                                                \
+          if (ring > 0 && row >= ring) row -= ring;                                            \
+          CP_ASYNC16(xd_ + i * 8 * THREADS, (XH) + row * (X_SR) + ch0_ * 8);                   \
+        } else {                                                                               \
+          ZERO16(xd_ + i * 8 * THREADS);                                                       \
+        }                                                                                      \
+      }                                                                                        \
+    }                                                                                          \
+  }
+#define LOAD_K1(TILE, BUF) LOAD_X1(TILE, sK + (BUF) * BLOCK_N * HEAD_DIM, kp0, kh, k_sr)
+#define LOAD_V1(TILE, BUF) LOAD_X1(TILE, sV + (BUF) * BLOCK_N * HEAD_DIM, vp0, vh, v_sr)
 
-  const uint q_addr = (uint)(size_t)sQ + wgi * TILE_BYTES(64);
-  const uint k_addr = (uint)(size_t)sK, v_addr = (uint)(size_t)sV;
+  const uint q_addr = SBASE(sQ) + wgi * TILE_BYTES(64);
+  const uint k_addr = SBASE(sK), v_addr = SBASE(sV);
   const ulong dq0 = DESC_KMAJ(q_addr);
 
   float o[NT_O][4];
@@ -204,6 +304,153 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
     UNROLL for (int c = 0; c < 4; c++) sacc[nt][c] = 0.f;
   }
 
+  // ---- one key tile's steps, shared by the two schedules below
+  // hidden keys' inf/NaN v zeroed for the tensor cores, in a tile that hides keys from some
+  // rows (NEED); VBAD = 1 when the work-group found any (work-group uniform; one barrier)
+#define SCAN_V(VB, TILE, NEED, VBAD)                                                           \
+  VBAD = 0;                                                                                    \
+  if (NEED) {                                                                                  \
+    int mine = 0;                                                                              \
+    for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                    \
+      __local ushort *pv = (VB) + 8 * c;                                                       \
+      const uint4 w = *(__local const uint4 *)pv;                                              \
+      if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {          \
+        for (int e = 0; e < 8; e++) {                                                          \
+          if (NONFINITE16((uint)pv[e])) pv[e] = 0;                                             \
+        }                                                                                      \
+        mine = 1;                                                                              \
+      }                                                                                        \
+    }                                                                                          \
+    if (mine) v_flag = (TILE) + 1;                                                             \
+    FENCE_ASYNC_SHARED();                                                                      \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+    VBAD = v_flag == (TILE) + 1;                                                               \
+  }
+  // S = Q K^T issued: KSTEPS_QK k-slices of 16 (two core matrices, 256 bytes, along K)
+#if USE_PTX
+#define WG_SS_STEP(KK, DK) WG_SS_S(sacc, dq0 + (ulong)((KK) * 16), (DK) + (ulong)((KK) * 16), KK)
+#define WG_RS_STEP(T2, DV) WG_RS_O(o, pa[T2], (DV) + (ulong)((T2) * HEAD_DIM * 2), 1)
+#else
+#define WG_FENCE_S(ACC)
+#define WG_FENCE_O(ACC)
+#define WG_COMMIT()
+#define WG_SS_STEP(KK, DK)                                                                     \
+  emu_wg_ss(sacc, NT_S, sQ, dq0 + (ulong)((KK) * 16), sK, (DK) + (ulong)((KK) * 16), KK, scr)
+#define WG_RS_STEP(T2, DV)                                                                     \
+  emu_wg_rs(o, NT_O, pa[T2], sV, (DV) + (ulong)((T2) * HEAD_DIM * 2), scr)
+#endif
+#define ISSUE_S(KBUF)                                                                          \
+  {                                                                                            \
+    const ulong dk0 = DESC_KMAJ(k_addr + (KBUF) * TILE_BYTES(BLOCK_N));                        \
+    WG_FENCE_S(sacc);                                                                          \
+    UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) { WG_SS_STEP(kk, dk0); }                     \
+    WG_COMMIT();                                                                               \
+  }
+  // O += P V issued: k-slice t2 = keys 16 t2 .. 16 t2 + 15 = two core matrices along K
+#define ISSUE_PV(VBUF)                                                                         \
+  {                                                                                            \
+    const ulong dv0 = DESC_NMAJ(v_addr + (VBUF) * TILE_BYTES(BLOCK_N));                        \
+    WG_FENCE_O(o);                                                                             \
+    UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) { WG_RS_STEP(t2, dv0); }                     \
+    WG_COMMIT();                                                                               \
+  }
+  // scores of key tile N0 in the exp2 domain: softcap, alibi, then the mask
+#if FOLD
+#define SCORES(N0, NEED)                                                                       \
+  if (NEED) {                                                                                  \
+    UNROLL for (int nt = 0; nt < NT_S; nt++) {                                                 \
+      UNROLL for (int c = 0; c < 4; c++) {                                                     \
+        const int j = (N0) + nt * 8 + 2 * tg + (c & 1);                                        \
+        if (j < rlo[c >> 1] || j > rhi[c >> 1]) sacc[nt][c] = -INFINITY;                      \
+      }                                                                                        \
+    }                                                                                          \
+  }
+#else
+#if SOFTCAP
+#define SCORE_X(X) (cap * tanh((X) * qk_scale))
+#else
+#define SCORE_X(X) ((X) * qk_scale)
+#endif
+#if ALIBI
+#define ALIBI_X(X, C, J) ((X) - slope * fabs((float)(m0 + wrow0 + g + 8 * ((C) >> 1) + base - (J))))
+#else
+#define ALIBI_X(X, C, J) (X)
+#endif
+#define SCORES(N0, NEED)                                                                       \
+  UNROLL for (int nt = 0; nt < NT_S; nt++) {                                                   \
+    UNROLL for (int c = 0; c < 4; c++) {                                                       \
+      const int j = (N0) + nt * 8 + 2 * tg + (c & 1);                                          \
+      float x = ALIBI_X(SCORE_X(sacc[nt][c]), c, j);                                           \
+      if ((NEED) && (j < rlo[c >> 1] || j > rhi[c >> 1])) x = -INFINITY;                       \
+      sacc[nt][c] = x;                                                                         \
+    }                                                                                          \
+  }
+#endif
+  // online softmax of the scores in sacc (lazy rescaling, exact; see attn_fwd_mma.cl): the new
+  // running max, l rescaled and summed, P = 2^(S - m) in sacc; O's rescale by alpha is left to
+  // RESCALE_O (resc = 1 when some row of the warp moved its max)
+#if FOLD
+#define P_OF(X, M) ex2(fma((X), qk_scale, -(M)))
+#else
+#define P_OF(X, M) ex2((X) - (M))
+#endif
+#define SOFTMAX_P()                                                                            \
+  {                                                                                            \
+    float m_new[2];                                                                            \
+    int grow = 0;                                                                              \
+    UNROLL for (int hf = 0; hf < 2; hf++) {                                                    \
+      float mx = -INFINITY;                                                                    \
+      UNROLL for (int nt = 0; nt < NT_S; nt++) {                                               \
+        mx = fmax(mx, fmax(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]));                           \
+      }                                                                                        \
+      mx = fmax(mx, SHFL_XOR(mx, 1));                                                          \
+      mx = fmax(mx, SHFL_XOR(mx, 2));                                                          \
+      m_new[hf] = fmax(m_i[hf], FOLD ? mx * qk_scale : mx);                                    \
+      grow |= m_new[hf] - m_i[hf] > RESCALE_THRESH;                                            \
+    }                                                                                          \
+    resc = WARP_ANY(grow);                                                                     \
+    UNROLL for (int hf = 0; hf < 2; hf++) {                                                    \
+      alpha[hf] = 1.f;                                                                         \
+      if (resc) {                                                                              \
+        const float m_use = m_new[hf] == -INFINITY ? 0.f : m_new[hf];                          \
+        alpha[hf] = ex2(m_i[hf] - m_use);                                                      \
+        m_i[hf] = m_new[hf];                                                                   \
+        l_i[hf] *= alpha[hf];                                                                  \
+      }                                                                                        \
+      const float m_use = m_i[hf] == -INFINITY ? 0.f : m_i[hf];                                \
+      float rs = 0.f;                                                                          \
+      UNROLL for (int nt = 0; nt < NT_S; nt++) {                                               \
+        UNROLL for (int c = 0; c < 2; c++) {                                                   \
+          const float p = P_OF(sacc[nt][2 * hf + c], m_use);                                   \
+          sacc[nt][2 * hf + c] = p;                                                            \
+          rs += p;                                                                             \
+        }                                                                                      \
+      }                                                                                        \
+      l_i[hf] += rs;                                                                           \
+    }                                                                                          \
+  }
+#define RESCALE_O()                                                                            \
+  if (resc) {                                                                                  \
+    UNROLL for (int nd = 0; nd < NT_O; nd++) {                                                 \
+      UNROLL for (int c = 0; c < 4; c++) o[nd][c] *= alpha[c >> 1];                            \
+    }                                                                                          \
+  }
+  // the S accumulators of n-tiles 2 t2, 2 t2 + 1 are the A fragment of k-slice t2
+#define PACK_P()                                                                               \
+  UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) {                                              \
+    pa[t2][0] = pack2(sacc[2 * t2][0], sacc[2 * t2][1]);                                       \
+    pa[t2][1] = pack2(sacc[2 * t2][2], sacc[2 * t2][3]);                                       \
+    pa[t2][2] = pack2(sacc[2 * t2 + 1][0], sacc[2 * t2 + 1][1]);                               \
+    pa[t2][3] = pack2(sacc[2 * t2 + 1][2], sacc[2 * t2 + 1][3]);                               \
+  }
+#define NEED_MASK(N0) (!((N0) >= lo_all && (N0) + BLOCK_N - 1 <= hi_all))
+  uint pa[KSTEPS_PV][4];
+  float alpha[2];
+  int resc = 0;
+
+#if !WG_OVERLAP
+  // ---- serial schedule: per tile S, wait, softmax, P V, wait; one K/V buffer pair per tile,
+  // the next tile's pair loaded under this tile's math
   for (int t = t_first; t <= t_last; t++) {
     const int buf = (t - t_first) & 1;
     // -- tile t (and Q) landed; after the barrier no thread still reads tile t-1's buffer, so
@@ -216,134 +463,79 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
       CP_COMMIT();
     }
     const int n0 = t * BLOCK_N;
-    const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
-
-    // -- hidden keys' inf/NaN v zeroed for the tensor cores (tiles that hide keys only)
-    int v_bad = 0;
-    if (need_mask) {
-      int mine = 0;
-      __local ELEM *vb = sV + buf * BLOCK_N * HEAD_DIM;
-      for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
-        __local ushort *pv = vb + 8 * c;
-        const uint4 w = *(__local const uint4 *)pv;
-        if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {
-          for (int e = 0; e < 8; e++) {
-            if (NONFINITE16((uint)pv[e])) pv[e] = 0;
-          }
-          mine = 1;
-        }
-      }
-      if (mine) v_flag = t + 1;
-      FENCE_ASYNC_SHARED();
-      barrier(CLK_LOCAL_MEM_FENCE);
-      v_bad = v_flag == t + 1;
-    }
-
-    // -- S = Q K^T: KSTEPS_QK k-slices of 16 (two core matrices, 256 bytes, along K)
-    const ulong dk0 = DESC_KMAJ(k_addr + buf * TILE_BYTES(BLOCK_N));
-    WG_FENCE_S(sacc);
-    UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
-      WG_SS_S(sacc, dq0 + (ulong)(kk * 16), dk0 + (ulong)(kk * 16), kk);
-    }
-    WG_COMMIT();
-    WG_WAIT_S(sacc);
-
-    // -- scores in the exp2 domain: softcap, alibi, then the mask
-#if FOLD
-    if (need_mask) {
-      UNROLL for (int nt = 0; nt < NT_S; nt++) {
-        UNROLL for (int c = 0; c < 4; c++) {
-          const int j = n0 + nt * 8 + 2 * tg + (c & 1);
-          if (j < rlo[c >> 1] || j > rhi[c >> 1]) sacc[nt][c] = -INFINITY;
-        }
-      }
-    }
-#else
-    UNROLL for (int nt = 0; nt < NT_S; nt++) {
-      UNROLL for (int c = 0; c < 4; c++) {
-        float x = sacc[nt][c];
-#if SOFTCAP
-        x = cap * tanh(x * qk_scale);
-#else
-        x *= qk_scale;
-#endif
-        const int j = n0 + nt * 8 + 2 * tg + (c & 1);
-#if ALIBI
-        {
-          long i = m0 + wrow0 + g + 8 * (c >> 1);
-          x -= slope * fabs((float)(i + base - j));
-        }
-#endif
-        if (need_mask && (j < rlo[c >> 1] || j > rhi[c >> 1])) x = -INFINITY;
-        sacc[nt][c] = x;
-      }
-    }
-#endif
-
-    // -- online softmax (lazy rescaling, exact; see attn_fwd_mma.cl)
-    float m_new[2];
-    int grow = 0;
-    UNROLL for (int hf = 0; hf < 2; hf++) {
-      float mx = -INFINITY;
-      UNROLL for (int nt = 0; nt < NT_S; nt++) {
-        mx = fmax(mx, fmax(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]));
-      }
-      mx = fmax(mx, SHFL_XOR(mx, 1));
-      mx = fmax(mx, SHFL_XOR(mx, 2));
-#if FOLD
-      mx *= qk_scale;
-#endif
-      m_new[hf] = fmax(m_i[hf], mx);
-      grow |= m_new[hf] - m_i[hf] > RESCALE_THRESH;
-    }
-    if (WARP_ANY(grow)) {
-      UNROLL for (int hf = 0; hf < 2; hf++) {
-        const float m_use = m_new[hf] == -INFINITY ? 0.f : m_new[hf];
-        const float alpha = ex2(m_i[hf] - m_use);
-        m_i[hf] = m_new[hf];
-        l_i[hf] *= alpha;
-        UNROLL for (int nd = 0; nd < NT_O; nd++) {
-          o[nd][2 * hf] *= alpha;
-          o[nd][2 * hf + 1] *= alpha;
-        }
-      }
-    }
-    uint pa[KSTEPS_PV][4];
-    UNROLL for (int hf = 0; hf < 2; hf++) {
-      const float m_use = m_i[hf] == -INFINITY ? 0.f : m_i[hf];
-      float rs = 0.f;
-      UNROLL for (int nt = 0; nt < NT_S; nt++) {
-        UNROLL for (int c = 0; c < 2; c++) {
-#if FOLD
-          float p = ex2(fma(sacc[nt][2 * hf + c], qk_scale, -m_use));
-#else
-          float p = ex2(sacc[nt][2 * hf + c] - m_use);
-#endif
-          sacc[nt][2 * hf + c] = p;
-          rs += p;
-        }
-      }
-      l_i[hf] += rs;
-    }
-    // the S accumulators of n-tiles 2 t2, 2 t2 + 1 are the A fragment of k-slice t2
-    UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) {
-      pa[t2][0] = pack2(sacc[2 * t2][0], sacc[2 * t2][1]);
-      pa[t2][1] = pack2(sacc[2 * t2][2], sacc[2 * t2][3]);
-      pa[t2][2] = pack2(sacc[2 * t2 + 1][0], sacc[2 * t2 + 1][1]);
-      pa[t2][3] = pack2(sacc[2 * t2 + 1][2], sacc[2 * t2 + 1][3]);
-    }
-
-    // -- O += P V: k-slice t2 = keys 16 t2 .. 16 t2 + 15 = two core matrices along K
-    const ulong dv0 = DESC_NMAJ(v_addr + buf * TILE_BYTES(BLOCK_N));
-    WG_FENCE_O(o);
-    UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) {
-      WG_RS_O(o, pa[t2], dv0 + (ulong)(t2 * HEAD_DIM * 2), 1);
-    }
-    WG_COMMIT();
-    WG_WAIT_O(o);
-
+    const bool need_mask = NEED_MASK(n0);
+    int v_bad;
+    SCAN_V(sV + buf * BLOCK_N * HEAD_DIM, t, need_mask, v_bad)
+    ISSUE_S(buf)
+    WAIT_S();
+    SCORES(n0, need_mask)
+    SOFTMAX_P()
+    RESCALE_O()
+    PACK_P()
+    ISSUE_PV(buf)
+    WAIT_O();
     ADD_BACK_HIDDEN_V()
   }
+#else
+  // ---- overlapped schedule (FA3's intra-warpgroup pipelining): tile t's S = Q K(t)^T and
+  // tile t-1's O += P V(t-1) are issued together, and the softmax of S(t) runs while the tensor
+  // cores do P V(t-1).  K and V have two buffers each, loaded in separate cp.async groups:
+  // K(t+1) right after the top barrier of tile t (K(t-1)'s buffer is free: every warpgroup
+  // waited for S(t-1)), V(t+1) after the middle barrier (V(t-1)'s buffer is free once every
+  // warpgroup waited for P V(t-1)).  Groups in flight at the top of tile t: at most V(t), so
+  // CP_WAIT(1) there means K(t) and V(t-1) have landed.
+  if (t_first <= t_last) {
+    if (t_first < t_last) { LOAD_K1(t_first + 1, 1) }
+    CP_COMMIT();
+    if (t_first < t_last) { LOAD_V1(t_first + 1, 1) }
+    CP_COMMIT();
+    // groups: Q+K(f)+V(f) (the prologue's one), K(f+1), V(f+1): K(f) and Q have landed when at
+    // most two are in flight
+    CP_WAIT(2);
+    FENCE_ASYNC_SHARED();
+    barrier(CLK_LOCAL_MEM_FENCE);
+    ISSUE_S(0)
+    WAIT_S();
+    SCORES(t_first * BLOCK_N, NEED_MASK(t_first * BLOCK_N))
+    SOFTMAX_P()
+    PACK_P()
+  }
+  for (int t = t_first + 1; t <= t_last + 1; t++) {
+    const int cur = (t - t_first) & 1, prev = cur ^ 1;
+    const int np = (t - 1) * BLOCK_N;  // tile t-1: its P is in pa, its V in buffer prev
+    const bool mask_p = NEED_MASK(np);
+    CP_WAIT(1);
+    FENCE_ASYNC_SHARED();
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (t + 1 <= t_last) { LOAD_K1(t + 1, prev) }
+    CP_COMMIT();
+    int v_bad;
+    SCAN_V(sV + prev * BLOCK_N * HEAD_DIM, t - 1, mask_p, v_bad)
+    if (t <= t_last) {
+      const int n0 = t * BLOCK_N;
+      const bool need_mask = NEED_MASK(n0);
+      ISSUE_S(cur)
+      ISSUE_PV(prev)
+      WAIT1_S();  // S(t) done, P V(t-1) may still run
+      SCORES(n0, need_mask)
+      SOFTMAX_P()
+      WAIT_O();
+    } else {
+      resc = 0;
+      ISSUE_PV(prev)
+      WAIT_O();
+    }
+    {  // O holds tile t-1's P V: its hidden inf/NaN v, then the rescale for tile t's max
+      const int n0 = np;
+      ADD_BACK_HIDDEN_V()
+    }
+    RESCALE_O()
+    if (t <= t_last) { PACK_P() }
+    barrier(CLK_LOCAL_MEM_FENCE);  // every warpgroup is done with V(t-1)'s buffer
+    if (t + 1 <= t_last) { LOAD_V1(t + 1, prev) }
+    CP_COMMIT();
+  }
+#endif
   CP_WAIT(0);
 
   // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf

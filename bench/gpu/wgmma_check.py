@@ -157,7 +157,7 @@ def build_report(be, ptx_dir, json_path) -> None:
         emit(rec, json_path)
 
 
-def timing(be, queue, shapes, dtypes, configs, json_path) -> None:
+def timing(be, queue, shapes, dtypes, configs, json_path, variants=None) -> None:
     import attnlib
     from attnlib import _spec
     from attnlib.backends.opencl import _nvidia_mma as nv
@@ -174,17 +174,20 @@ def timing(be, queue, shapes, dtypes, configs, json_path) -> None:
                                         window=None, softcap=None)
                 fl = 4 * b * h * s * s * d / (2 if causal else 1)
                 ref = None
-                for cfg in [None, *configs]:
+                runs = [(None, "", None)] + [(cfg, vname, vopts) for cfg in configs
+                                             for vname, vopts in (variants or {"": None}).items()]
+                for cfg, vname, vopts in runs:
                     kind = "mma" if cfg is None else "wgmma"
                     row = {"part": "time", "dtype": dname, "shape": [b, h, s, d],
-                           "causal": causal, "kernel": kind, "config": cfg}
+                           "causal": causal, "kernel": kind, "config": cfg, "variant": vname}
                     try:
                         ev: list = []
                         for _ in range(WARMUP):
-                            nv.run(ctx, queue, dev, call, kernel=kind, wgmma_config=cfg)
+                            nv.run(ctx, queue, dev, call, kernel=kind, wgmma_config=cfg,
+                                   extra_options=vopts)
                         for _ in range(REPS):
                             out, _ = nv.run(ctx, queue, dev, call, kernel=kind,
-                                            wgmma_config=cfg, events=ev)
+                                            wgmma_config=cfg, events=ev, extra_options=vopts)
                         queue.finish()
                         t = statistics.median((e.profile.end - e.profile.start) * 1e-9
                                               for e in ev)
@@ -237,6 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", default=None, help="WGS,BLOCK_N each")
     ap.add_argument("--shapes", nargs="*", default=None, help="B,H,S,D each")
     ap.add_argument("--skip", nargs="*", default=[], choices=["build", "check", "time", "torch"])
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="NAME=-DOPT=V,-DOPT=V each: wgmma kernel options timed per config "
+                         "(e.g. serial=-DWG_OVERLAP=0 overlap=-DWG_OVERLAP=1)")
     args = ap.parse_args(argv)
     import ml_dtypes
     import pyopencl as cl
@@ -260,8 +266,14 @@ def main(argv=None) -> int:
         ok = check(be, args.json, dtypes, swaps=True)
         emit({"part": "check_done", "all_ok": ok, "s": round(time.perf_counter() - t0, 1)},
              args.json)
+    variants = None
+    if args.variants:
+        variants = {}
+        for item in args.variants:
+            name, _, opts = item.partition("=")
+            variants[name] = tuple(o for o in opts.split(",") if o)
     if "time" not in args.skip:
-        timing(be, queue, shapes, dtypes, configs, args.json)
+        timing(be, queue, shapes, dtypes, configs, args.json, variants)
     if "torch" not in args.skip:
         try:
             torch_anchor(shapes, dtypes, args.json)

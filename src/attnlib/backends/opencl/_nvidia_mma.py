@@ -396,7 +396,8 @@ def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None =
         wgs, block_n = wgmma_config or WGMMA_CONFIGS[call.head_dim]
         causal = call.causal_hi is not None
         hi = causal if heads_inner is None else heads_inner
-        opts = wgmma_options(call, wgs, block_n, hi) + tuple(extra_options or ())
+        emulated = () if use_ptx is None or use_ptx else ("-DUSE_PTX=0",)
+        opts = wgmma_options(call, wgs, block_n, hi) + emulated + tuple(extra_options or ())
         return Launch("attn_fwd_wgmma", opts,
                       lambda: _nvidia_wgmma.get_program(ctx, device, opts, block_n,
                                                         call.head_dim),

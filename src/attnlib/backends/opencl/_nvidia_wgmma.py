@@ -14,8 +14,9 @@ Markers (one asm statement each; the compiler substitutes the operands in the co
   with A and B in shared memory (K-major), N = 2 * len(d); scaleD 0 overwrites D.
 * ``@WGRS <type> <transB> {d...}, {a0, a1, a2, a3}, descB, scaleD``: A from registers.
 * ``@WGFENCE``, ``@WGCOMMIT``, ``@WGWAIT <n>``: ``wgmma.fence``, ``commit_group``,
-  ``wait_group n`` (the fence and the wait list the accumulators as operands, so the compiler
-  keeps their reads and writes on the right side of them; the list is dropped in the PTX).
+  ``wait_group n`` (n = 0, or 1 for WG_WAIT1_*: all but the last group done). The fence and
+  the wait list the accumulators as operands, so the compiler keeps their reads and writes on
+  the right side of them; the list is dropped in the PTX.
 
 The marker macros are generated here (:func:`marker_macros`) and prepended to the kernel source:
 they list up to 64 accumulator registers, which no one writes by hand.
@@ -60,8 +61,9 @@ def marker_macros(n_tiles_s: int, n_tiles_o: int) -> str:
             f'"r"((A_)[0]), "r"((A_)[1]), "r"((A_)[2]), "r"((A_)[3]), "l"(DB_), "r"(SC_))')
         lines.append(f'#define WG_FENCE_{tag}(ACC_) asm volatile("// @WGFENCE {{{_regs(0, k)}}}"'
                      f' : {ops} :: "memory")')
-        lines.append(f'#define WG_WAIT_{tag}(ACC_) asm volatile("// @WGWAIT 0 {{{_regs(0, k)}}}"'
-                     f' : {ops} :: "memory")')
+        for n, suffix in ((0, ""), (1, "1")):
+            lines.append(f'#define WG_WAIT{suffix}_{tag}(ACC_) asm volatile("// @WGWAIT {n} '
+                         f'{{{_regs(0, k)}}}" : {ops} :: "memory")')
     lines.append('#define WG_COMMIT() asm volatile("// @WGCOMMIT" ::: "memory")')
     return "\n".join(lines) + "\n"
 
@@ -128,17 +130,20 @@ def rewrite_ptx(ptx: str) -> tuple[str, dict[str, int]]:
     return ptx, counts
 
 
-def source(n_tiles_s: int, n_tiles_o: int) -> str:
-    """attn_fwd_wgmma.cl with its marker macros."""
-    return marker_macros(n_tiles_s, n_tiles_o) + kernel_source("attn_fwd_wgmma.cl")
+def source(n_tiles_s: int, n_tiles_o: int, markers: bool = True) -> str:
+    """attn_fwd_wgmma.cl with its marker macros (``markers=False``: without, for the emulated
+    build, -DUSE_PTX=0, which runs on any OpenCL device)."""
+    text = kernel_source("attn_fwd_wgmma.cl")
+    return marker_macros(n_tiles_s, n_tiles_o) + text if markers else text
 
 
 def get_program(ctx: Any, device: Any, options: tuple[str, ...], block_n: int,
                 head_dim: int, log: list | None = None) -> Any:
     """The program of attn_fwd_wgmma.cl for ``options`` (built once per context, device and
     options): OpenCL C with markers -> NVIDIA's PTX -> :func:`rewrite_ptx` -> built from that
-    PTX. ``log``, when given, receives the second build's log (ptxas' report with
-    -cl-nv-verbose) and the marker counts."""
+    PTX; with -DUSE_PTX=0 in ``options`` the emulated build, from the source alone. ``log``,
+    when given, receives the second build's log (ptxas' report with -cl-nv-verbose) and the
+    marker counts."""
     import pyopencl as cl
 
     key = (ctx.int_ptr, device.int_ptr, options)
@@ -146,6 +151,11 @@ def get_program(ctx: Any, device: Any, options: tuple[str, ...], block_n: int,
         prg = _programs.get(key)
     if prg is not None:
         return prg
+    if "-DUSE_PTX=0" in options:  # the emulation: plain OpenCL C, no markers, no rewrite
+        prg = build_program(ctx, "attn_fwd_wgmma.cl", source(0, 0, markers=False), options,
+                            devices=[device])
+        with _lock:
+            return _programs.setdefault(key, prg)
     first = build_program(ctx, "attn_fwd_wgmma.cl", source(block_n // 8, head_dim // 8),
                           options, std=None, devices=[device])
     ptx = first.get_info(cl.program_info.BINARIES)[0]
