@@ -56,6 +56,12 @@
 #ifndef WG_OVERLAP
 #define WG_OVERLAP 0
 #endif
+#ifndef WG_ABL
+#define WG_ABL 0
+#endif
+#if WG_ABL && WG_OVERLAP
+#error "WG_ABL is for the serial schedule"
+#endif
 #ifndef V_SWAP
 #define V_SWAP 0
 #endif
@@ -450,15 +456,17 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
 
 #if !WG_OVERLAP
   // ---- serial schedule: per tile S, wait, softmax, P V, wait; one K/V buffer pair per tile,
-  // the next tile's pair loaded under this tile's math
+  // the next tile's pair loaded under this tile's math.  WG_ABL (timing only, wrong results):
+  // bit 0 drops the softmax (P = S), bit 1 the K/V loads after the first tile (every tile
+  // reads buffer 0), bit 2 the P V products: what each step costs, by difference
   for (int t = t_first; t <= t_last; t++) {
-    const int buf = (t - t_first) & 1;
+    const int buf = (WG_ABL & 2) ? 0 : (t - t_first) & 1;
     // -- tile t (and Q) landed; after the barrier no thread still reads tile t-1's buffer, so
     // the prefetch of tile t+1 into it overlaps this tile's math
     CP_WAIT(0);
     FENCE_ASYNC_SHARED();
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (t < t_last) {
+    if (t < t_last && !(WG_ABL & 2)) {
       LOAD_KV(t + 1, buf ^ 1)
       CP_COMMIT();
     }
@@ -468,12 +476,16 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
     SCAN_V(sV + buf * BLOCK_N * HEAD_DIM, t, need_mask, v_bad)
     ISSUE_S(buf)
     WAIT_S();
+#if !(WG_ABL & 1)
     SCORES(n0, need_mask)
     SOFTMAX_P()
     RESCALE_O()
+#endif
     PACK_P()
+#if !(WG_ABL & 4)
     ISSUE_PV(buf)
     WAIT_O();
+#endif
     ADD_BACK_HIDDEN_V()
   }
 #else

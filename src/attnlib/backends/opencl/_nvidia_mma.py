@@ -99,6 +99,9 @@ DEFAULT_OPTIONS_16 = {
 #: environment variable ATTNLIB_NV_WGMMA=1 before import, e.g. for the conformance suite).
 WGMMA_ON = os.environ.get("ATTNLIB_NV_WGMMA") == "1"
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
+#: -D options the dispatch adds to every wgmma build (e.g. -DWG_OVERLAP=1, the overlapped
+#: schedule); the environment variable ATTNLIB_NV_WGMMA_OPTS (space-separated) sets them
+WGMMA_OPTIONS = tuple(os.environ.get("ATTNLIB_NV_WGMMA_OPTS", "").split())
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
@@ -397,7 +400,8 @@ def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None =
         causal = call.causal_hi is not None
         hi = causal if heads_inner is None else heads_inner
         emulated = () if use_ptx is None or use_ptx else ("-DUSE_PTX=0",)
-        opts = wgmma_options(call, wgs, block_n, hi) + emulated + tuple(extra_options or ())
+        extra = WGMMA_OPTIONS if extra_options is None else tuple(extra_options)
+        opts = wgmma_options(call, wgs, block_n, hi) + emulated + extra
         return Launch("attn_fwd_wgmma", opts,
                       lambda: _nvidia_wgmma.get_program(ctx, device, opts, block_n,
                                                         call.head_dim),
