@@ -185,16 +185,7 @@
   }
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
-void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const ELEM *v,
-                  __global ELEM *out, __global float *lse,
-                  __global const int *tiles,    // (n_tiles, 2): sequence, first local query row
-                  __global const long *seqs,    // (n_seq, SEQ_FIELDS), see _nvidia_mma.py
-                  __global const float *alibi,  // (n_seq, Hq) slopes * log2(e), when ALIBI
-                  const long q_off, const long q_sb, const long q_sr, const long q_sh,
-                  const long k_off, const long k_sb, const long k_sr, const long k_sh,
-                  const long v_off, const long v_sb, const long v_sr, const long v_sh,
-                  const int sq_arr, const int n_heads, const int group, const int ring,
-                  const float qk_scale, const float cap) {
+void attn_fwd_mma(PREFILL_PARAMS) {
   __local ELEM sQ[BLOCK_M * LDSQ] __attribute__((aligned(16)));
 #if KV_STAGES == 1 || KV_SPLIT_STAGES
   __local ELEM sK[BLOCK_N * LDSK] __attribute__((aligned(16)));
@@ -211,23 +202,10 @@ void attn_fwd_mma(__global const ELEM *q, __global const ELEM *k, __global const
   const int tid = get_local_id(0), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
   if (tid == 0) v_flag = 0;
-#if HEADS_INNER
-  const int h = get_group_id(0) % n_heads, hk = h / group, wg = get_group_id(0) / n_heads;
-  const int s = tiles[2 * wg], m0 = tiles[2 * wg + 1];
-#else
-  const int h = get_group_id(1), hk = h / group;
-  const int s = tiles[2 * get_group_id(0)], m0 = tiles[2 * get_group_id(0) + 1];
-#endif
-  __global const long *sp = seqs + (long)s * SEQ_FIELDS;
-  LOAD_SEQ(sp)
-  const int nrows = min(BLOCK_M, qlen - m0);
+  PREFILL_BLOCK_ID
+  PREFILL_ROWS
   const int wrow0 = warp * 16 * M_TILES;  // this warp's first row in the block
-
-  // -- key range of the block (union over its rows) and of its every row (intersection)
-  const int lo_blk = row_lo(m0, base, dlo, klen), hi_blk = row_hi(m0 + nrows - 1, base, dhi, klen);
-  const int lo_all = row_lo(m0 + nrows - 1, base, dlo, klen), hi_all = row_hi(m0, base, dhi, klen);
-  const int t_first = lo_blk / BLOCK_N;
-  const int t_last = hi_blk >= lo_blk ? hi_blk / BLOCK_N : t_first - 1;
+  PREFILL_KEY_RANGE
 
   int rlo[M_TILES][2], rhi[M_TILES][2];
   UNROLL for (int mt = 0; mt < M_TILES; mt++) {

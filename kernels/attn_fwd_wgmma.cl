@@ -69,6 +69,8 @@
 #define QK_SWAP 0
 #endif
 #define LOG2E 1.4426950408889634f
+// the inf/NaN scan's zeroed values (nv_warp.h) must reach wgmma's reads of V
+#define SCAN_FENCE() FENCE_ASYNC_SHARED();
 #include "nv_warp.h"
 
 #if USE_PTX
@@ -173,16 +175,7 @@ inline void emu_wg_rs(float (*d)[4], int nt_count, const uint *a, __local const 
   }
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
-void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global const ELEM *v,
-                    __global ELEM *out, __global float *lse,
-                    __global const int *tiles,    // (n_tiles, 2): sequence, first local query row
-                    __global const long *seqs,    // (n_seq, SEQ_FIELDS), see _nvidia_mma.py
-                    __global const float *alibi,  // (n_seq, Hq) slopes * log2(e), when ALIBI
-                    const long q_off, const long q_sb, const long q_sr, const long q_sh,
-                    const long k_off, const long k_sb, const long k_sr, const long k_sh,
-                    const long v_off, const long v_sb, const long v_sr, const long v_sh,
-                    const int sq_arr, const int n_heads, const int group, const int ring,
-                    const float qk_scale, const float cap) {
+void attn_fwd_wgmma(PREFILL_PARAMS) {
   __local ELEM sQ[BLOCK_M * HEAD_DIM] __attribute__((aligned(128)));
   __local ELEM sK[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(128)));
   __local ELEM sV[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(128)));
@@ -195,22 +188,10 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
   const int wgi = tid >> 7, warp = (tid >> 5) & 3;
   const int g = lane >> 2, tg = lane & 3;
   if (tid == 0) v_flag = 0;
-#if HEADS_INNER
-  const int h = get_group_id(0) % n_heads, hk = h / group, wgid = get_group_id(0) / n_heads;
-  const int s = tiles[2 * wgid], m0 = tiles[2 * wgid + 1];
-#else
-  const int h = get_group_id(1), hk = h / group;
-  const int s = tiles[2 * get_group_id(0)], m0 = tiles[2 * get_group_id(0) + 1];
-#endif
-  __global const long *sp = seqs + (long)s * SEQ_FIELDS;
-  LOAD_SEQ(sp)
-  const int nrows = min(BLOCK_M, qlen - m0);
+  PREFILL_BLOCK_ID
+  PREFILL_ROWS
+  PREFILL_KEY_RANGE
   const int wrow0 = wgi * 64 + warp * 16;  // this warp's first row in the block
-
-  const int lo_blk = row_lo(m0, base, dlo, klen), hi_blk = row_hi(m0 + nrows - 1, base, dhi, klen);
-  const int lo_all = row_lo(m0 + nrows - 1, base, dlo, klen), hi_all = row_hi(m0, base, dhi, klen);
-  const int t_first = lo_blk / BLOCK_N;
-  const int t_last = hi_blk >= lo_blk ? hi_blk / BLOCK_N : t_first - 1;
   int rlo[2], rhi[2];
   UNROLL for (int hf = 0; hf < 2; hf++) {
     long i = m0 + wrow0 + g + 8 * hf;
@@ -239,36 +220,9 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
   const int r0_ = (tid & 7) + 8 * (tid / (8 * CHUNKS)), ch0_ = (tid >> 3) % CHUNKS;
   __global const ELEM *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * 8;
   __global const ELEM *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * 8;
-#define LOAD_KV(TILE, BUF)                                                                     \
-  {                                                                                            \
-    const int n0_ = (TILE) * BLOCK_N;                                                          \
-    __local ELEM *kd_ = sK + (BUF) * BLOCK_N * HEAD_DIM + 8 * tid;                             \
-    __local ELEM *vd_ = sV + (BUF) * BLOCK_N * HEAD_DIM + 8 * tid;                             \
-    if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
-        (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
-      __global const ELEM *kt = kp0 + n0_ * k_sr, *vt = vp0 + n0_ * v_sr;                      \
-      UNROLL for (int i = 0; i < KV_PER; i++) {                                                \
-        CP_ASYNC16(kd_ + i * 8 * THREADS, kt + i * ROW_STEP * k_sr);                           \
-        CP_ASYNC16(vd_ + i * 8 * THREADS, vt + i * ROW_STEP * v_sr);                           \
-      }                                                                                        \
-    } else {                                                                                   \
-      UNROLL for (int i = 0; i < KV_PER; i++) {                                                \
-        const int j = n0_ + r0_ + i * ROW_STEP;                                                \
-        if (j >= lo_blk && j <= hi_blk) {                                                      \
-          long row = krow0 + j;                                                                \
-          if (ring > 0 && row >= ring) row -= ring;                                            \
-          CP_ASYNC16(kd_ + i * 8 * THREADS, kh + row * k_sr + ch0_ * 8);                       \
-          CP_ASYNC16(vd_ + i * 8 * THREADS, vh + row * v_sr + ch0_ * 8);                       \
-        } else {                                                                               \
-          ZERO16(kd_ + i * 8 * THREADS);                                                       \
-          ZERO16(vd_ + i * 8 * THREADS);                                                       \
-        }                                                                                      \
-      }                                                                                        \
-    }                                                                                          \
-  }
-  if (t_first <= t_last) { LOAD_KV(t_first, 0) }
-  CP_COMMIT();
-  // one tensor of a tile (the overlapped schedule loads K and V in separate groups)
+  // one tensor (K or V) of key tile TILE into the buffer at SX: keys outside the block's range
+  // zero-filled (never read), ring-buffer rows wrapped; a tile inside the range that does not
+  // wrap copies from pointers hoisted out of the loop
 #define LOAD_X1(TILE, SX, XP0, XH, X_SR)                                                       \
   {                                                                                            \
     const int n0_ = (TILE) * BLOCK_N;                                                          \
@@ -294,6 +248,9 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
   }
 #define LOAD_K1(TILE, BUF) LOAD_X1(TILE, sK + (BUF) * BLOCK_N * HEAD_DIM, kp0, kh, k_sr)
 #define LOAD_V1(TILE, BUF) LOAD_X1(TILE, sV + (BUF) * BLOCK_N * HEAD_DIM, vp0, vh, v_sr)
+#define LOAD_KV(TILE, BUF) { LOAD_K1(TILE, BUF) LOAD_V1(TILE, BUF) }
+  if (t_first <= t_last) { LOAD_KV(t_first, 0) }
+  CP_COMMIT();
 
   const uint q_addr = SBASE(sQ) + wgi * TILE_BYTES(64);
   const uint k_addr = SBASE(sK), v_addr = SBASE(sV);
@@ -311,27 +268,6 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
   }
 
   // ---- one key tile's steps, shared by the two schedules below
-  // hidden keys' inf/NaN v zeroed for the tensor cores, in a tile that hides keys from some
-  // rows (NEED); VBAD = 1 when the work-group found any (work-group uniform; one barrier)
-#define SCAN_V(VB, TILE, NEED, VBAD)                                                           \
-  VBAD = 0;                                                                                    \
-  if (NEED) {                                                                                  \
-    int mine = 0;                                                                              \
-    for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                    \
-      __local ushort *pv = (VB) + 8 * c;                                                       \
-      const uint4 w = *(__local const uint4 *)pv;                                              \
-      if (NONFINITE2(w.x) || NONFINITE2(w.y) || NONFINITE2(w.z) || NONFINITE2(w.w)) {          \
-        for (int e = 0; e < 8; e++) {                                                          \
-          if (NONFINITE16((uint)pv[e])) pv[e] = 0;                                             \
-        }                                                                                      \
-        mine = 1;                                                                              \
-      }                                                                                        \
-    }                                                                                          \
-    if (mine) v_flag = (TILE) + 1;                                                             \
-    FENCE_ASYNC_SHARED();                                                                      \
-    barrier(CLK_LOCAL_MEM_FENCE);                                                              \
-    VBAD = v_flag == (TILE) + 1;                                                               \
-  }
   // S = Q K^T issued: KSTEPS_QK k-slices of 16 (two core matrices, 256 bytes, along K)
 #if USE_PTX
 #define WG_SS_STEP(KK, DK) WG_SS_S(sacc, dq0 + (ulong)((KK) * 16), (DK) + (ulong)((KK) * 16), KK)
@@ -472,8 +408,9 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
     }
     const int n0 = t * BLOCK_N;
     const bool need_mask = NEED_MASK(n0);
-    int v_bad;
-    SCAN_V(sV + buf * BLOCK_N * HEAD_DIM, t, need_mask, v_bad)
+    // hidden keys' inf/NaN v zeroed for the tensor cores (tiles that hide keys only)
+    int v_bad = 0;
+    if (need_mask) SCAN_HIDDEN_V16(sV + buf * BLOCK_N * HEAD_DIM, HEAD_DIM)
     ISSUE_S(buf)
     WAIT_S();
 #if !(WG_ABL & 1)
@@ -521,8 +458,8 @@ void attn_fwd_wgmma(__global const ELEM *q, __global const ELEM *k, __global con
     barrier(CLK_LOCAL_MEM_FENCE);
     if (t + 1 <= t_last) { LOAD_K1(t + 1, prev) }
     CP_COMMIT();
-    int v_bad;
-    SCAN_V(sV + prev * BLOCK_N * HEAD_DIM, t - 1, mask_p, v_bad)
+    int v_bad = 0;  // tile t-1's scan (its flag value t + 1 is new in every pass)
+    if (mask_p) SCAN_HIDDEN_V16(sV + prev * BLOCK_N * HEAD_DIM, HEAD_DIM)
     if (t <= t_last) {
       const int n0 = t * BLOCK_N;
       const bool need_mask = NEED_MASK(n0);

@@ -272,9 +272,15 @@ inline float nonfinite_value(uint b) {
       }                                                                                         \
     }                                                                                           \
     if (mine_) v_flag = t + 1;                                                                  \
+    SCAN_FENCE()                                                                                \
     barrier(CLK_LOCAL_MEM_FENCE);                                                               \
     v_bad = v_flag == t + 1;                                                                    \
   }
+// what a kernel runs between its scan's writes and the barrier (attn_fwd_wgmma.cl: the fence
+// that shows them to wgmma's reads); nothing by default
+#ifndef SCAN_FENCE
+#define SCAN_FENCE()
+#endif
 
 // One sequence's row of the kernels' seqs table (SEQ_FIELDS longs, in the order the host
 // writes them: _nvidia_mma._tables): query batch and first row, query rows, key batch and first
@@ -286,6 +292,37 @@ inline float nonfinite_value(uint b) {
   const long kb = SP[3], krow0 = SP[4];                                                         \
   const int klen = (int)SP[5];                                                                  \
   const long base = SP[6], dlo = SP[7], dhi = SP[8];
+
+// The two prefill kernels (attn_fwd_mma.cl, attn_fwd_wgmma.cl): their parameters (the host's
+// _nvidia_mma.run sets them), the work-group's query head h, kv head hk, sequence s and first
+// local row m0 (from the tile table; HEADS_INNER: one grid dimension, tile * n_heads + head),
+// the sequence's row of seqs and the block's rows, and the keys the block sees: lo_blk..hi_blk
+// (union over its rows), lo_all..hi_all (seen by every row), key tiles t_first..t_last.
+#define PREFILL_PARAMS                                                                          \
+  __global const ELEM *q, __global const ELEM *k, __global const ELEM *v, __global ELEM *out,   \
+      __global float *lse, __global const int *tiles, __global const long *seqs,                \
+      __global const float *alibi, const long q_off, const long q_sb, const long q_sr,          \
+      const long q_sh, const long k_off, const long k_sb, const long k_sr, const long k_sh,     \
+      const long v_off, const long v_sb, const long v_sr, const long v_sh, const int sq_arr,    \
+      const int n_heads, const int group, const int ring, const float qk_scale, const float cap
+#if HEADS_INNER
+#define PREFILL_BLOCK_ID                                                                        \
+  const int h = get_group_id(0) % n_heads, hk = h / group, wg = get_group_id(0) / n_heads;      \
+  const int s = tiles[2 * wg], m0 = tiles[2 * wg + 1];
+#else
+#define PREFILL_BLOCK_ID                                                                        \
+  const int h = get_group_id(1), hk = h / group;                                                \
+  const int s = tiles[2 * get_group_id(0)], m0 = tiles[2 * get_group_id(0) + 1];
+#endif
+#define PREFILL_ROWS                                                                            \
+  __global const long *sp = seqs + (long)s * SEQ_FIELDS;                                        \
+  LOAD_SEQ(sp)                                                                                  \
+  const int nrows = min(BLOCK_M, qlen - m0);
+#define PREFILL_KEY_RANGE                                                                       \
+  const int lo_blk = row_lo(m0, base, dlo, klen), hi_blk = row_hi(m0 + nrows - 1, base, dhi, klen); \
+  const int lo_all = row_lo(m0 + nrows - 1, base, dlo, klen), hi_all = row_hi(m0, base, dhi, klen); \
+  const int t_first = lo_blk / BLOCK_N;                                                         \
+  const int t_last = hi_blk >= lo_blk ? hi_blk / BLOCK_N : t_first - 1;
 
 // Visible key range of local query row i: [i + base + dlo, i + base + dhi] within [0, klen).
 inline int row_lo(long i, long base, long dlo, int klen) {

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from devrun import emit, torch_median_s  # noqa: E402
+from devrun import dense_calls, emit, torch_median_s  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
 WARMUP, REPS = 3, 10
@@ -146,7 +146,6 @@ def main(argv=None) -> int:
     import pyopencl as cl
 
     import attnlib
-    from attnlib import _spec
     from attnlib.backends.opencl import _nvidia_mma as nv
 
     t_start = time.perf_counter()
@@ -161,51 +160,43 @@ def main(argv=None) -> int:
     seen: set = set()
     for dname in args.dtype:
         dtype = dtypes[dname]
-        for b, h, s, d in shapes:
-            rng = np.random.default_rng(0)
-            x = [attnlib.to_device(rng.standard_normal((b, s, h, d), dtype=np.float32)
-                                   .astype(dtype), backend=be) for _ in range(3)]
-            for causal in (False,) if args.no_causal else (False, True):
-                call = _spec.dense_call(*x, scale=None, mask=None, layout="bshd",
-                                        need_lse=False, alibi_slopes=None, causal=causal,
-                                        window=None, softcap=None)
-                fl = 4 * b * h * s * s * d / (2 if causal else 1)
-                ref = None
-                for name in args.variants:
-                    extra = None if VARIANTS[name] is None else (*VARIANTS[name], *verbose)
-                    cfg = nv.default_config(dtype, d)
-                    if name in VARIANT_BLOCK_N:
-                        cfg = (cfg[0], VARIANT_BLOCK_N[name], *cfg[2:])
-                    row = {"part": "time", "dtype": dname, "shape": [b, h, s, d],
-                           "causal": causal, "variant": name}
-                    try:
-                        ev: list = []
-                        t0 = time.perf_counter()
+        causals = (False,) if args.no_causal else (False, True)
+        for (b, h, s, d), causal, call, fl in dense_calls(be, dtype, shapes, causals):
+            ref = None
+            for name in args.variants:
+                extra = None if VARIANTS[name] is None else (*VARIANTS[name], *verbose)
+                cfg = nv.default_config(dtype, d)
+                if name in VARIANT_BLOCK_N:
+                    cfg = (cfg[0], VARIANT_BLOCK_N[name], *cfg[2:])
+                row = {"part": "time", "dtype": dname, "shape": [b, h, s, d],
+                       "causal": causal, "variant": name}
+                try:
+                    ev: list = []
+                    t0 = time.perf_counter()
+                    nv.run(ctx, queue, dev, call, config=cfg, extra_options=extra)
+                    queue.finish()
+                    row["first_call_s"] = round(time.perf_counter() - t0, 2)  # + build
+                    for _ in range(WARMUP - 1):
                         nv.run(ctx, queue, dev, call, config=cfg, extra_options=extra)
-                        queue.finish()
-                        row["first_call_s"] = round(time.perf_counter() - t0, 2)  # + build
-                        for _ in range(WARMUP - 1):
-                            nv.run(ctx, queue, dev, call, config=cfg, extra_options=extra)
-                        queue.finish()
-                        report_builds(cl, nv, dev, seen,
-                                      f"{dname}_d{d}_{'causal' if causal else 'dense'}_{name}",
-                                      args.ptx, args.json)
-                        for _ in range(REPS):
-                            out, _ = nv.run(ctx, queue, dev, call, config=cfg, events=ev,
-                                            extra_options=extra)
-                        queue.finish()
-                        t = statistics.median((e.profile.end - e.profile.start) * 1e-9
-                                              for e in ev[-REPS:])
-                        row.update(ms=round(t * 1e3, 4), tflops=round(fl / t / 1e12, 1))
-                        o = out.get().astype(np.float32)
-                        if ref is None and name == "default":
-                            ref = o
-                        elif ref is not None:
-                            row["max_diff_vs_default"] = float(np.max(np.abs(o - ref)))
-                    except Exception as exc:  # noqa: BLE001 - report and go on
-                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    emit(row, args.json)
-            del x
+                    queue.finish()
+                    report_builds(cl, nv, dev, seen,
+                                  f"{dname}_d{d}_{'causal' if causal else 'dense'}_{name}",
+                                  args.ptx, args.json)
+                    for _ in range(REPS):
+                        out, _ = nv.run(ctx, queue, dev, call, config=cfg, events=ev,
+                                        extra_options=extra)
+                    queue.finish()
+                    t = statistics.median((e.profile.end - e.profile.start) * 1e-9
+                                          for e in ev[-REPS:])
+                    row.update(ms=round(t * 1e3, 4), tflops=round(fl / t / 1e12, 1))
+                    o = out.get().astype(np.float32)
+                    if ref is None and name == "default":
+                        ref = o
+                    elif ref is not None:
+                        row["max_diff_vs_default"] = float(np.max(np.abs(o - ref)))
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                emit(row, args.json)
     emit({"part": "opencl_done", "s": round(time.perf_counter() - t_start, 1)}, args.json)
     if not args.no_torch:
         try:

@@ -89,3 +89,21 @@ def torch_median_s(torch, fn, reps: int, before=None) -> float:
         e1.synchronize()
         ts.append(e0.elapsed_time(e1) * 1e-3)
     return float(np.median(ts))
+
+
+def dense_calls(be, dtype, shapes, causals=(False, True)):
+    """For each (B, H, S, D) of ``shapes``: random q, k, v of ``dtype`` on ``be``'s device
+    (bshd, seed 0), then per causality ``((b, h, s, d), causal, call, flops)`` with ``call`` the
+    front door's AttnCall of a plain dense attention; the arrays live until the next shape."""
+    import attnlib
+    from attnlib import _spec
+
+    for b, h, s, d in shapes:
+        rng = np.random.default_rng(0)
+        x = [attnlib.to_device(rng.standard_normal((b, s, h, d), dtype=np.float32)
+                               .astype(dtype), backend=be) for _ in range(3)]
+        for causal in causals:
+            call = _spec.dense_call(*x, scale=None, mask=None, layout="bshd", need_lse=False,
+                                    alibi_slopes=None, causal=causal, window=None, softcap=None)
+            yield (b, h, s, d), causal, call, flops(b, h, s, d, causal)
+        del x

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from devrun import dense_calls  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128)]
 WARMUP, REPS = 3, 10
@@ -28,7 +32,6 @@ def main(argv=None) -> int:
     import pyopencl as cl
 
     import attnlib
-    from attnlib import _spec
     from attnlib.backends.opencl import _nvidia_mma as nv
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -40,42 +43,33 @@ def main(argv=None) -> int:
     be = attnlib.get_backend("opencl", queue=queue)
     rows = []
     for dtype in (np.float16, ml_dtypes.bfloat16):
-        for b, h, s, d in SHAPES:
-            rng = np.random.default_rng(0)
-            x = [attnlib.to_device(rng.standard_normal((b, s, h, d), dtype=np.float32)
-                                   .astype(dtype), backend=be) for _ in range(3)]
-            for causal in (False, True):
-                call = _spec.dense_call(*x, scale=None, mask=None, layout="bshd",
-                                        need_lse=False, alibi_slopes=None, causal=causal,
-                                        window=None, softcap=None)
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                outs = {}
-                for name, kw in VARIANTS.items():
-                    row = {"dtype": np.dtype(dtype).name, "shape": [b, h, s, d],
-                           "causal": causal, "variant": name}
-                    try:
-                        ev: list = []
-                        for _ in range(WARMUP):
-                            nv.run(ctx, queue, dev, call, **kw)
-                        queue.finish()
-                        for _ in range(REPS):
-                            out, _ = nv.run(ctx, queue, dev, call, events=ev, **kw)
-                        queue.finish()
-                        t = statistics.median((e.profile.end - e.profile.start) * 1e-9
-                                              for e in ev[-REPS:])
-                        outs[name] = out.get().astype(np.float32)
-                        row.update(ms=round(t * 1e3, 4), tflops=round(flops / t / 1e12, 1))
-                        if name != "default" and "default" in outs:
-                            row["max_diff_vs_default"] = float(
-                                np.max(np.abs(outs[name] - outs["default"])))
-                    except Exception as exc:  # noqa: BLE001 - report and go on
-                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    if args.json:
-                        with open(args.json, "a") as f:
-                            f.write(json.dumps(row) + "\n")
-            del x
+        for (b, h, s, d), causal, call, flops in dense_calls(be, dtype, SHAPES):
+            outs = {}
+            for name, kw in VARIANTS.items():
+                row = {"dtype": np.dtype(dtype).name, "shape": [b, h, s, d],
+                       "causal": causal, "variant": name}
+                try:
+                    ev: list = []
+                    for _ in range(WARMUP):
+                        nv.run(ctx, queue, dev, call, **kw)
+                    queue.finish()
+                    for _ in range(REPS):
+                        out, _ = nv.run(ctx, queue, dev, call, events=ev, **kw)
+                    queue.finish()
+                    t = statistics.median((e.profile.end - e.profile.start) * 1e-9
+                                          for e in ev[-REPS:])
+                    outs[name] = out.get().astype(np.float32)
+                    row.update(ms=round(t * 1e3, 4), tflops=round(flops / t / 1e12, 1))
+                    if name != "default" and "default" in outs:
+                        row["max_diff_vs_default"] = float(
+                            np.max(np.abs(outs[name] - outs["default"])))
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(row) + "\n")
     return 0
 
 

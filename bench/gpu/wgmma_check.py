@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from devrun import emit, torch_median_s  # noqa: E402
+from devrun import dense_calls, emit, torch_median_s  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
 CONFIGS = [(2, 128), (2, 64), (1, 128), (3, 64)]
@@ -158,49 +158,38 @@ def build_report(be, ptx_dir, json_path) -> None:
 
 
 def timing(be, queue, shapes, dtypes, configs, json_path, variants=None) -> None:
-    import attnlib
-    from attnlib import _spec
     from attnlib.backends.opencl import _nvidia_mma as nv
 
     ctx, dev = be.context, be.device
     for dname, dtype in dtypes.items():
-        for b, h, s, d in shapes:
-            rng = np.random.default_rng(0)
-            x = [attnlib.to_device(rng.standard_normal((b, s, h, d), dtype=np.float32)
-                                   .astype(dtype), backend=be) for _ in range(3)]
-            for causal in (False, True):
-                call = _spec.dense_call(*x, scale=None, mask=None, layout="bshd",
-                                        need_lse=False, alibi_slopes=None, causal=causal,
-                                        window=None, softcap=None)
-                fl = 4 * b * h * s * s * d / (2 if causal else 1)
-                ref = None
-                runs = [(None, "", None)] + [(cfg, vname, vopts) for cfg in configs
-                                             for vname, vopts in (variants or {"": None}).items()]
-                for cfg, vname, vopts in runs:
-                    kind = "mma" if cfg is None else "wgmma"
-                    row = {"part": "time", "dtype": dname, "shape": [b, h, s, d],
-                           "causal": causal, "kernel": kind, "config": cfg, "variant": vname}
-                    try:
-                        ev: list = []
-                        for _ in range(WARMUP):
-                            nv.run(ctx, queue, dev, call, kernel=kind, wgmma_config=cfg,
-                                   extra_options=vopts)
-                        for _ in range(REPS):
-                            out, _ = nv.run(ctx, queue, dev, call, kernel=kind,
-                                            wgmma_config=cfg, events=ev, extra_options=vopts)
-                        queue.finish()
-                        t = statistics.median((e.profile.end - e.profile.start) * 1e-9
-                                              for e in ev)
-                        row.update(ms=round(t * 1e3, 4), tflops=round(fl / t / 1e12, 1))
-                        o = out.get().astype(np.float32)
-                        if ref is None:
-                            ref = o
-                        else:
-                            row["max_diff_vs_mma"] = float(np.max(np.abs(o - ref)))
-                    except Exception as exc:  # noqa: BLE001
-                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    emit(row, json_path)
-            del x
+        for (b, h, s, d), causal, call, fl in dense_calls(be, dtype, shapes):
+            ref = None
+            runs = [(None, "", None)] + [(cfg, vname, vopts) for cfg in configs
+                                         for vname, vopts in (variants or {"": None}).items()]
+            for cfg, vname, vopts in runs:
+                kind = "mma" if cfg is None else "wgmma"
+                row = {"part": "time", "dtype": dname, "shape": [b, h, s, d],
+                       "causal": causal, "kernel": kind, "config": cfg, "variant": vname}
+                try:
+                    ev: list = []
+                    for _ in range(WARMUP):
+                        nv.run(ctx, queue, dev, call, kernel=kind, wgmma_config=cfg,
+                               extra_options=vopts)
+                    for _ in range(REPS):
+                        out, _ = nv.run(ctx, queue, dev, call, kernel=kind,
+                                        wgmma_config=cfg, events=ev, extra_options=vopts)
+                    queue.finish()
+                    t = statistics.median((e.profile.end - e.profile.start) * 1e-9
+                                          for e in ev)
+                    row.update(ms=round(t * 1e3, 4), tflops=round(fl / t / 1e12, 1))
+                    o = out.get().astype(np.float32)
+                    if ref is None:
+                        ref = o
+                    else:
+                        row["max_diff_vs_mma"] = float(np.max(np.abs(o - ref)))
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                emit(row, json_path)
 
 
 def torch_anchor(shapes, dtypes, json_path) -> None:
