@@ -56,6 +56,16 @@
 #ifndef WG_OVERLAP
 #define WG_OVERLAP 0
 #endif
+// WG_SWIZZLE=1: the 128-byte-swizzle layouts (CUTLASS's default for wgmma) instead of the
+// no-swizzle core matrices: a tile of R rows is HEAD_DIM / 64 blocks of 64 columns, block b at
+// bytes 128 R b, row r at 128 r, its 16-byte chunk c at 16 (c ^ r % 8) (the hardware XORs
+// address bits 4-6 with bits 7-9: arrays 1024-byte aligned). As K-major operands (Q, K) the
+// 8-row groups are SBO = 1024 bytes apart and a k-slice of 16 moves the start address by 32
+// bytes (by 128 R at a new block); as the N-major V, the 64-column blocks are LBO = 128 R apart
+// and the 8-key groups SBO = 1024. Loads are row-major (16 threads per 256-byte row).
+#ifndef WG_SWIZZLE
+#define WG_SWIZZLE 0
+#endif
 #ifndef WG_ABL
 #define WG_ABL 0
 #endif
@@ -93,20 +103,63 @@
 #define WAIT_O()
 #endif
 
-// 64-bit wgmma matrix descriptor: start address, LBO, SBO (bytes, each >> 4), no swizzle
+// 64-bit wgmma matrix descriptor: start address, LBO, SBO (bytes, each >> 4), swizzle mode
+// (bits 62-63: 0 none, 1 128-byte)
 inline ulong wg_desc(uint addr, uint lbo, uint sbo) {
-  return (ulong)((addr & 0x3FFFFu) >> 4) | ((ulong)(lbo >> 4) << 16) | ((ulong)(sbo >> 4) << 32);
+  return (ulong)((addr & 0x3FFFFu) >> 4) | ((ulong)(lbo >> 4) << 16) | ((ulong)(sbo >> 4) << 32) |
+         ((ulong)WG_SWIZZLE << 62);
 }
+#if WG_SWIZZLE
+#define SMEM_ALIGN 1024
+// byte offset of chunk CH (16 bytes) of row R_ in a tile of ROWS rows
+#define CHUNK_BYTES(ROWS, R_, CH) (((CH) >> 3) * (ROWS) * 128 + (R_) * 128 + ((((CH) & 7) ^ ((R_) & 7)) << 4))
+// chunk c of a tile, in load order: row-major
+#define CH_ROW(C) ((C) / CHUNKS)
+#define CH_COL(C) ((C) % CHUNKS)
+#define ROW_STEP (THREADS / CHUNKS)
+#define DST_STEP (ROW_STEP * 128)       // bytes from one of a thread's chunks to the next
+// descriptor field steps (16-byte units) of k-slice KK of a K-major tile of ROWS rows, and of
+// k-slice T2 (16 keys) of V
+#define KSTEP_DESC(KK, ROWS) ((ulong)(((KK) >> 2) * (ROWS) * 8 + ((KK) & 3) * 2))
+#define VSTEP_DESC(T2) ((ulong)((T2) * 128))
+#define DESC_KMAJ(A) wg_desc((A), 16, 1024)
+#define Q_WG_BYTES (64 * 128)           // a warpgroup's first row, in every 64-column block
+#if HEAD_DIM % 64 || ROW_STEP % 8
+#error "WG_SWIZZLE=1 needs HEAD_DIM a multiple of 64 and THREADS / CHUNKS a multiple of 8"
+#endif
+#define DESC_NMAJ(A) wg_desc((A), BLOCK_N * 128, 1024)
+#else
+#define SMEM_ALIGN 128
+#define CHUNK_BYTES(ROWS, R_, CH) (((R_) >> 3) * 16 * HEAD_DIM + (CH) * 128 + ((R_) & 7) * 16)
+// chunk c of a tile, in load order: c = r % 8 + 8 (col / 8) + HEAD_DIM (r / 8), at bytes 16 c
+#define CH_ROW(C) (((C) & 7) + 8 * ((C) / (8 * CHUNKS)))
+#define CH_COL(C) (((C) >> 3) % CHUNKS)
+#define ROW_STEP (8 * THREADS / (8 * CHUNKS))
+#define DST_STEP (16 * THREADS)
+#define KSTEP_DESC(KK, ROWS) ((ulong)((KK) * 16))
+#define Q_WG_BYTES TILE_BYTES(64)
+#define VSTEP_DESC(T2) ((ulong)((T2) * HEAD_DIM * 2))
+#endif
 #if !USE_PTX
 // byte offset of element (r, k) of a K-major operand (r along M/N) and of element (k, n) of an
 // N-major one, from a descriptor (no swizzle): core matrices of 8 rows x 16 bytes
+// (the 128-byte swizzle: rows of 128 bytes, 8-row groups SBO apart, K-major k-chunks 16 bytes
+// apart within the row, N-major 64-column blocks LBO apart; then address bits 4-6 ^= bits 7-9)
+inline int swz128(int a) { return a ^ (((a >> 7) & 7) << 4); }
 inline int desc_kmaj(ulong d, int r, int k) {
-  return (int)((d & 0x3FFFu) << 4) + (r >> 3) * (int)(((d >> 32) & 0x3FFFu) << 4) +
-         (k >> 3) * (int)(((d >> 16) & 0x3FFFu) << 4) + (r & 7) * 16 + (k & 7) * 2;
+  const int start = (int)((d & 0x3FFFu) << 4), lbo = (int)(((d >> 16) & 0x3FFFu) << 4);
+  const int sbo = (int)(((d >> 32) & 0x3FFFu) << 4);
+  if (d >> 62)
+    return swz128(start + (r >> 3) * sbo + (r & 7) * 128 + (k >> 3) * 16 + (k & 7) * 2);
+  return start + (r >> 3) * sbo + (k >> 3) * lbo + (r & 7) * 16 + (k & 7) * 2;
 }
 inline int desc_nmaj(ulong d, int k, int n) {
-  return (int)((d & 0x3FFFu) << 4) + (n >> 3) * (int)(((d >> 32) & 0x3FFFu) << 4) +
-         (k >> 3) * (int)(((d >> 16) & 0x3FFFu) << 4) + (k & 7) * 16 + (n & 7) * 2;
+  const int start = (int)((d & 0x3FFFu) << 4), lbo = (int)(((d >> 16) & 0x3FFFu) << 4);
+  const int sbo = (int)(((d >> 32) & 0x3FFFu) << 4);
+  if (d >> 62)
+    return swz128(start + (n >> 6) * lbo + ((n >> 3) & 7) * 16 + (n & 7) * 2 + (k >> 3) * sbo +
+                  (k & 7) * 128);
+  return start + (n >> 3) * sbo + (k >> 3) * lbo + (k & 7) * 16 + (n & 7) * 2;
 }
 #define H16(P, BYTES) ((uint)(P)[(BYTES) >> 1])
 #define PAIR(P, B0, B1) (H16(P, B0) | (H16(P, B1) << 16))
@@ -143,6 +196,7 @@ inline void emu_wg_rs(float (*d)[4], int nt_count, const uint *a, __local const 
   }
 }
 #endif
+#if !WG_SWIZZLE
 #if QK_SWAP
 #define DESC_KMAJ(A) wg_desc((A), 16 * HEAD_DIM, 128)
 #else
@@ -152,6 +206,7 @@ inline void emu_wg_rs(float (*d)[4], int nt_count, const uint *a, __local const 
 #define DESC_NMAJ(A) wg_desc((A), 128, 16 * HEAD_DIM)
 #else
 #define DESC_NMAJ(A) wg_desc((A), 16 * HEAD_DIM, 128)
+#endif
 #endif
 
 // The hidden keys' inf/NaN v values zeroed for the tensor cores, added back from global memory
@@ -176,9 +231,9 @@ inline void emu_wg_rs(float (*d)[4], int nt_count, const uint *a, __local const 
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
 void attn_fwd_wgmma(PREFILL_PARAMS) {
-  __local ELEM sQ[BLOCK_M * HEAD_DIM] __attribute__((aligned(128)));
-  __local ELEM sK[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(128)));
-  __local ELEM sV[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(128)));
+  __local ELEM sQ[BLOCK_M * HEAD_DIM] __attribute__((aligned(SMEM_ALIGN)));
+  __local ELEM sK[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(SMEM_ALIGN)));
+  __local ELEM sV[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(SMEM_ALIGN)));
   __local int v_flag;  // = t + 1 when tile t's V held inf/NaN under hidden keys
 #if !USE_PTX
   __local uint scr_all[(THREADS / 32) * 256];
@@ -202,22 +257,22 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   const float slope = alibi[(long)s * n_heads + h];
 #endif
 
-  // -- chunk c of a tile: row r = c % 8 + 8 (c / (8 CHUNKS)), column chunk (c / 8) % CHUNKS,
-  // local bytes 16 c (see the layout above)
+  // -- chunk c of a tile (load order CH_ROW, CH_COL) at CHUNK_BYTES (see the layouts above)
   __global const ELEM *qh = q + q_off + qb * q_sb + h * q_sh;
   for (int c = tid; c < BLOCK_M * CHUNKS; c += THREADS) {
-    const int r = (c & 7) + 8 * (c / (8 * CHUNKS)), ch = (c >> 3) % CHUNKS;
-    if (r < nrows) CP_ASYNC16(sQ + 8 * c, qh + (qrow0 + m0 + r) * q_sr + ch * 8);
-    else ZERO16(sQ + 8 * c);
+    const int r = CH_ROW(c), ch = CH_COL(c);
+    __local ELEM *dst = sQ + (CHUNK_BYTES(BLOCK_M, r, ch) >> 1);
+    if (r < nrows) CP_ASYNC16(dst, qh + (qrow0 + m0 + r) * q_sr + ch * 8);
+    else ZERO16(dst);
   }
   CP_COMMIT();
   __global const ELEM *kh = k + k_off + kb * k_sb + hk * k_sh;
   __global const ELEM *vh = v + v_off + kb * v_sb + hk * v_sh;
   // this thread's chunks of a K/V tile: c = tid + i THREADS, i < KV_PER: the same column chunk,
-  // rows r0_ + i ROW_STEP
+  // rows r0_ + i ROW_STEP, local bytes DST_STEP apart
 #define KV_PER (BLOCK_N * CHUNKS / THREADS)
-#define ROW_STEP (8 * THREADS / (8 * CHUNKS))
-  const int r0_ = (tid & 7) + 8 * (tid / (8 * CHUNKS)), ch0_ = (tid >> 3) % CHUNKS;
+  const int r0_ = CH_ROW(tid), ch0_ = CH_COL(tid);
+  const int kv_dst0 = CHUNK_BYTES(BLOCK_N, r0_, ch0_) >> 1;  // halves
   __global const ELEM *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * 8;
   __global const ELEM *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * 8;
   // one tensor (K or V) of key tile TILE into the buffer at SX: keys outside the block's range
@@ -226,12 +281,12 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
 #define LOAD_X1(TILE, SX, XP0, XH, X_SR)                                                       \
   {                                                                                            \
     const int n0_ = (TILE) * BLOCK_N;                                                          \
-    __local ELEM *xd_ = (SX) + 8 * tid;                                                        \
+    __local ELEM *xd_ = (SX) + kv_dst0;                                                        \
     if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
         (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
       __global const ELEM *xt = (XP0) + n0_ * (X_SR);                                          \
       UNROLL for (int i = 0; i < KV_PER; i++) {                                                \
-        CP_ASYNC16(xd_ + i * 8 * THREADS, xt + i * ROW_STEP * (X_SR));                         \
+        CP_ASYNC16(xd_ + i * (DST_STEP / 2), xt + i * ROW_STEP * (X_SR));                      \
       }                                                                                        \
     } else {                                                                                   \
       UNROLL for (int i = 0; i < KV_PER; i++) {                                                \
@@ -239,9 +294,9 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
         if (j >= lo_blk && j <= hi_blk) {                                                      \
           long row = krow0 + j;                                                                \
           if (ring > 0 && row >= ring) row -= ring;                                            \
-          CP_ASYNC16(xd_ + i * 8 * THREADS, (XH) + row * (X_SR) + ch0_ * 8);                   \
+          CP_ASYNC16(xd_ + i * (DST_STEP / 2), (XH) + row * (X_SR) + ch0_ * 8);                \
         } else {                                                                               \
-          ZERO16(xd_ + i * 8 * THREADS);                                                       \
+          ZERO16(xd_ + i * (DST_STEP / 2));                                                    \
         }                                                                                      \
       }                                                                                        \
     }                                                                                          \
@@ -252,7 +307,7 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   if (t_first <= t_last) { LOAD_KV(t_first, 0) }
   CP_COMMIT();
 
-  const uint q_addr = SBASE(sQ) + wgi * TILE_BYTES(64);
+  const uint q_addr = SBASE(sQ) + wgi * Q_WG_BYTES;  // this warpgroup's 64 rows
   const uint k_addr = SBASE(sK), v_addr = SBASE(sV);
   const ulong dq0 = DESC_KMAJ(q_addr);
 
@@ -270,16 +325,18 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   // ---- one key tile's steps, shared by the two schedules below
   // S = Q K^T issued: KSTEPS_QK k-slices of 16 (two core matrices, 256 bytes, along K)
 #if USE_PTX
-#define WG_SS_STEP(KK, DK) WG_SS_S(sacc, dq0 + (ulong)((KK) * 16), (DK) + (ulong)((KK) * 16), KK)
-#define WG_RS_STEP(T2, DV) WG_RS_O(o, pa[T2], (DV) + (ulong)((T2) * HEAD_DIM * 2), 1)
+#define WG_SS_STEP(KK, DK)                                                                     \
+  WG_SS_S(sacc, dq0 + KSTEP_DESC(KK, BLOCK_M), (DK) + KSTEP_DESC(KK, BLOCK_N), KK)
+#define WG_RS_STEP(T2, DV) WG_RS_O(o, pa[T2], (DV) + VSTEP_DESC(T2), 1)
 #else
 #define WG_FENCE_S(ACC)
 #define WG_FENCE_O(ACC)
 #define WG_COMMIT()
 #define WG_SS_STEP(KK, DK)                                                                     \
-  emu_wg_ss(sacc, NT_S, sQ, dq0 + (ulong)((KK) * 16), sK, (DK) + (ulong)((KK) * 16), KK, scr)
+  emu_wg_ss(sacc, NT_S, sQ, dq0 + KSTEP_DESC(KK, BLOCK_M), sK, (DK) + KSTEP_DESC(KK, BLOCK_N),    \
+            KK, scr)
 #define WG_RS_STEP(T2, DV)                                                                     \
-  emu_wg_rs(o, NT_O, pa[T2], sV, (DV) + (ulong)((T2) * HEAD_DIM * 2), scr)
+  emu_wg_rs(o, NT_O, pa[T2], sV, (DV) + VSTEP_DESC(T2), scr)
 #endif
 #define ISSUE_S(KBUF)                                                                          \
   {                                                                                            \

@@ -105,13 +105,15 @@ EMU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("swizzle", [0, 1], ids=["core-matrices", "swizzle128"])
 @pytest.mark.parametrize("overlap", [0, 1], ids=["serial", "overlap"])
 @pytest.mark.parametrize("name,dtype,shape,opts,cfg", EMU_CASES, ids=[c[0] for c in EMU_CASES])
-def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, overlap):
+def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, overlap, swizzle):
     """The wgmma kernel with each product emulated through its descriptors (USE_PTX=0): the
     shared-memory layout, the descriptors' k-slice steps, both schedules' buffer phases (a V
     tile loaded over one still in use shows here: the emulated copies land at once), masking
-    and the online softmax, against the float64 oracle."""
+    and the online softmax, against the float64 oracle; both shared-memory layouts (the
+    128-byte swizzle as the PTX ISA defines it: only the card can confirm the hardware agrees)."""
     import numpy as np
 
     import attnlib
@@ -131,7 +133,8 @@ def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, overlap):
                             alibi_slopes=slopes, causal=kw.get("causal", False),
                             window=kw.get("window"), softcap=kw.get("softcap"))
     out, lse = nv.run(be.context, be.queue, be.device, call, kernel="wgmma", use_ptx=False,
-                      wgmma_config=cfg, extra_options=(f"-DWG_OVERLAP={overlap}",))
+                      wgmma_config=cfg,
+                      extra_options=(f"-DWG_OVERLAP={overlap}", f"-DWG_SWIZZLE={swizzle}"))
     ref, ref_lse = reference_attention(q, k, v, alibi_slopes=slopes, **kw)
     assert out.dtype == q.dtype
     got = out.astype(np.float64)
