@@ -200,10 +200,12 @@ def test_backend_call_with_values_changed_in_place(be):
         prev = (n, got)
 
 
-def test_threads_share_plans(be):
-    """Caches of one geometry share fast plans and device tables; threads appending to their
-    own caches at once must each get their own answer."""
-    rng = rng_for("host path threads")
+@pytest.mark.parametrize("rope", [None, attnlib.RoPE(theta=100.0)])
+def test_threads_share_plans(be, rope):
+    """Caches of one geometry share fast plans and device tables (and, with RoPE, the fused
+    append's plan and position table); threads appending to their own caches at once must each
+    get their own answer."""
+    rng = rng_for("host path threads", rope is None)
     b, cap, hq, hkv, d = 1, 40, 4, 2, 16
     twins = [Twin(be, b, cap, hkv, d, "float32") for _ in range(4)]
     for i, t in enumerate(twins):
@@ -214,7 +216,7 @@ def test_threads_share_plans(be):
     def work(i):
         try:
             for q, k, v in steps[i]:
-                twins[i].step(q, k, v, fresh=False)
+                twins[i].step(q, k, v, fresh=False, rope=rope)
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -281,6 +283,10 @@ def _decode_steps(be, monkeypatch, hq, hkv, d, dtype):
         t.step(q, k, v)
     t.step(q, softcap=3.0)
     t.step(q, window=(4, 0), return_lse=True)
+    rope = attnlib.RoPE()
+    for _ in range(3):  # appends with RoPE: the fused append, then this kernel
+        q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
+        t.step(q, k, v, rope=rope)
 
 
 def test_repeat_calls_touch_the_queue_once(be, monkeypatch):
@@ -475,3 +481,195 @@ def test_batched_steps_with_large_tables(be):
         dq = attnlib.to_device(q, backend=be)
         attnlib.attention_with_kvcache(dq, t.dev)  # output dropped before its kernel ran
         t.step(q, k, v)
+
+
+# ---- appends with RoPE (a decode step of an LLM): the fused rope_append launch -------------------
+@pytest.fixture
+def fused(monkeypatch):
+    """Counts the fused RoPE appends that ran (returned a rotated q) and those handed back."""
+    from attnlib.backends.opencl import _ops
+
+    seen = {"ran": 0, "declined": 0}
+    real = _ops.fused_rope_append
+
+    def counted(*a):
+        res = real(*a)
+        seen["ran" if res is not None else "declined"] += 1
+        return res
+
+    monkeypatch.setattr(_ops, "fused_rope_append", counted)
+    return seen
+
+
+def _rope_steps(t, rng, n, rope, hq, hkv, d, dtype, b=1, n_new=1, **kw):
+    for _ in range(n):
+        t.step(*_qkv_step(rng, b, n_new, hq, hkv, d, dtype, n_new=n_new), rope=rope, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("interleaved,rotary_dim", [(False, None), (True, None), (False, 10)])
+def test_rope_append_steps(be, fused, dtype, interleaved, rotary_dim):
+    """Decode steps appending with RoPE (GQA), lengths changing every step, then switching to
+    plain appends and back, three-token steps, a rollback, other options and q layouts."""
+    rng = rng_for("host path rope", dtype, interleaved, rotary_dim)
+    b, cap, hq, hkv, d = 1, 60, 6, 2, 24
+    rope = attnlib.RoPE(theta=500.0, interleaved=interleaved, rotary_dim=rotary_dim)
+    t = Twin(be, b, cap, hkv, d, dtype)
+    _fill(t, rng, b, 11, hkv, d, dtype)
+    _rope_steps(t, rng, 4, rope, hq, hkv, d, dtype)
+    assert fused == {"ran": 3, "declined": 0}  # the first step is the full path's
+    _rope_steps(t, rng, 2, None, hq, hkv, d, dtype)  # no RoPE: the plain append
+    _rope_steps(t, rng, 2, rope, hq, hkv, d, dtype)
+    _rope_steps(t, rng, 2, attnlib.RoPE(theta=900.0, interleaved=interleaved,
+                                        rotary_dim=rotary_dim), hq, hkv, d, dtype)
+    _rope_steps(t, rng, 3, rope, hq, hkv, d, dtype, n_new=3)  # q rows = new tokens = 3
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype, n_new=2)
+    t.step(q, k, v, rope=rope)  # 1 query row, 2 new tokens: not fused (primitives)
+    t.step(q, k, v, rope=rope)
+    t.step(q, rope=rope, fresh=False)  # no append: the same q at the same position
+    t.dev.update(*(attnlib.to_device(x, backend=be) for x in (k, v)), 20)
+    t.ref.update(k, v, 20)  # rollback: the positions go down
+    _rope_steps(t, rng, 2, rope, hq, hkv, d, dtype)
+    for kw in ({"softcap": 2.0}, {"window": (5, 0)}, {"scale": 0.4, "return_lse": True}):
+        _rope_steps(t, rng, 2, rope, hq, hkv, d, dtype, **kw)
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
+    qt = attnlib.to_device(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), backend=be)
+    t.step(q, k, v, q_dev=qt.transpose((0, 2, 1, 3)), rope=rope)  # q as a strided view
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
+    t.step(q, k, v, q_dev=q, rope=rope)  # a numpy q: not fused (primitives)
+    assert fused["ran"] >= 12 and fused["declined"] == 0
+    np.testing.assert_allclose(attnlib.to_numpy(t.dev.k).astype(np.float64),
+                               attnlib.to_numpy(t.ref.k).astype(np.float64), atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rope_append_ring_batches_and_caches(be, fused, dtype):
+    """A ring cache wrapping under RoPE appends; two sequences of different lengths; two
+    caches of one geometry (one plan: the caches' buffers are set per call) taking turns."""
+    rng = rng_for("host path rope ring", dtype)
+    b, cap, hq, hkv, d = 2, 13, 8, 2, 16
+    rope = attnlib.RoPE()
+    ring = Twin(be, b, cap, hkv, d, dtype, ring=True)
+    _fill(ring, rng, b, 6, hkv, d, dtype)
+    k, v = randn(rng, (1, 3, hkv, d), dtype), randn(rng, (1, 3, hkv, d), dtype)
+    ring.dev.update(*(attnlib.to_device(x, backend=be) for x in (k, v)), 6, batch_idx=[1])
+    ring.ref.update(k, v, 6, batch_idx=[1])  # lengths 6 and 9
+    other = Twin(be, b, cap, hkv, d, dtype, ring=True)
+    _fill(other, rng, b, 2, hkv, d, dtype)
+    for _ in range(9):  # wraps: the first held position and the first slot move
+        for t in (ring, other):
+            t.last = None
+            _rope_steps(t, rng, 1, rope, hq, hkv, d, dtype, b=b)
+    assert int(ring.dev.held_from.min()) > 0 and fused["ran"] >= 10
+
+
+def test_rope_position_table_widens_and_falls_back(be, fused, monkeypatch):
+    """The (cos, sin) table of consecutive positions: positions past its end make a wider one;
+    a call needing more rows than MAX_BYTES allows takes the primitives instead."""
+    from attnlib.backends.opencl import _ops
+
+    monkeypatch.setattr(_ops._CosSin, "MIN_ROWS", 2)
+    monkeypatch.setattr(_ops, "_cos_sin_tables", {})
+    rng = rng_for("host path rope table")
+    b, cap, hq, hkv, d = 1, 90, 4, 2, 12
+    rope = attnlib.RoPE(theta=300.0)
+    t = Twin(be, b, cap, hkv, d, "float32")
+    _fill(t, rng, b, 3, hkv, d, "float32")
+    _rope_steps(t, rng, 9, rope, hq, hkv, d, "float32")
+    (table,) = _ops._cos_sin_tables.values()
+    assert table.base <= 4 and table.end >= 12
+    t.dev.update(*(attnlib.to_device(randn(rng, (1, 60, hkv, d)), backend=be)
+                   for _ in range(2)), 0)  # lengths jump past the table's end
+    t.ref.update(*(attnlib.to_numpy(x) for x in (t.dev.k[:, :60], t.dev.v[:, :60])), 0)
+    _rope_steps(t, rng, 2, rope, hq, hkv, d, "float32")
+    assert table.end >= 62 and fused == {"ran": 10, "declined": 0}
+    # a new RoPE (a new table) allowed 4 positions: three new tokens + 2 to spare do not fit
+    monkeypatch.setattr(_ops._CosSin, "MAX_BYTES", 4 * 12 * 4)
+    _rope_steps(t, rng, 3, attnlib.RoPE(theta=700.0), hq, hkv, d, "float32", n_new=3)
+    assert fused == {"ran": 10, "declined": 2}
+
+
+def test_position_table_ranges(be, monkeypatch):
+    """_CosSin.cover: the rows it makes, widening (old range + new positions, as many again to
+    spare), a narrow table past MAX_BYTES, a refusal past it; the values are _cos_sin's."""
+    from attnlib.backends.base import RopeSpec
+    from attnlib.backends.opencl import _ops
+
+    monkeypatch.setattr(_ops._CosSin, "MIN_ROWS", 2)
+    monkeypatch.setattr(_ops._CosSin, "MAX_BYTES", 8 * 4 * 40)  # 40 positions of R = 8
+    spec = RopeSpec(1000.0, False, 8)
+    c = _ops._CosSin(be.context, spec, np.dtype(np.float32))
+    ranges = []
+    for lo, hi in ((5, 6), (6, 8), (8, 9), (3, 4), (30, 31), (100, 103), (200, 240)):
+        ranges.append(c.cover(lo, hi) and (c.base, c.end))
+    assert ranges == [(5, 8), (5, 8), (5, 13), (3, 23), (30, 33), (100, 105), False]
+    host = np.empty((5, 4, 2), np.float32)
+    cl.enqueue_copy(be.queue, host, c.buf)
+    assert np.array_equal(host, _ops._cos_sin(np.arange(100, 105), spec, np.dtype(np.float32)))
+
+
+def test_rope_append_errors_after_warm_calls(be):
+    """After warm fused steps, every bad call raises the front door's error and leaves the
+    cache (lengths and contents) as it was; a good step still gets the oracle's answer."""
+    rng = rng_for("host path rope errors")
+    b, cap, hq, hkv, d = 1, 9, 4, 2, 8
+    rope = attnlib.RoPE()
+    t = Twin(be, b, cap, hkv, d, "float32")
+    _fill(t, rng, b, 5, hkv, d, "float32")
+    _rope_steps(t, rng, 3, rope, hq, hkv, d, "float32")
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
+    dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+    before = (t.dev.lengths, attnlib.to_numpy(t.dev.k), attnlib.to_numpy(t.dev.v))
+    bad_k = attnlib.to_device(randn(rng, (1, 1, hkv, d), "float16"), backend=be)
+    wide_k = attnlib.to_device(randn(rng, (1, 1, hkv + 1, d)), backend=be)
+    for err, kw in (
+        (attnlib.ArgumentError, {"k": dk, "v": dv, "rope": "rope"}),
+        (attnlib.ArgumentError, {"k": dk, "v": dv, "rope": attnlib.RoPE(rotary_dim=10)}),
+        (attnlib.DTypeError, {"k": bad_k, "v": dv, "rope": rope}),
+        (attnlib.ShapeError, {"k": wide_k, "v": dv, "rope": rope}),
+        (attnlib.ArgumentError, {"k": dk, "v": None, "rope": rope}),
+        (attnlib.ArgumentError, {"k": dk, "v": dv, "rope": rope, "causal": 1}),
+    ):
+        with pytest.raises(err):
+            attnlib.attention_with_kvcache(dq, t.dev, **kw)
+        after = (t.dev.lengths, attnlib.to_numpy(t.dev.k), attnlib.to_numpy(t.dev.v))
+        assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    t.step(q, k, v, rope=rope)  # length 9 = max_seq_len
+    before = (t.dev.lengths, attnlib.to_numpy(t.dev.k), attnlib.to_numpy(t.dev.v))
+    with pytest.raises(attnlib.CacheOverflowError):
+        attnlib.attention_with_kvcache(dq, t.dev, dk, dv, rope=rope)
+    after = (t.dev.lengths, attnlib.to_numpy(t.dev.k), attnlib.to_numpy(t.dev.v))
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    t.step(randn(rng, q.shape), rope=rope)
+
+
+def test_rope_append_touches_the_queue_twice(be, monkeypatch):
+    """A repeated append with RoPE: two enqueues (the fused append, the attention), the two
+    tables rewritten by fills (their lengths changed), nothing written from the host."""
+    from attnlib.backends.opencl import _pool, _runtime
+
+    rng = rng_for("host path rope counts")
+    b, cap, hq, hkv, d = 1, 40, 4, 2, 16
+    t = Twin(be, b, cap, hkv, d, "float32")
+    _fill(t, rng, b, 9, hkv, d, "float32")
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
+    dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+    rope = attnlib.RoPE()
+    for _ in range(2):  # the full path, then the repeat entry makes its plan
+        attnlib.attention_with_kvcache(dq, t.dev, dk, dv, rope=rope)
+    tally = {"enqueue": 0, "fill": 0, "write": 0}
+    enqueue, fill, copy = _runtime._enqueue, _pool._fill_function(), cl.enqueue_copy
+
+    def count(name, fn):
+        def wrapped(*a, **kw):
+            tally[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(_runtime, "_enqueue", count("enqueue", enqueue))
+    monkeypatch.setattr(_pool, "_fill", count("fill", fill))
+    monkeypatch.setattr(cl, "enqueue_copy", count("write", copy))
+    for _ in range(3):
+        attnlib.attention_with_kvcache(dq, t.dev, dk, dv, rope=rope)
+    fills = 6 if _pool.DeviceTable(be.context, 8, not be.facts.simulator).fill else 0
+    assert tally == {"enqueue": 6, "fill": fills, "write": 6 - fills}

@@ -7,6 +7,8 @@ shared with other work). Cases (32 q / 8 kv heads, D=128, fp16, device arrays):
 * ``decode``: ``attention_with_kvcache(q, cache)``, B=1, 8192 cached tokens;
 * ``append``: ``attention_with_kvcache(q, cache, k1, v1)``: two cache_write launches, then the
   attention (the cache is reset to 8192 tokens every 512 calls, outside the timing);
+* ``append_rope``: the same with ``rope=attnlib.RoPE()`` (an LLM decode step: rotary on q and
+  the new k at their positions);
 * ``prefill``: ``attention(q, k, v, causal=True)`` at (1, 512, 32 / 8, 128) (the tensor-core
   prefill kernel on NVIDIA sm_80+, the portable one elsewhere);
 * ``dense_decode``: ``attention(q, k, v)`` with q (1, 1, 32, 128), k, v (1, 8192, 8, 128).
@@ -25,7 +27,8 @@ NVIDIA-only Python paths (``_nvidia_decode``, ``_nvidia_mma``) run without build
 
 ``--count``: instead of times, what 16 real calls of each case do per call on the queue:
 ``enqueues`` (kernel launches), ``fills`` / ``writes`` (device-table rewrites: fills of at most
-128 bytes, host-to-device copies), ``args_set`` (kernel arguments set). With
+128 bytes, host-to-device copies), ``args_set`` (kernel arguments set: changed scalars and
+pooled buffers, and the non-pooled buffers, which are set on every launch). With
 ``--emulate-nvidia`` the tensor-core decode kernel is built emulated (USE_PTX=0) and the prefill
 case is left out (its kernel has no emulated build on this path).
 
@@ -113,11 +116,14 @@ def cases(be, rng):
         cache.reset()
         cache.update(dk, dk, 0)
 
+    rope = attnlib.RoPE()
     qp, kp = _dev(rng, (1, 512, HQ, D), be), _dev(rng, (1, 512, HKV, D), be)
     kd = _dev(rng, (1, CTX, HKV, D), be)
     return [
         ("decode", lambda: attnlib.attention_with_kvcache(q1, cache), None),
         ("append", lambda: attnlib.attention_with_kvcache(q1, cache, k1, v1), reset),
+        ("append_rope", lambda: attnlib.attention_with_kvcache(q1, cache, k1, v1, rope=rope),
+         reset),
         ("prefill", lambda: attnlib.attention(qp, kp, kp, causal=True, backend=be), None),
         ("dense_decode", lambda: attnlib.attention(q1, kd, kd, backend=be), None),
     ]
@@ -171,8 +177,13 @@ def count(fn, reset, queue, n=16):
     def set_args(self, args, slots):
         before = list(self.last)
         saved[3](self, args, slots)
-        tally["args_set"] += (len(args) if self.plain
-                              else sum(a is not b for a, b in zip(before, self.last)))
+        if self.plain:
+            tally["args_set"] += len(args)
+            return
+        # changed scalars and pooled buffers, and every non-pooled buffer (set each launch)
+        tally["args_set"] += sum(a is not b for a, b in zip(before, self.last)) + sum(
+            self.kinds[i] is None and args[i] is not None
+            and type(args[i]) is not _runtime._POOLED for i in slots)
 
     if reset is not None:
         reset()
@@ -199,7 +210,7 @@ def main() -> None:
     ap.add_argument("--real-n", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=1,
                     help="report the least of this many medians (default 1)")
-    ap.add_argument("--cases", default="decode,append,prefill,dense_decode")
+    ap.add_argument("--cases", default="decode,append,append_rope,prefill,dense_decode")
     args = ap.parse_args()
     global REPEAT
     REPEAT = max(1, args.repeat)

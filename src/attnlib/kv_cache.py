@@ -9,6 +9,7 @@ exactly those ``>= e - max_seq_len``, so ``_lo = max(_lo, e - max_seq_len)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -345,6 +346,18 @@ _CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0"
 
 _COPY_CALL = _frozen_fields_ok()
 
+#: fused appends with RoPE, by backend class (``module.qualname``, the exact type): ``fn(be,
+#: k_buf, v_buf, k, v, q, start, rope)`` writes the new k (rotated) and v at cache rows 0..B-1
+#: from positions ``start`` on and returns q rotated at the same positions (q has as many rows as
+#: the new tokens), or None when it does not take the call (then it did nothing). A backend's
+#: module registers its own (the OpenCL backend's ``_ops``): one launch instead of three.
+FUSED_ROPE_APPEND: dict[str, Callable] = {}
+
+
+def _fused_rope_append(be) -> Callable | None:
+    cls = type(be)
+    return FUSED_ROPE_APPEND.get(f"{cls.__module__}.{cls.__qualname__}")
+
 
 class _FastEntry:
     """What a successful call fixed for its key: the batch, query rows, the new tokens, RoPE,
@@ -352,13 +365,17 @@ class _FastEntry:
     length-dependent checks (a failing one hands the call to the full path, which raises the
     error) and builds the AttnCall from them."""
 
-    __slots__ = ("be", "b", "sq", "n_new", "rope", "need_lse", "fields", "consts", "rows")
+    __slots__ = ("be", "b", "sq", "n_new", "rope", "need_lse", "fields", "consts", "rows",
+                 "fused")
 
     def __init__(self, cache: KVCache, call: AttnCall, b: int, sq: int, k, rope, need_lse):
         self.be = cache.backend
         self.b, self.sq = b, sq
         self.n_new = None if k is None else int(k.shape[1])
         self.rope, self.need_lse = rope, need_lse
+        # a decode step with RoPE (q rows = new tokens): the backend's fused append, if any
+        self.fused = (_fused_rope_append(self.be) if rope is not None and self.n_new == sq
+                      else None)
         self.fields = {f: getattr(call, f) for f in (
             "scale", "window_left", "window_right", "softcap", "alibi", "mask_view",
             "mask_kind", "ring", "dense", "need_lse")}
@@ -395,9 +412,13 @@ class _FastEntry:
                 return None
             k_row0, k_len, q_pos0, k_pos0 = lo_arr % cap, new_len - lo_arr, new_len - sq, lo_arr
         be = self.be
+        q_rot = None
         if n_new:  # everything is checked: only now touch the cache (as _commit does)
-            be.cache_write(cache.k, k, self.rows, start, self.rope)
-            be.cache_write(cache.v, v, self.rows, start, None)
+            if self.fused is not None:
+                q_rot = self.fused(be, cache.k, cache.v, k, v, q, start, self.rope)
+            if q_rot is None:
+                be.cache_write(cache.k, k, self.rows, start, self.rope)
+                be.cache_write(cache.v, v, self.rows, start, None)
         if n_new is not None:
             if b == 1:
                 cache._len[0], cache._lo[0] = length, min(lo, length)
@@ -409,7 +430,9 @@ class _FastEntry:
                       q_row0=q_row0.copy(), q_len=q_len.copy(), k_batch=q_batch.copy(),
                       k_row0=k_row0, k_len=k_len, q_pos0=q_pos0, k_pos0=k_pos0,
                       causal_hi=None if chi is None else chi.copy())
-        if self.rope is not None:
+        if q_rot is not None:
+            values["q"] = q_rot
+        elif self.rope is not None:
             positions = q_pos0[:, None] + np.arange(sq, dtype=np.int64)[None, :]
             values["q"] = be.rope(q, positions, self.rope)
         if _COPY_CALL:

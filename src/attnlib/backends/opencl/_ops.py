@@ -1,4 +1,11 @@
-"""softmax / logsumexp, merge_states, rope and the KV-cache append on OpenCL."""
+"""softmax / logsumexp, merge_states, rope and the KV-cache append on OpenCL.
+
+A decode step's append with RoPE (q and the new k rotated at their positions, then k and v
+written) runs as one launch of rope.cl's ``rope_append`` through an ``_AppendPlan``
+(:func:`fused_rope_append`, registered with ``attnlib.kv_cache`` for its repeat entries); the
+(cos, sin) values come from a device table of consecutive positions (``_CosSin``) made once and
+widened when a position falls outside it, so a step uploads nothing but its 12-byte (row, slot,
+table row) entry per sequence."""
 
 from __future__ import annotations
 
@@ -233,3 +240,172 @@ def cache_write(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray, start_p
     start = np.asarray(start_pos, np.int64)
     pos = start[:, None] + np.arange(s, dtype=np.int64)[None, :] if rope_spec else None
     _rope_copy(be, queue, src, buf, np.asarray(rows, np.int64), start % cap, cap, pos, rope_spec)
+
+
+# ---- the decode step's append with RoPE --------------------------------------------------------
+class _CosSin:
+    """(cos, sin) of consecutive positions ``[base, end)`` on the device, computed by
+    :func:`_cos_sin` (the values the per-call path uploads, bit for bit) and made with
+    ``COPY_HOST_PTR`` (no queue work, no host memory to keep alive). A position outside the
+    range makes a new table covering the old range and the new positions with as many rows again
+    to spare (a decode loop widens it log-many times), up to MAX_BYTES; past that, a table of
+    only what the call needs (with MIN_ROWS to spare). Callers hold ``launch_lock``."""
+
+    __slots__ = ("ctx", "spec", "acc", "buf", "base", "end")
+    MIN_ROWS = 1024
+    MAX_BYTES = 64 << 20
+
+    def __init__(self, ctx: Any, spec: RopeSpec, acc: np.dtype) -> None:
+        self.ctx, self.spec, self.acc = ctx, spec, acc
+        self.buf: Any = None
+        self.base = self.end = 0
+
+    def cover(self, lo: int, hi: int) -> bool:
+        """Make the table hold positions ``[lo, hi)``; False if that would pass MAX_BYTES."""
+        if self.buf is not None and self.base <= lo and hi <= self.end:
+            return True
+        import pyopencl as cl
+
+        max_rows = self.MAX_BYTES // (self.spec.rotary_dim * self.acc.itemsize)
+        if hi - lo + self.MIN_ROWS > max_rows:
+            return False
+        base, end = lo, hi + self.MIN_ROWS
+        if self.buf is not None:
+            wide_lo, wide_hi = min(lo, self.base), max(hi, self.end)
+            spare = max(self.MIN_ROWS, wide_hi - wide_lo)
+            if wide_hi - wide_lo + spare <= max_rows:
+                base, end = wide_lo, wide_hi + spare
+        host = _cos_sin(np.arange(base, end, dtype=np.int64), self.spec, self.acc)
+        mf = cl.mem_flags
+        self.buf = cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=host)
+        self.base, self.end = base, end
+        return True
+
+
+_cos_sin_tables: dict[tuple, _CosSin] = {}
+
+
+class _AppendPlan:
+    """rope_append for one geometry (the caches' k and v, the new q, k and v: shapes, strides,
+    offsets) and RoPE: options, grid, every argument but the buffers of the call (q, the new k
+    and v, q's rotated copy, the caches: caches of one geometry share the plan), the (row, slot,
+    table row) table on the device (rewritten in place when it changes) and the (cos, sin)
+    table it uses."""
+
+    __slots__ = ("be", "opts", "args", "table", "gsize", "cs", "cs_seen", "cap")
+
+    def __init__(self, be: OpenCLBackend, queue: Any, kbuf: Any, vbuf: Any, q: Any, k: Any,
+                 v: Any, spec: RopeSpec) -> None:
+        self.be = be  # keeps id(be), part of the plan's key, from being reused while it lives
+        ctx = queue.context
+        dtype = np.dtype(kbuf.dtype)
+        acc = acc_dtype(dtype)
+        cfg = RopeConfig(STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
+                         ROTATE=True, INTERLEAVED=bool(spec.interleaved))
+        cs_key = (ctx.int_ptr, spec, acc)
+        self.cs = _cos_sin_tables.get(cs_key)
+        if self.cs is None:
+            self.cs = _cos_sin_tables[cs_key] = _CosSin(ctx, spec, acc)
+        self.cs_seen = None
+        bsz, s, hq, d = q.shape
+        hkv, dv = k.shape[2], v.shape[3]
+        item = dtype.itemsize
+        i64, i32 = np.int64, np.int32
+
+        def view(x: Any) -> list:  # the element offset and strides following x's buffer
+            return [i64(x.offset // item), *(i64(st // item) for st in x.strides)]
+
+        self.table = _pool.DeviceTable(ctx, 12 * bsz, not be.facts.simulator)
+        self.opts = cfg.options()
+        self.cap = kbuf.shape[1]
+        self.args = [None, *view(q), None, *view(k), None, *view(v), None, self.table.buf,
+                     i32(s), i32(hq), i32(hkv), i32(d), i32(dv), i32(spec.rotary_dim),
+                     i32(self.cap), None, None,
+                     *(i64(st // item) for st in kbuf.strides[:3]), None,
+                     *(i64(st // item) for st in vbuf.strides[:3])]
+        self.gsize = (max(d, dv), hq + 2 * hkv, bsz * s)
+
+
+_append_plans: dict[tuple, Any] = {}
+_ROW_SLOT_POS = struct.Struct("=iii")  # one (cache row, first slot, first cs row) entry
+_Q, _K, _V, _CS, _QO, _KC, _VC = 0, 6, 12, 18, 27, 28, 32
+_APPEND_VARYING = (_Q, _K, _V, _QO, _KC, _VC)  # caches of one geometry share the plan
+_APPEND_VARYING_CS = _APPEND_VARYING + (_CS,)
+
+
+def fused_rope_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any,
+                      start: np.ndarray, spec: RopeSpec) -> Any:
+    """A KV-cache append with RoPE and q's rotation in one launch: the new ``k``, ``v`` (B, S,
+    ...) go to cache rows ``0..B-1`` from positions ``start`` (B,) on, k and ``q`` (B, S, HQ, D:
+    q row s at position start + s) rotated. Returns q's rotated copy, or None when the call is
+    not one this takes (anything but device arrays of the caches' queue, a position table past
+    its limit): then nothing was enqueued and the caller makes the three primitive calls."""
+    import pyopencl as cl
+
+    if not (is_cl_array(q) and is_cl_array(k) and is_cl_array(v)) or kbuf.offset or vbuf.offset:
+        return None
+    queue = kbuf.queue
+    qp = queue.int_ptr
+    if (q.queue is None or k.queue is None or v.queue is None or q.queue.int_ptr != qp
+            or k.queue.int_ptr != qp or v.queue.int_ptr != qp or vbuf.queue.int_ptr != qp
+            or q.base_data is None or k.base_data is None or v.base_data is None):
+        return None
+    key = (id(be), qp, kbuf.shape, kbuf.strides, kbuf.dtype, vbuf.shape, vbuf.strides,
+           q.shape, q.strides, q.offset, k.shape, k.strides, k.offset, v.shape, v.strides,
+           v.offset, spec)
+    plan = _append_plans.get(key)
+    if plan is None:
+        if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+            return None
+        if len(_append_plans) >= 256:
+            _append_plans.clear()
+        plan = _append_plans[key] = _AppendPlan(be, queue, kbuf, vbuf, q, k, v, spec)
+    bsz, s = k.shape[:2]
+    cap = plan.cap
+    if bsz == 1:
+        lo = int(start[0])
+        hi = lo + s
+    else:
+        lo, hi = int(start.min()), int(start.max()) + s
+    out = _pool.empty(queue, q.shape, q.dtype)
+    args = plan.args.copy()
+    args[_Q], args[_K], args[_V], args[_QO] = q.base_data, k.base_data, v.base_data, out.data
+    args[_KC], args[_VC] = kbuf.base_data, vbuf.base_data
+    with launch_lock:
+        cs = plan.cs
+        if not cs.cover(lo, hi):
+            return None
+        if bsz == 1:
+            table = _ROW_SLOT_POS.pack(0, lo % cap, lo - cs.base)
+        else:
+            start = np.asarray(start, np.int64)
+            table = np.stack([np.arange(bsz, dtype=np.int64), start % cap, start - cs.base],
+                             axis=1).astype(np.int32)
+        plan.table.put(queue, table)
+        varying = _APPEND_VARYING
+        if cs.buf is not plan.cs_seen:
+            args[_CS] = plan.cs_seen = cs.buf
+            varying = _APPEND_VARYING_CS
+        else:
+            args[_CS] = cs.buf
+        be.launch(queue.context, queue, "rope.cl", plan.opts, "rope_append", plan.gsize, None,
+                  args, varying=varying, owner=plan)
+    return out
+
+
+def _fused_guarded(be: OpenCLBackend, *args: Any) -> Any:
+    """fused_rope_append under the backend's device_errors (MemoryError for a full device), as
+    the primitives it replaces run."""
+    from . import device_errors
+
+    with device_errors("the KV-cache append"):
+        return fused_rope_append(be, *args)
+
+
+def _register() -> None:
+    from ... import kv_cache
+
+    kv_cache.FUSED_ROPE_APPEND[f"{__package__}.OpenCLBackend"] = _fused_guarded
+
+
+_register()
