@@ -210,6 +210,7 @@ def test_full_tiles_mkl_jit_and_plain_gemm(d, causal, monkeypatch):
     if nb._blas_name() == "mkl" and d == 64:
         assert jit[0] and jit[1] and jit[2] and jit[3], jit
     monkeypatch.setattr(nb, "_jit_kernels", lambda *a: np.zeros(4, np.int64))
+    monkeypatch.setattr(nb, "_plans", {})  # the plan memo holds the JIT kernels
     plain, _ = _check(q, k, v, causal=causal)
     np.testing.assert_allclose(plain, out, atol=2e-6, rtol=0)
 
