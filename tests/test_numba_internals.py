@@ -206,7 +206,7 @@ def test_full_tiles_mkl_jit_and_plain_gemm(d, causal, monkeypatch):
     rng = np.random.default_rng(d + causal)
     q, k, v = _qkv(rng, 1, nb.BLOCK_M + 40, 3 * nb.BLOCK_N + 17, 4, 2, d)
     out, _ = _check(q, k, v, causal=causal)
-    jit = nb._jit_kernels(np.dtype(np.float32), nb.BLOCK_M, nb.BLOCK_N, d, d, 2)
+    jit = nb._jit_kernels(np.dtype(np.float32), nb.BLOCK_M, nb.BLOCK_N, d, d, 2 * d, 2 * d)
     if nb._blas_name() == "mkl" and d == 64:
         assert jit[0] and jit[1] and jit[2] and jit[3], jit
     monkeypatch.setattr(nb, "_jit_kernels", lambda *a: np.zeros(4, np.int64))
@@ -246,3 +246,23 @@ def test_blas_choice_in_fresh_processes(tmp_path):
             res = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True,
                                  text=True, check=True).stdout.split()
         assert res == [choice, "1"], res  # the second process hit the cache
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv,d,dv", [(6, 2, 64, 64), (3, 3, 40, 24)])
+def test_bhsd_memory_read_in_place(causal, hq, hkv, d, dv):
+    """layout="bhsd" hands the kernel (B, S, H, D) views of head-major memory, which it reads in
+    place (``_flat``: no copy); the results match the reference and the bshd call's, also over
+    full 256 x 256 tiles (MKL JIT kernels made for the head-major row stride)."""
+    rng = np.random.default_rng(hq * 10 + d + causal)
+    q, k, v = _qkv(rng, 2, nb.BLOCK_M + 37, 2 * nb.BLOCK_N + 11, hq, hkv, d, dv)
+    qh, kh, vh = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+    x, flat, st = nb._flat(kh.transpose(0, 2, 1, 3), np.dtype(np.float32))
+    assert np.shares_memory(flat, kh) and st[1] == d and st[2] == kh.shape[2] * d
+    out, lse = attnlib.attention(qh, kh, vh, causal=causal, layout="bhsd", return_lse=True,
+                                 backend="numba")
+    ref, ref_lse = attnlib.attention(q, k, v, causal=causal, return_lse=True, backend="numpy")
+    np.testing.assert_allclose(out.transpose(0, 2, 1, 3), ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-4, rtol=0)
+    bshd, _ = _check(q, k, v, causal=causal)
+    np.testing.assert_allclose(out.transpose(0, 2, 1, 3), bshd, atol=2e-6, rtol=0)

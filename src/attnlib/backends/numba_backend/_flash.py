@@ -196,15 +196,19 @@ def _exp_f64(st, n, nr, mu, l_i):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _load_rows(src, b, row0, nrows, ring, h, dst, width):
-    """dst[t*width + d] = src[b, row(t), h, d]; row wraps at ``ring`` (ring-buffer caches)."""
+def _load_rows(src, st, b, row0, nrows, ring, h, dst, width):
+    """dst[t*width + d] = row ``row(t)`` of (batch ``b``, kv head ``h``) of the flat key / value
+    array ``src`` with element strides ``st`` (batch, row, head); the row wraps at ``ring``
+    (ring-buffer caches)."""
+    base = b * st[0] + h * st[2]
     for t in range(nrows):
         r = row0 + t
         if ring > 0 and r >= ring:
             r -= ring
-        base = t * width
+        off = base + r * st[1]
+        out = t * width
         for d in range(width):
-            dst[base + d] = src[b, r, h, d]
+            dst[out + d] = src[off + d]
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -272,13 +276,17 @@ def _all_finite(x):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
+def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
                   block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit, work):
     """Run every task; see the module docstring.
 
+    ``q``, ``k``, ``v``: flat (1-D) query, key and value arrays; ``qst`` / ``kst`` / ``vst``
+    int64 (4,) their element strides along (batch, row, head) and the row width (D, D, Dv
+    contiguous elements): the (B, S, H, D) layout, or (B, H, S, D) memory seen through
+    ``layout="bhsd"`` (rows of one head adjacent), which the tiles' BLAS calls read faster.
     ``seq`` int64 (n_seq, 9): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
     causal_hi (BIG when not causal). Key / value tiles are read in place by BLAS
-    (leading dimension ``Hkv * D``: no copy), except a tile that wraps around a ring buffer,
+    (leading dimension: the row stride; no copy), except a tile that wraps around a ring buffer,
     which is copied first. ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
     dtype's), called through :func:`_gemm`. ``jit`` int64 (4,): MKL JIT kernels (address,
     jitter) specialised to the full tile's ``Q K^T`` and ``P V`` shapes (0: none), used for full
@@ -298,15 +306,14 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
     ``scale * log2(e)``, FlashAttention-2's exp2 trick); float64 in natural units.
     """
     _wide_vectors()  # the O rescale, Q load and epilogue loops
-    d_qk = q.shape[3]
-    d_v = v.shape[3]
+    d_qk = kst[3]
+    d_v = vst[3]
     use_mask = mask.shape[0] > 0
     isz = out.itemsize
-    # k, v are C-contiguous: rows of one kv head are Hkv * D elements apart. (Offsets come from
-    # the shape, not from .strides, which numpy leaves arbitrary along axes of length 1.)
-    hkv = k.shape[2]
-    k_ld = hkv * d_qk
-    v_ld = hkv * d_v
+    k_ld = kst[1]  # the distance between rows of one kv head: BLAS's leading dimension
+    v_ld = vst[1]
+    k_base = np.int64(k.ctypes.data)
+    v_base = np.int64(v.ctypes.data)
     f32 = out.itemsize == 4
     unit = LOG2E if f32 else 1.0
     n_tasks = tasks.shape[0]
@@ -347,8 +354,9 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
         for r in range(nr):
             i = (r0 + r) // g
             h = kvh * g + (r0 + r) % g
+            src = qb * qst[0] + (qrow0 + i) * qst[1] + h * qst[2]
             for d in range(d_qk):
-                qt[r * d_qk + d] = q[qb, qrow0 + i, h, d] * (scale * unit)
+                qt[r * d_qk + d] = q[src + d] * (scale * unit)
         qpos_lo = qpos0 + r0 // g
         qpos_hi = qpos0 + (r0 + nr - 1) // g
         # -- only key tiles that some row of the block can see (causal / window skipping)
@@ -370,14 +378,13 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
                 row -= ring
             copied = ring > 0 and row + n > ring  # the tile wraps: copy it
             if copied:
-                _load_rows(k, kb, row, n, ring, kvh, kt, d_qk)
-                _load_rows(v, kb, row, n, ring, kvh, vt, d_v)
+                _load_rows(k, kst, kb, row, n, ring, kvh, kt, d_qk)
+                _load_rows(v, vst, kb, row, n, ring, kvh, vt, d_v)
                 k_addr, k_lead = np.int64(kt.ctypes.data), d_qk
                 v_addr, v_lead = np.int64(vt.ctypes.data), d_v
             else:
-                first = (kb * k.shape[1] + row) * hkv + kvh  # (batch, row, head) index
-                k_addr = np.int64(k.ctypes.data) + first * d_qk * isz
-                v_addr = np.int64(v.ctypes.data) + first * d_v * isz
+                k_addr = k_base + (kb * kst[0] + row * k_ld + kvh * kst[2]) * isz
+                v_addr = v_base + (kb * vst[0] + row * v_ld + kvh * vst[2]) * isz
                 k_lead, v_lead = k_ld, v_ld
             # -- S^T (n x nr, row-major) = K_blk @ Q_blk^T: BLAS column-major
             #    S (nr x n) = Q^T' K^T', i.e. gemm('T', 'N'), K read in place
@@ -397,7 +404,7 @@ def flash_forward(q, k, v, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, r
             if not full:
                 # a non-finite v in a partly hidden tile needs the -inf marks after exp
                 if not copied:
-                    _load_rows(v, kb, row, n, ring, kvh, vt, d_v)
+                    _load_rows(v, vst, kb, row, n, ring, kvh, vt, d_v)
                 clean = _all_finite(vt[: n * d_v].reshape((n, d_v)))
                 if not clean:
                     sb[: n * nr] = st[: n * nr]
