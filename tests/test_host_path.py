@@ -46,6 +46,7 @@ class Twin:
         dk = None if k is None else attnlib.to_device(k, backend=self.be)
         dv = None if v is None else attnlib.to_device(v, backend=self.be)
         got = attnlib.attention_with_kvcache(dq, self.dev, dk, dv, **kw)
+        self.ref._fast.clear()  # the oracle takes the full path every time (no repeat entry)
         want = attnlib.attention_with_kvcache(q, self.ref, k, v, **kw)
         if kw.get("return_lse"):
             np.testing.assert_allclose(attnlib.to_numpy(got[1]), want[1], atol=1e-4)
@@ -673,3 +674,93 @@ def test_rope_append_touches_the_queue_twice(be, monkeypatch):
         attnlib.attention_with_kvcache(dq, t.dev, dk, dv, rope=rope)
     fills = 6 if _pool.DeviceTable(be.context, 8, not be.facts.simulator).fill else 0
     assert tally == {"enqueue": 6, "fill": fills, "write": 6 - fills}
+
+
+# ---- start_pos and batch_idx on the repeat path --------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_batch_idx_and_start_pos_steps(be, fused, dtype, monkeypatch):
+    """Batch rows mapped to cache rows (array, list, one int), rewrites at an explicit start_pos
+    (speculative decoding's rollback), with and without RoPE, a ring: each step against the
+    oracle after warm calls of the same key."""
+    from attnlib import kv_cache
+
+    served = []
+    real = kv_cache._FastEntry._mapped
+    monkeypatch.setattr(kv_cache._FastEntry, "_mapped",
+                        lambda *a: served.append(1) or real(*a))
+    rng = rng_for("host path mapped", dtype)
+    hq, hkv, d = 6, 3, 16
+    rope = attnlib.RoPE(theta=200.0)
+    for ring, cap in ((False, 40), (True, 11)):
+        t = Twin(be, 3, cap, hkv, d, dtype, ring=ring)
+        _fill(t, rng, 3, 5, hkv, d, dtype)
+        for idx in (np.array([2, 0]), np.array([2, 0]), np.array([0, 1]), [1, 2], [2, 1]):
+            for r in (None, rope, rope):
+                _rope_steps(t, rng, 1, r, hq, hkv, d, dtype, b=2, batch_idx=idx)
+        for idx in (np.array([1, 1]), np.array([0, 2])):  # no append: a row may repeat
+            t.step(randn(rng, (2, 1, hq, d), dtype), batch_idx=idx)
+        for idx in (1, 0, np.int64(2)):  # one row, an int
+            _rope_steps(t, rng, 2, rope, hq, hkv, d, dtype, batch_idx=idx)
+        for _ in range(3):  # rewrite the last position again and again (rollback by one)
+            n = int(t.dev.lengths[0])
+            _rope_steps(t, rng, 1, rope, hq, hkv, d, dtype, start_pos=n - 1)
+            _rope_steps(t, rng, 1, None, hq, hkv, d, dtype, b=2, batch_idx=[0, 2],
+                        start_pos=np.array([n - 1, int(t.dev.lengths[2])]))
+        n = t.dev.lengths
+        _rope_steps(t, rng, 1, rope, hq, hkv, d, dtype, b=3, start_pos=n - 2)
+        _rope_steps(t, rng, 1, rope, hq, hkv, d, dtype, b=3, start_pos=t.dev.lengths)
+        if ring:
+            assert int(t.dev.held_from.max()) > 0
+    assert fused["ran"] >= 30 and fused["declined"] == 0 and len(served) >= 40
+
+
+def test_mapped_errors_after_warm_calls(be):
+    """After warm calls with batch_idx / start_pos, every bad value raises the front door's
+    error and leaves the cache as it was."""
+    rng = rng_for("host path mapped errors")
+    cap, hq, hkv, d = 9, 4, 2, 8
+    rope = attnlib.RoPE()
+    for ring in (False, True):
+        t = Twin(be, 3, cap, hkv, d, "float32", ring=ring)
+        _fill(t, rng, 3, 4, hkv, d, "float32")
+        q, k, v = _qkv_step(rng, 2, 1, hq, hkv, d, "float32")
+        q1, k1, v1 = _qkv_step(rng, 1, 1, hq, hkv, d, "float32")
+        for _ in range(2):  # warm each key
+            t.step(q, k, v, batch_idx=np.array([0, 2]), rope=rope, fresh=False)
+            t.step(q, batch_idx=[1, 2], fresh=False)
+            t.step(q1, k1, v1, start_pos=int(t.dev.lengths[0]) - 1, rope=rope, fresh=False)
+            t.step(q1, k1, v1, start_pos=np.array([3]), batch_idx=1, fresh=False)
+        while int(t.dev.lengths[0]) < cap + 2 * ring:  # full (or wrapped: 0, 1 not held)
+            t.step(q1, k1, v1, rope=rope, fresh=False)
+        dq, dk, dv, dq1, dk1, dv1 = (attnlib.to_device(x, backend=be)
+                                     for x in (q, k, v, q1, k1, v1))
+        length = int(t.dev.lengths[0])
+        bad = [
+            (attnlib.ArgumentError, (dq, dk, dv), {"batch_idx": np.array([2, 2]), "rope": rope}),
+            (attnlib.ArgumentError, (dq, dk, dv), {"batch_idx": np.array([0, 3]), "rope": rope}),
+            (attnlib.ArgumentError, (dq, dk, dv), {"batch_idx": np.array([-1, 0]),
+                                                    "rope": rope}),
+            (attnlib.ShapeError, (dq, dk, dv), {"batch_idx": np.array([0, 1, 2]), "rope": rope}),
+            (attnlib.ArgumentError, (dq, dk, dv), {"batch_idx": np.array([0.0, 1.0]),
+                                                    "rope": rope}),
+            (attnlib.ArgumentError, (dq,), {"batch_idx": [1, 3]}),
+            (attnlib.ArgumentError, (dq,), {"batch_idx": [1, True]}),
+            (attnlib.ArgumentError, (dq1,), {"start_pos": 2}),
+            (attnlib.ArgumentError, (dq1, dk1, dv1), {"start_pos": length + 1, "rope": rope}),
+            (attnlib.ArgumentError, (dq1, dk1, dv1), {"start_pos": -1, "rope": rope}),
+            (attnlib.ArgumentError, (dq1, dk1, dv1), {"start_pos": True, "rope": rope}),
+            (attnlib.ArgumentError, (dq1, dk1, dv1), {"start_pos": np.array([2, 3]),
+                                                      "batch_idx": 1}),
+        ]
+        if ring:  # a position the ring no longer holds
+            bad.append((attnlib.ArgumentError, (dq1, dk1, dv1), {"start_pos": 0, "rope": rope}))
+        else:  # past max_seq_len
+            bad.append((attnlib.CacheOverflowError, (dq1, dk1, dv1),
+                        {"start_pos": cap, "rope": rope}))
+        for err, args, kw in bad:
+            before = (t.dev.lengths, attnlib.to_numpy(t.dev.k), attnlib.to_numpy(t.dev.v))
+            with pytest.raises(err):
+                attnlib.attention_with_kvcache(args[0], t.dev, *args[1:], **kw)
+            after = (t.dev.lengths, attnlib.to_numpy(t.dev.k), attnlib.to_numpy(t.dev.v))
+            assert all(np.array_equal(x, y) for x, y in zip(before, after)), (err, kw)
+        t.step(randn(rng, q.shape), batch_idx=np.array([2, 1]))

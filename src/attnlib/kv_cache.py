@@ -217,12 +217,12 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
     rows. Every check runs before the cache is touched: a failing call leaves it unchanged.
     """
     fast_key = None
-    if (type(cache) is KVCache and backend is None and start_pos is None and batch_idx is None
-            and alibi_slopes is None):
-        fast_key = _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse)
+    if type(cache) is KVCache and backend is None and alibi_slopes is None:
+        fast_key = _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse,
+                             start_pos, batch_idx)
         entry = cache._fast.get(fast_key) if fast_key is not None else None
         if entry is not None:
-            res = entry.run(cache, q, k, v)
+            res = entry.run(cache, q, k, v, start_pos, batch_idx)
             if res is not None:
                 return res
     if not isinstance(cache, KVCache):
@@ -309,10 +309,13 @@ _NONE = type(None)
 _SIMPLE = (bool, int, float, _NONE, str, np.bool_, np.float64, np.float32)
 
 
-def _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse) -> tuple | None:
+def _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse, start_pos=None,
+              batch_idx=None) -> tuple | None:
     """Everything the checks of :func:`attention_with_kvcache` read besides the cache's state
-    (lengths): q's (and the new k, v's) type, shape, dtype and strides, and every option by type
-    and value. None (no repeat entry) for options of other types."""
+    (lengths) and the values of ``start_pos`` / ``batch_idx`` (checked per call, see
+    ``_FastEntry._mapped``): q's (and the new k, v's) type, shape, dtype and strides, every
+    option by type and value, the types of start_pos and batch_idx. None (no repeat entry) for
+    options of other types."""
     tc, ts, tf, tl = type(causal), type(scale), type(softcap), type(return_lse)
     if tc not in _SIMPLE or ts not in _SIMPLE or tf not in _SIMPLE or tl not in _SIMPLE:
         return None
@@ -326,7 +329,7 @@ def _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse) -> tupl
         if rope is not None:
             rope = (type(rope), rope.theta, rope.interleaved, rope.rotary_dim)
         return (type(q), q.shape, q.dtype, q.strides, kv, rope, tc, causal, ts, scale, window,
-                tf, softcap, tl, return_lse)
+                tf, softcap, tl, return_lse, type(start_pos), type(batch_idx))
     except (AttributeError, TypeError):
         return None
 
@@ -347,10 +350,10 @@ _CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0"
 _COPY_CALL = _frozen_fields_ok()
 
 #: fused appends with RoPE, by backend class (``module.qualname``, the exact type): ``fn(be,
-#: k_buf, v_buf, k, v, q, start, rope)`` writes the new k (rotated) and v at cache rows 0..B-1
-#: from positions ``start`` on and returns q rotated at the same positions (q has as many rows as
-#: the new tokens), or None when it does not take the call (then it did nothing). A backend's
-#: module registers its own (the OpenCL backend's ``_ops``): one launch instead of three.
+#: k_buf, v_buf, k, v, q, rows, start, rope)`` writes the new k (rotated) and v at cache rows
+#: ``rows`` from positions ``start`` on and returns q rotated at the same positions (q has as
+#: many rows as the new tokens), or None when it does not take the call (then it did nothing).
+#: A backend's module registers its own (the OpenCL backend's ``_ops``): one launch, not three.
 FUSED_ROPE_APPEND: dict[str, Callable] = {}
 
 
@@ -362,8 +365,10 @@ def _fused_rope_append(be) -> Callable | None:
 class _FastEntry:
     """What a successful call fixed for its key: the batch, query rows, the new tokens, RoPE,
     and the AttnCall fields that do not depend on the cache's lengths. ``run`` repeats the
-    length-dependent checks (a failing one hands the call to the full path, which raises the
-    error) and builds the AttnCall from them."""
+    length-dependent checks, and those of ``start_pos`` / ``batch_idx`` values (``_mapped``; a
+    failing one hands the call to the full path, which raises the error), and builds the
+    AttnCall from them. A decode step with RoPE goes through the backend's fused append when it
+    has one (FUSED_ROPE_APPEND)."""
 
     __slots__ = ("be", "b", "sq", "n_new", "rope", "need_lse", "fields", "consts", "rows",
                  "fused")
@@ -384,9 +389,18 @@ class _FastEntry:
         self.consts = (self.rows, np.zeros(b, np.int64), np.full(b, sq, np.int64),
                        None if call.causal_hi is None else np.zeros(b, np.int64))
 
-    def run(self, cache: KVCache, q, k, v):
+    def run(self, cache: KVCache, q, k, v, start_pos=None, batch_idx=None):
         b, sq, cap, n_new = self.b, self.sq, cache.max_seq_len, self.n_new
-        if b == 1:
+        rows = self.rows
+        if start_pos is not None or batch_idx is not None:
+            got = self._mapped(cache, start_pos, batch_idx)
+            if got is None:
+                return None  # a check fails (or an unusual argument): the full path
+            rows, start, new_len, lo_arr = got
+            if (new_len < sq).any():
+                return None
+            k_row0, k_len, q_pos0, k_pos0 = lo_arr % cap, new_len - lo_arr, new_len - sq, lo_arr
+        elif b == 1:
             length, lo = int(cache._len[0]), int(cache._lo[0])
             start = length
             if n_new is not None:
@@ -397,8 +411,10 @@ class _FastEntry:
                     lo = max(lo, length - cap)
             if length < sq:
                 return None  # the full path raises ShapeError
-            per = np.array([[lo % cap], [length - lo], [length - sq], [lo], [start]], np.int64)
-            k_row0, k_len, q_pos0, k_pos0, start = per
+            per = np.array([[lo % cap], [length - lo], [length - sq], [lo], [start], [length]],
+                           np.int64)
+            k_row0, k_len, q_pos0, k_pos0, start, new_len = per
+            lo_arr = k_pos0
         else:
             new_len, lo_arr = cache._len[:b].copy(), cache._lo[:b].copy()
             if n_new is not None:
@@ -415,19 +431,18 @@ class _FastEntry:
         q_rot = None
         if n_new:  # everything is checked: only now touch the cache (as _commit does)
             if self.fused is not None:
-                q_rot = self.fused(be, cache.k, cache.v, k, v, q, start, self.rope)
+                q_rot = self.fused(be, cache.k, cache.v, k, v, q, rows, start, self.rope)
             if q_rot is None:
-                be.cache_write(cache.k, k, self.rows, start, self.rope)
-                be.cache_write(cache.v, v, self.rows, start, None)
-        if n_new is not None:
-            if b == 1:
-                cache._len[0], cache._lo[0] = length, min(lo, length)
+                be.cache_write(cache.k, k, rows, start, self.rope)
+                be.cache_write(cache.v, v, rows, start, None)
+        if n_new is not None:  # lo <= new_len here (as np.minimum in _commit)
+            if rows is self.rows:
+                cache._len[:b], cache._lo[:b] = new_len, lo_arr
             else:
-                cache._len[:b] = new_len
-                cache._lo[:b] = np.minimum(lo_arr, new_len)
+                cache._len[rows], cache._lo[rows] = new_len, lo_arr
         q_batch, q_row0, q_len, chi = self.consts
         values = dict(self.fields, q=q, k=cache.k, v=cache.v, q_batch=q_batch.copy(),
-                      q_row0=q_row0.copy(), q_len=q_len.copy(), k_batch=q_batch.copy(),
+                      q_row0=q_row0.copy(), q_len=q_len.copy(), k_batch=rows.copy(),
                       k_row0=k_row0, k_len=k_len, q_pos0=q_pos0, k_pos0=k_pos0,
                       causal_hi=None if chi is None else chi.copy())
         if q_rot is not None:
@@ -442,3 +457,46 @@ class _FastEntry:
             call = AttnCall(**values)
         out, lse = be.attention(call)
         return (out, lse) if self.need_lse else out
+
+    def _mapped(self, cache: KVCache, start_pos, batch_idx):
+        """The checks of ``KVCache._plan`` / the front door for a call with ``start_pos`` or
+        ``batch_idx``, on plain ints and int numpy arrays only: (cache rows, start, new
+        lengths, first held positions), or None (a failing check or another argument kind:
+        the full path raises or serves it)."""
+        b, n_new, cap = self.b, self.n_new, cache.max_seq_len
+        rows = self.rows
+        if batch_idx is not None:
+            rows = _plain_ints(batch_idx, b)
+            if rows is None or rows.min() < 0 or rows.max() >= cache.max_batch_size:
+                return None
+            if n_new is not None and b > 1 and np.unique(rows).size != b:
+                return None  # one cache row written twice
+        cur, lo = cache._len[rows], cache._lo[rows]
+        if n_new is None:
+            return None if start_pos is not None else (rows, None, cur, lo)
+        start = cur if start_pos is None else _plain_ints(start_pos, b, scalar=True)
+        if start is None or (start < 0).any() or (start > cur).any():
+            return None  # a gap
+        end = start + n_new
+        if cache.ring:
+            if n_new > cap or (start < lo).any():
+                return None  # too many tokens, or a position no longer held
+            lo = np.maximum(lo, end - cap)
+        elif (end > cap).any():
+            return None  # overflow
+        return rows, start, end, np.minimum(lo, end)
+
+
+def _plain_ints(x, b: int, scalar: bool = False) -> np.ndarray | None:
+    """``x`` as a fresh int64 array (b,) when it is an int numpy array of that shape, a list or
+    tuple of b ints (batch_idx), or a single int (one row, or any b with ``scalar``: start_pos);
+    None for anything else (the full path checks it)."""
+    t = type(x)
+    if t is np.ndarray:
+        return x.astype(np.int64) if x.dtype.kind in "iu" and x.shape == (b,) else None
+    if t is int or t is np.int64:
+        return np.full(b, x, np.int64) if scalar or b == 1 else None
+    if (t is list or t is tuple) and not scalar and len(x) == b and all(
+            type(i) is int for i in x):
+        return np.array(x, np.int64)
+    return None

@@ -334,14 +334,12 @@ _APPEND_VARYING_CS = _APPEND_VARYING + (_CS,)
 
 
 def fused_rope_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any,
-                      start: np.ndarray, spec: RopeSpec) -> Any:
+                      rows: np.ndarray, start: np.ndarray, spec: RopeSpec) -> Any:
     """A KV-cache append with RoPE and q's rotation in one launch: the new ``k``, ``v`` (B, S,
-    ...) go to cache rows ``0..B-1`` from positions ``start`` (B,) on, k and ``q`` (B, S, HQ, D:
+    ...) go to cache rows ``rows`` (B,) from positions ``start`` (B,) on, k and ``q`` (B, S, HQ, D:
     q row s at position start + s) rotated. Returns q's rotated copy, or None when the call is
     not one this takes (anything but device arrays of the caches' queue, a position table past
     its limit): then nothing was enqueued and the caller makes the three primitive calls."""
-    import pyopencl as cl
-
     if not (is_cl_array(q) and is_cl_array(k) and is_cl_array(v)) or kbuf.offset or vbuf.offset:
         return None
     queue = kbuf.queue
@@ -355,6 +353,8 @@ def fused_rope_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q
            v.offset, spec)
     plan = _append_plans.get(key)
     if plan is None:
+        import pyopencl as cl
+
         if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
             return None
         if len(_append_plans) >= 256:
@@ -376,11 +376,10 @@ def fused_rope_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q
         if not cs.cover(lo, hi):
             return None
         if bsz == 1:
-            table = _ROW_SLOT_POS.pack(0, lo % cap, lo - cs.base)
+            table = _ROW_SLOT_POS.pack(int(rows[0]), lo % cap, lo - cs.base)
         else:
             start = np.asarray(start, np.int64)
-            table = np.stack([np.arange(bsz, dtype=np.int64), start % cap, start - cs.base],
-                             axis=1).astype(np.int32)
+            table = np.stack([rows, start % cap, start - cs.base], axis=1).astype(np.int32)
         plan.table.put(queue, table)
         varying = _APPEND_VARYING
         if cs.buf is not plan.cs_seen:
@@ -395,11 +394,18 @@ def fused_rope_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q
 
 def _fused_guarded(be: OpenCLBackend, *args: Any) -> Any:
     """fused_rope_append under the backend's device_errors (MemoryError for a full device), as
-    the primitives it replaces run."""
-    from . import device_errors
+    the primitives it replaces run (the package defines it after importing this module)."""
+    errors = _DEVICE_ERRORS[0] if _DEVICE_ERRORS else None
+    if errors is None:
+        from . import device_errors
 
-    with device_errors("the KV-cache append"):
+        _DEVICE_ERRORS.append(device_errors)
+        errors = device_errors
+    with errors("the KV-cache append"):
         return fused_rope_append(be, *args)
+
+
+_DEVICE_ERRORS: list = []
 
 
 def _register() -> None:
