@@ -206,9 +206,10 @@ def _load_rows(src, st, b, row0, nrows, ring, h, dst, width):
         if ring > 0 and r >= ring:
             r -= ring
         off = base + r * st[1]
+        row = src[off:off + width]
         out = t * width
         for d in range(width):
-            dst[out + d] = src[off + d]
+            dst[out + d] = row[d]
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -355,8 +356,9 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             i = (r0 + r) // g
             h = kvh * g + (r0 + r) % g
             src = qb * qst[0] + (qrow0 + i) * qst[1] + h * qst[2]
+            qrow = q[src:src + d_qk]  # a slice: unit-stride loads the loop vectorises
             for d in range(d_qk):
-                qt[r * d_qk + d] = q[src + d] * (scale * unit)
+                qt[r * d_qk + d] = qrow[d] * (scale * unit)
         qpos_lo = qpos0 + r0 // g
         qpos_hi = qpos0 + (r0 + nr - 1) // g
         # -- only key tiles that some row of the block can see (causal / window skipping)
