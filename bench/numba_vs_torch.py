@@ -7,6 +7,7 @@
     python bench/numba_vs_torch.py --single --prefill-only   # the two prefill tables only
     python bench/numba_vs_torch.py --opencl --reps 3  # the prefill cases on opencl (PoCL) too
     python bench/numba_vs_torch.py --prefill-only --isolated  # neither timed in the other's wake
+    python bench/numba_vs_torch.py --prefill-only --layout bhsd  # numba reads torch's memory
 
 Same process, same data: numba gets the bshd arrays attnlib takes, torch the same values as
 contiguous (B, H, S, D) tensors. Each case alternates the two (numba, torch, numba, ...) so load
@@ -16,6 +17,9 @@ after each call; ``--steady`` times each call after an untimed call of the same 
 steady state of a program that calls one of them repeatedly), for both alike; ``--isolated``
 also pauses 30 ms before that untimed call, so PyTorch's workers have stopped spinning.
 Speed ratio = torch time / numba time (> 1: numba faster). FLOPs = 4 * B * H * D * visible pairs.
+``--layout bhsd`` gives numba the very (B, H, S, D) arrays torch gets (``layout="bhsd"``, read in
+place); the default gives it the same values in attnlib's default (B, S, H, D) order, where the
+rows of one head are H * D elements apart (the kernel runs ~7-12% slower on them here).
 
 In the default mode numba is timed right after PyTorch, whose libgomp worker keeps one of this
 machine's two cores busy for ~8 ms after every call; calls shorter than that (S=512) then run
@@ -56,6 +60,7 @@ STEADY = False  # --steady: an untimed call of the same library before each time
 # workers spin after a call (~8 ms here), so neither library shares the cores with the other's
 # leftover threads (the untimed call absorbs part of the after-idle cost)
 GAP_S = 0.0
+LAYOUT = "bshd"  # --layout: the memory order numba's inputs come in
 
 
 def _time_pair(f_a, f_b, reps: int) -> tuple[float, float]:
@@ -92,12 +97,15 @@ def prefill(reps: int) -> list[float]:
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3))
         tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v))
+        nb_in = (q, k, v) if LAYOUT == "bshd" else tuple(t.numpy() for t in (tq, tk, tv))
         for causal in (False, True):
-            run_nb = functools.partial(attnlib.attention, q, k, v, causal=causal, backend="numba")
+            run_nb = functools.partial(attnlib.attention, *nb_in, causal=causal, layout=LAYOUT,
+                                       backend="numba")
             run_t = functools.partial(F.scaled_dot_product_attention, tq, tk, tv,
                                       is_causal=causal)
 
-            err = np.abs(run_nb() - run_t().transpose(1, 2).numpy()).max()
+            ref = run_t() if LAYOUT == "bhsd" else run_t().transpose(1, 2)
+            err = np.abs(run_nb() - ref.numpy()).max()
             t_nb, t_t = _time_pair(run_nb, run_t, reps)
             fl = 4 * b * h * d * _pairs(s, causal)
             ratios.append(t_t / t_nb)
@@ -271,8 +279,12 @@ def main() -> None:
     ap.add_argument("--isolated", action="store_true",
                     help="as --steady, with a 30 ms pause before each untimed call, so that "
                          "PyTorch's spinning OpenMP workers have stopped before numba's calls")
+    ap.add_argument("--layout", choices=("bshd", "bhsd"), default="bshd",
+                    help="numba's input order: bshd (default; the same values, attnlib's order) "
+                         "or bhsd (the same arrays torch gets, read in place)")
     args = ap.parse_args()
-    global STEADY, GAP_S
+    global STEADY, GAP_S, LAYOUT
+    LAYOUT = args.layout
     STEADY = args.steady or args.isolated
     GAP_S = 0.03 if args.isolated else 0.0
     import numba
@@ -290,7 +302,7 @@ def main() -> None:
           f"{torch.__version__} ({torch.get_num_threads()} threads); "
           + ", ".join(f"{k}={os.environ.get(k, 'unset')}"
                       for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"))
-          + "\n")
+          + f"; numba layout {LAYOUT}\n")
     reps = 3 if args.quick else args.reps
     if args.opencl:
         prefill_opencl(reps)
