@@ -5,7 +5,7 @@
  * (b, 0), cap = S); a KV-cache append writes cache row dst[2b] from slot dst[2b+1] on (cap =
  * max_seq_len, so a ring buffer wraps). ROTATE=0 copies only. cs holds (cos, sin) per (b * S + s,
  * pair t), computed on the host in float64 from the absolute positions.
- * rope_append (ROTATE=1) is one decode-step append with RoPE in one launch (see below).
+ * rope_append is one decode-step append (with RoPE: ROTATE=1) in one launch (see below).
  * Pairs: INTERLEAVED=0 (GPT-NeoX) (t, t + R/2); INTERLEAVED=1 (GPT-J) (2t, 2t + 1); dims >= R copy.
  */
 #if !defined(STORE_KIND) || !defined(ACC_KIND) || !defined(ROTATE) || !defined(INTERLEAVED)
@@ -50,12 +50,18 @@ __kernel void rope_copy(__global const store_t *x, long x_off, long x_sb, long x
 }
 
 #if ROTATE
-/* A KV-cache append with RoPE when q has as many rows as the new tokens (a decode step), so q row
- * s and new token s share the position start_b + s: one launch over (max(D, DV), HQ + 2 HKV,
- * B S) work items. Heads h < HQ rotate q into qo (B, S, HQ, D), C order; the next HKV rotate the
- * new k into the k cache, the last HKV copy the new v into the v cache (DV dims), both at cache
- * row dst[3b], slot (dst[3b+1] + s) % cap. cs is a table of consecutive positions: position
- * start_b + s is cs row dst[3b+2] + s. */
+#define ROTATED(x, xb, x_sd, csr, d) \
+    ((d) < R ? rotated(x, xb, x_sd, cs, csr, d, R) : LD(x, (xb) + (d) * (x_sd)))
+#else
+#define ROTATED(x, xb, x_sd, csr, d) LD(x, (xb) + (d) * (x_sd))
+#endif
+
+/* A KV-cache append in one launch over (max(D, DV), HQ + 2 HKV, B S) work items. Heads h < HQ
+ * rotate q into qo (B, S, HQ, D), C order: with RoPE, q has as many rows as the new tokens (a
+ * decode step), so q row s and new token s share the position start_b + s (HQ = 0: no q). The
+ * next HKV rotate the new k into the k cache, the last HKV copy the new v into the v cache (DV
+ * dims), both at cache row dst[3b], slot (dst[3b+1] + s) % cap. cs is a table of consecutive
+ * positions: position start_b + s is cs row dst[3b+2] + s. ROTATE=0: a plain append (HQ = 0). */
 __kernel void rope_append(__global const store_t *q, long q_off, long q_sb, long q_ss, long q_sh,
                           long q_sd, __global const store_t *k, long k_off, long k_sb, long k_ss,
                           long k_sh, long k_sd, __global const store_t *v, long v_off, long v_sb,
@@ -70,9 +76,7 @@ __kernel void rope_append(__global const store_t *q, long q_off, long q_sb, long
     if (h < HQ) {
         if (d >= D) return;
         const long xb = q_off + b * q_sb + s * q_ss + h * q_sh;
-        const acc_t val = d < R ? rotated(q, xb, q_sd, cs, dst[3 * b + 2] + s, d, R)
-                                : LD(q, xb + d * q_sd);
-        ST(qo, (bs * HQ + h) * D + d, val);
+        ST(qo, (bs * HQ + h) * D + d, ROTATED(q, xb, q_sd, dst[3 * b + 2] + s, d));
         return;
     }
     const long row = dst[3 * b], slot = ((long)dst[3 * b + 1] + s) % cap;
@@ -80,9 +84,8 @@ __kernel void rope_append(__global const store_t *q, long q_off, long q_sb, long
         const int hk = h - HQ;
         if (d >= D) return;
         const long xb = k_off + b * k_sb + s * k_ss + hk * k_sh;
-        const acc_t val = d < R ? rotated(k, xb, k_sd, cs, dst[3 * b + 2] + s, d, R)
-                                : LD(k, xb + d * k_sd);
-        ST(kc, row * kc_sb + slot * kc_ss + hk * kc_sh + d, val);
+        ST(kc, row * kc_sb + slot * kc_ss + hk * kc_sh + d,
+           ROTATED(k, xb, k_sd, dst[3 * b + 2] + s, d));
     } else {
         const int hv = h - HQ - HKV;
         if (d >= DV) return;
@@ -90,4 +93,3 @@ __kernel void rope_append(__global const store_t *q, long q_off, long q_sb, long
            LD(v, v_off + b * v_sb + s * v_ss + hv * v_sh + d * v_sd));
     }
 }
-#endif

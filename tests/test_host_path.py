@@ -292,8 +292,8 @@ def _decode_steps(be, monkeypatch, hq, hkv, d, dtype):
 
 def test_repeat_calls_touch_the_queue_once(be, monkeypatch):
     """A repeated decode step: one kernel enqueue and no table rewrite; after an append: the
-    attention's table is rewritten once (with the two cache writes' shared table, two
-    rewrites in all) and three kernels are enqueued."""
+    fused append's table and the attention's are rewritten (two rewrites in all) and two
+    kernels are enqueued (the fused k and v write, the attention)."""
     from attnlib.backends.opencl import _pool, _runtime
 
     rng = rng_for("host path counts")
@@ -320,7 +320,7 @@ def test_repeat_calls_touch_the_queue_once(be, monkeypatch):
         attnlib.attention_with_kvcache(dq, t.dev)
     assert tally == {"enqueue": 3, "fill": 0, "write": 0}
     attnlib.attention_with_kvcache(dq, t.dev, dk, dv)
-    assert tally == {"enqueue": 6, "fill": 2, "write": 0}
+    assert tally == {"enqueue": 5, "fill": 2, "write": 0}
 
 
 def test_dense_front_door_repeat_calls(be, monkeypatch):
@@ -487,18 +487,19 @@ def test_batched_steps_with_large_tables(be):
 # ---- appends with RoPE (a decode step of an LLM): the fused rope_append launch -------------------
 @pytest.fixture
 def fused(monkeypatch):
-    """Counts the fused RoPE appends that ran (returned a rotated q) and those handed back."""
+    """Counts the fused appends that ran (returned q, rotated with RoPE) and those handed
+    back."""
     from attnlib.backends.opencl import _ops
 
     seen = {"ran": 0, "declined": 0}
-    real = _ops.fused_rope_append
+    real = _ops.fused_append
 
     def counted(*a):
         res = real(*a)
         seen["ran" if res is not None else "declined"] += 1
         return res
 
-    monkeypatch.setattr(_ops, "fused_rope_append", counted)
+    monkeypatch.setattr(_ops, "fused_append", counted)
     return seen
 
 

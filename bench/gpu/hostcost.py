@@ -9,6 +9,8 @@ shared with other work). Cases (32 q / 8 kv heads, D=128, fp16, device arrays):
   attention (the cache is reset to 8192 tokens every 512 calls, outside the timing);
 * ``append_rope``: the same with ``rope=attnlib.RoPE()`` (an LLM decode step: rotary on q and
   the new k at their positions);
+* ``rewrite_rope``: ``append_rope`` at ``start_pos=8192`` every call (a rollback by one token, as
+  speculative decoding does); ``decode_batch_idx``: ``decode`` with ``batch_idx=np.array([0])``;
 * ``prefill``: ``attention(q, k, v, causal=True)`` at (1, 512, 32 / 8, 128) (the tensor-core
   prefill kernel on NVIDIA sm_80+, the portable one elsewhere);
 * ``dense_decode``: ``attention(q, k, v)`` with q (1, 1, 32, 128), k, v (1, 8192, 8, 128).
@@ -116,7 +118,7 @@ def cases(be, rng):
         cache.reset()
         cache.update(dk, dk, 0)
 
-    rope = attnlib.RoPE()
+    rope, bidx = attnlib.RoPE(), np.array([0])
     qp, kp = _dev(rng, (1, 512, HQ, D), be), _dev(rng, (1, 512, HKV, D), be)
     kd = _dev(rng, (1, CTX, HKV, D), be)
     return [
@@ -124,6 +126,10 @@ def cases(be, rng):
         ("append", lambda: attnlib.attention_with_kvcache(q1, cache, k1, v1), reset),
         ("append_rope", lambda: attnlib.attention_with_kvcache(q1, cache, k1, v1, rope=rope),
          reset),
+        ("rewrite_rope", lambda: attnlib.attention_with_kvcache(q1, cache, k1, v1, rope=rope,
+                                                                start_pos=CTX), reset),
+        ("decode_batch_idx", lambda: attnlib.attention_with_kvcache(q1, cache, batch_idx=bidx),
+         None),
         ("prefill", lambda: attnlib.attention(qp, kp, kp, causal=True, backend=be), None),
         ("dense_decode", lambda: attnlib.attention(q1, kd, kd, backend=be), None),
     ]
@@ -210,7 +216,8 @@ def main() -> None:
     ap.add_argument("--real-n", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=1,
                     help="report the least of this many medians (default 1)")
-    ap.add_argument("--cases", default="decode,append,append_rope,prefill,dense_decode")
+    ap.add_argument("--cases", default="decode,append,append_rope,rewrite_rope,decode_batch_idx,"
+                                       "prefill,dense_decode")
     args = ap.parse_args()
     global REPEAT
     REPEAT = max(1, args.repeat)

@@ -349,17 +349,18 @@ _CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0"
 
 _COPY_CALL = _frozen_fields_ok()
 
-#: fused appends with RoPE, by backend class (``module.qualname``, the exact type): ``fn(be,
-#: k_buf, v_buf, k, v, q, rows, start, rope)`` writes the new k (rotated) and v at cache rows
-#: ``rows`` from positions ``start`` on and returns q rotated at the same positions (q has as
-#: many rows as the new tokens), or None when it does not take the call (then it did nothing).
-#: A backend's module registers its own (the OpenCL backend's ``_ops``): one launch, not three.
-FUSED_ROPE_APPEND: dict[str, Callable] = {}
+#: fused appends, by backend class (``module.qualname``, the exact type): ``fn(be, k_buf, v_buf,
+#: k, v, q, rows, start, rope)`` writes the new k (rotated with a RopeSpec ``rope``) and v at
+#: cache rows ``rows`` from positions ``start`` on and returns q rotated at the same positions
+#: (with RoPE q has as many rows as the new tokens) or, without RoPE, q itself; None when it does
+#: not take the call (then it did nothing). A backend's module registers its own (the OpenCL
+#: backend's ``_ops``): one launch instead of three (with RoPE) or two.
+FUSED_APPEND: dict[str, Callable] = {}
 
 
-def _fused_rope_append(be) -> Callable | None:
+def _fused_append(be) -> Callable | None:
     cls = type(be)
-    return FUSED_ROPE_APPEND.get(f"{cls.__module__}.{cls.__qualname__}")
+    return FUSED_APPEND.get(f"{cls.__module__}.{cls.__qualname__}")
 
 
 class _FastEntry:
@@ -368,7 +369,7 @@ class _FastEntry:
     length-dependent checks, and those of ``start_pos`` / ``batch_idx`` values (``_mapped``; a
     failing one hands the call to the full path, which raises the error), and builds the
     AttnCall from them. A decode step with RoPE goes through the backend's fused append when it
-    has one (FUSED_ROPE_APPEND)."""
+    has one (FUSED_APPEND)."""
 
     __slots__ = ("be", "b", "sq", "n_new", "rope", "need_lse", "fields", "consts", "rows",
                  "fused")
@@ -378,8 +379,8 @@ class _FastEntry:
         self.b, self.sq = b, sq
         self.n_new = None if k is None else int(k.shape[1])
         self.rope, self.need_lse = rope, need_lse
-        # a decode step with RoPE (q rows = new tokens): the backend's fused append, if any
-        self.fused = (_fused_rope_append(self.be) if rope is not None and self.n_new == sq
+        # an append (with RoPE: q rows = new tokens): the backend's fused append, if any
+        self.fused = (_fused_append(self.be) if self.n_new and (rope is None or self.n_new == sq)
                       else None)
         self.fields = {f: getattr(call, f) for f in (
             "scale", "window_left", "window_right", "softcap", "alibi", "mask_view",

@@ -1,8 +1,8 @@
 """softmax / logsumexp, merge_states, rope and the KV-cache append on OpenCL.
 
-A decode step's append with RoPE (q and the new k rotated at their positions, then k and v
-written) runs as one launch of rope.cl's ``rope_append`` through an ``_AppendPlan``
-(:func:`fused_rope_append`, registered with ``attnlib.kv_cache`` for its repeat entries); the
+A decode step's append (k and v written; with RoPE, q and the new k rotated at their positions
+first) runs as one launch of rope.cl's ``rope_append`` through an ``_AppendPlan``
+(:func:`fused_append`, registered with ``attnlib.kv_cache`` for its repeat entries); the
 (cos, sin) values come from a device table of consecutive positions (``_CosSin``) made once and
 widened when a position falls outside it, so a step uploads nothing but its 12-byte (row, slot,
 table row) entry per sequence."""
@@ -286,41 +286,45 @@ _cos_sin_tables: dict[tuple, _CosSin] = {}
 
 
 class _AppendPlan:
-    """rope_append for one geometry (the caches' k and v, the new q, k and v: shapes, strides,
-    offsets) and RoPE: options, grid, every argument but the buffers of the call (q, the new k
-    and v, q's rotated copy, the caches: caches of one geometry share the plan), the (row, slot,
-    table row) table on the device (rewritten in place when it changes) and the (cos, sin)
-    table it uses."""
+    """rope_append for one geometry (the caches' k and v, the new k and v and, with RoPE, q:
+    shapes, strides, offsets) and RoPE (or none): options, grid, every argument but the buffers
+    of the call (q, the new k and v, q's rotated copy, the caches: caches of one geometry share
+    the plan), the (row, slot, table row) table on the device (rewritten in place when it
+    changes) and the (cos, sin) table it uses. Without RoPE q is left out (HQ = 0)."""
 
     __slots__ = ("be", "opts", "args", "table", "gsize", "cs", "cs_seen", "cap")
 
     def __init__(self, be: OpenCLBackend, queue: Any, kbuf: Any, vbuf: Any, q: Any, k: Any,
-                 v: Any, spec: RopeSpec) -> None:
+                 v: Any, spec: RopeSpec | None) -> None:
         self.be = be  # keeps id(be), part of the plan's key, from being reused while it lives
         ctx = queue.context
         dtype = np.dtype(kbuf.dtype)
         acc = acc_dtype(dtype)
         cfg = RopeConfig(STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
-                         ROTATE=True, INTERLEAVED=bool(spec.interleaved))
-        cs_key = (ctx.int_ptr, spec, acc)
-        self.cs = _cos_sin_tables.get(cs_key)
-        if self.cs is None:
-            self.cs = _cos_sin_tables[cs_key] = _CosSin(ctx, spec, acc)
+                         ROTATE=spec is not None, INTERLEAVED=bool(spec and spec.interleaved))
+        self.cs = None
+        if spec is not None:
+            cs_key = (ctx.int_ptr, spec, acc)
+            self.cs = _cos_sin_tables.get(cs_key)
+            if self.cs is None:
+                self.cs = _cos_sin_tables[cs_key] = _CosSin(ctx, spec, acc)
         self.cs_seen = None
-        bsz, s, hq, d = q.shape
-        hkv, dv = k.shape[2], v.shape[3]
+        bsz, s, hkv, d = k.shape
+        dv = v.shape[3]
+        hq = q.shape[2] if spec is not None else 0
         item = dtype.itemsize
         i64, i32 = np.int64, np.int32
 
         def view(x: Any) -> list:  # the element offset and strides following x's buffer
             return [i64(x.offset // item), *(i64(st // item) for st in x.strides)]
 
+        dummy = dummy_buffer(ctx)
         self.table = _pool.DeviceTable(ctx, 12 * bsz, not be.facts.simulator)
         self.opts = cfg.options()
         self.cap = kbuf.shape[1]
-        self.args = [None, *view(q), None, *view(k), None, *view(v), None, self.table.buf,
-                     i32(s), i32(hq), i32(hkv), i32(d), i32(dv), i32(spec.rotary_dim),
-                     i32(self.cap), None, None,
+        self.args = [None, *(view(q) if hq else [i64(0)] * 5), None, *view(k), None, *view(v),
+                     dummy, self.table.buf, i32(s), i32(hq), i32(hkv), i32(d), i32(dv),
+                     i32(spec.rotary_dim if spec is not None else 0), i32(self.cap), None, None,
                      *(i64(st // item) for st in kbuf.strides[:3]), None,
                      *(i64(st // item) for st in vbuf.strides[:3])]
         self.gsize = (max(d, dv), hq + 2 * hkv, bsz * s)
@@ -331,26 +335,35 @@ _ROW_SLOT_POS = struct.Struct("=iii")  # one (cache row, first slot, first cs ro
 _Q, _K, _V, _CS, _QO, _KC, _VC = 0, 6, 12, 18, 27, 28, 32
 _APPEND_VARYING = (_Q, _K, _V, _QO, _KC, _VC)  # caches of one geometry share the plan
 _APPEND_VARYING_CS = _APPEND_VARYING + (_CS,)
+_PLAIN_VARYING = (_K, _V, _KC, _VC)  # no RoPE: q, its copy and cs are the fixed dummy
 
 
-def fused_rope_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any,
-                      rows: np.ndarray, start: np.ndarray, spec: RopeSpec) -> Any:
-    """A KV-cache append with RoPE and q's rotation in one launch: the new ``k``, ``v`` (B, S,
-    ...) go to cache rows ``rows`` (B,) from positions ``start`` (B,) on, k and ``q`` (B, S, HQ, D:
-    q row s at position start + s) rotated. Returns q's rotated copy, or None when the call is
-    not one this takes (anything but device arrays of the caches' queue, a position table past
-    its limit): then nothing was enqueued and the caller makes the three primitive calls."""
-    if not (is_cl_array(q) and is_cl_array(k) and is_cl_array(v)) or kbuf.offset or vbuf.offset:
+def fused_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any,
+                 rows: np.ndarray, start: np.ndarray, spec: RopeSpec | None) -> Any:
+    """A KV-cache append in one launch: the new ``k``, ``v`` (B, S, ...) go to cache rows
+    ``rows`` (B,) from positions ``start`` (B,) on; with RoPE (``spec``) k and ``q`` (B, S, HQ,
+    D: q row s at position start + s) are rotated and q's rotated copy is returned, without it
+    q is not read and returned as it is. None when the call is not one this takes (anything but
+    device arrays of the caches' queue, a position table past its limit): then nothing was
+    enqueued and the caller makes the primitive calls."""
+    rotate = spec is not None
+    if not (is_cl_array(k) and is_cl_array(v)) or kbuf.offset or vbuf.offset:
         return None
     queue = kbuf.queue
     qp = queue.int_ptr
-    if (q.queue is None or k.queue is None or v.queue is None or q.queue.int_ptr != qp
-            or k.queue.int_ptr != qp or v.queue.int_ptr != qp or vbuf.queue.int_ptr != qp
-            or q.base_data is None or k.base_data is None or v.base_data is None):
+    if (k.queue is None or v.queue is None or k.queue.int_ptr != qp or v.queue.int_ptr != qp
+            or vbuf.queue.int_ptr != qp or k.base_data is None or v.base_data is None):
         return None
-    key = (id(be), qp, kbuf.shape, kbuf.strides, kbuf.dtype, vbuf.shape, vbuf.strides,
-           q.shape, q.strides, q.offset, k.shape, k.strides, k.offset, v.shape, v.strides,
-           v.offset, spec)
+    if rotate:
+        if (not is_cl_array(q) or q.queue is None or q.queue.int_ptr != qp
+                or q.base_data is None):
+            return None
+        key = (id(be), qp, kbuf.shape, kbuf.strides, kbuf.dtype, vbuf.shape, vbuf.strides,
+               k.shape, k.strides, k.offset, v.shape, v.strides, v.offset, spec, q.shape,
+               q.strides, q.offset)
+    else:
+        key = (id(be), qp, kbuf.shape, kbuf.strides, kbuf.dtype, vbuf.shape, vbuf.strides,
+               k.shape, k.strides, k.offset, v.shape, v.strides, v.offset)
     plan = _append_plans.get(key)
     if plan is None:
         import pyopencl as cl
@@ -362,38 +375,41 @@ def fused_rope_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q
         plan = _append_plans[key] = _AppendPlan(be, queue, kbuf, vbuf, q, k, v, spec)
     bsz, s = k.shape[:2]
     cap = plan.cap
-    if bsz == 1:
-        lo = int(start[0])
-        hi = lo + s
-    else:
-        lo, hi = int(start.min()), int(start.max()) + s
-    out = _pool.empty(queue, q.shape, q.dtype)
     args = plan.args.copy()
-    args[_Q], args[_K], args[_V], args[_QO] = q.base_data, k.base_data, v.base_data, out.data
-    args[_KC], args[_VC] = kbuf.base_data, vbuf.base_data
+    args[_K], args[_V], args[_KC], args[_VC] = k.base_data, v.base_data, kbuf.base_data, \
+        vbuf.base_data
+    out = q
+    if rotate:
+        out = _pool.empty(queue, q.shape, q.dtype)
+        args[_Q], args[_QO] = q.base_data, out.data
+    else:  # q, its copy, cs: the dummy buffer (never read or written with HQ = 0)
+        args[_Q] = args[_QO] = args[_CS]
+    first = int(start[0]) if bsz == 1 else None
     with launch_lock:
-        cs = plan.cs
-        if not cs.cover(lo, hi):
-            return None
+        base, cs, varying = 0, plan.cs, _PLAIN_VARYING
+        if cs is not None:
+            lo = first if bsz == 1 else int(start.min())
+            if not cs.cover(lo, (first if bsz == 1 else int(start.max())) + s):
+                return None
+            base, varying = cs.base, _APPEND_VARYING
+            if cs.buf is not plan.cs_seen:
+                plan.cs_seen = cs.buf
+                varying = _APPEND_VARYING_CS
+            args[_CS] = cs.buf
         if bsz == 1:
-            table = _ROW_SLOT_POS.pack(int(rows[0]), lo % cap, lo - cs.base)
+            table = _ROW_SLOT_POS.pack(int(rows[0]), first % cap, first - base if rotate else 0)
         else:
             start = np.asarray(start, np.int64)
-            table = np.stack([rows, start % cap, start - cs.base], axis=1).astype(np.int32)
+            table = np.stack([rows, start % cap, start - base if rotate else 0 * start],
+                             axis=1).astype(np.int32)
         plan.table.put(queue, table)
-        varying = _APPEND_VARYING
-        if cs.buf is not plan.cs_seen:
-            args[_CS] = plan.cs_seen = cs.buf
-            varying = _APPEND_VARYING_CS
-        else:
-            args[_CS] = cs.buf
         be.launch(queue.context, queue, "rope.cl", plan.opts, "rope_append", plan.gsize, None,
                   args, varying=varying, owner=plan)
     return out
 
 
 def _fused_guarded(be: OpenCLBackend, *args: Any) -> Any:
-    """fused_rope_append under the backend's device_errors (MemoryError for a full device), as
+    """fused_append under the backend's device_errors (MemoryError for a full device), as
     the primitives it replaces run (the package defines it after importing this module)."""
     errors = _DEVICE_ERRORS[0] if _DEVICE_ERRORS else None
     if errors is None:
@@ -402,7 +418,7 @@ def _fused_guarded(be: OpenCLBackend, *args: Any) -> Any:
         _DEVICE_ERRORS.append(device_errors)
         errors = device_errors
     with errors("the KV-cache append"):
-        return fused_rope_append(be, *args)
+        return fused_append(be, *args)
 
 
 _DEVICE_ERRORS: list = []
@@ -411,7 +427,7 @@ _DEVICE_ERRORS: list = []
 def _register() -> None:
     from ... import kv_cache
 
-    kv_cache.FUSED_ROPE_APPEND[f"{__package__}.OpenCLBackend"] = _fused_guarded
+    kv_cache.FUSED_APPEND[f"{__package__}.OpenCLBackend"] = _fused_guarded
 
 
 _register()
