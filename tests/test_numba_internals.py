@@ -266,3 +266,29 @@ def test_bhsd_memory_read_in_place(causal, hq, hkv, d, dv):
     np.testing.assert_allclose(lse, ref_lse, atol=2e-4, rtol=0)
     bshd, _ = _check(q, k, v, causal=causal)
     np.testing.assert_allclose(out.transpose(0, 2, 1, 3), bshd, atol=2e-6, rtol=0)
+
+
+def test_torch_imported_after_the_backend_keeps_its_threads():
+    """The backend's MKL (sequential layer, loaded into the global symbol scope) must not make
+    a PyTorch imported later single-threaded: it is imported before MKL loads (_blas)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (CI installs it)")
+    alone = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           capture_output=True, text=True, timeout=300)
+    after = subprocess.run([sys.executable, "-c", (
+        "import numpy as np, attnlib\n"
+        "from attnlib.backends.numba_backend import _blas\n"
+        "q = np.random.default_rng(0).standard_normal((1, 64, 2, 64)).astype(np.float32)\n"
+        "attnlib.attention(q, q, q, backend='numba')\n"
+        "import torch\n"
+        "print(torch.get_num_threads(), _blas._mkl is not None)\n")],
+        capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0 and after.returncode == 0, after.stderr[-2000:]
+    threads, mkl_loaded = after.stdout.split()
+    assert threads == alone.stdout.strip(), (alone.stdout, after.stdout)
+    if mkl_loaded != "True":
+        pytest.skip("MKL did not load here: the case the test is about did not arise")

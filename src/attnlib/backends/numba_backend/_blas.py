@@ -41,6 +41,27 @@ def _find_mkl_rt() -> str | None:
     return None
 
 
+def _torch_first() -> None:
+    """Import PyTorch, when it is installed and not imported yet, before MKL loads.
+
+    ``libmkl_rt``'s first call dlopens MKL's layer libraries into the process's global symbol
+    scope, and a PyTorch imported afterwards binds its own MKL calls to them: it then sizes its
+    OpenMP pool from the sequential layer's ``mkl_get_max_threads()`` = 1 and runs
+    single-threaded (measured here: torch 2.13 CPU, ``torch.get_num_threads()`` 1 instead of 2;
+    SDPA at S=512 took 4.7-5.1 ms instead of 2.5-2.9, fifth session, /work/notes/numba5.md).
+    Importing it first costs ~1-2 s once and keeps PyTorch's own bindings."""
+    import importlib.util
+    import sys
+
+    if "torch" in sys.modules or os.environ.get("ATTNLIB_NUMBA_NO_TORCH_FIRST"):
+        return
+    try:
+        if importlib.util.find_spec("torch") is not None:
+            import torch  # noqa: F401
+    except Exception:  # pragma: no cover - a broken torch install must not stop the backend
+        pass
+
+
 def load_mkl() -> ctypes.CDLL | None:
     """``libmkl_rt`` on the sequential threading layer, or None (not x86_64, not installed,
     does not load, or an earlier user in this process already chose a threaded layer)."""
@@ -56,6 +77,7 @@ def load_mkl() -> ctypes.CDLL | None:
         if path is None:
             _mkl_error = "the mkl package is not installed"
             return None
+        _torch_first()
         try:
             lib = ctypes.CDLL(path)
             lib.MKL_Set_Threading_Layer.restype = ctypes.c_int
