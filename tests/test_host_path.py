@@ -765,3 +765,20 @@ def test_mapped_errors_after_warm_calls(be):
             after = (t.dev.lengths, attnlib.to_numpy(t.dev.k), attnlib.to_numpy(t.dev.v))
             assert all(np.array_equal(x, y) for x, y in zip(before, after)), (err, kw)
         t.step(randn(rng, q.shape), batch_idx=np.array([2, 1]))
+
+
+def test_per_call_rope_uploads_stay_off_the_arrays(be):
+    """The per-call RoPE path (1 query row over 2 new tokens; attnlib.rope) keeps its table
+    uploads' events to itself: on the cache Arrays, pyopencl's add_event made each step wait for
+    the previous step's kernels; on a returned Array, dropping it waited for them."""
+    rng = rng_for("host path rope uploads")
+    hq, hkv, d = 4, 2, 16
+    rope = attnlib.RoPE()
+    t = Twin(be, 1, 60, hkv, d, "float32")
+    _fill(t, rng, 1, 7, hkv, d, "float32")
+    for _ in range(8):
+        q, k, v = _qkv_step(rng, 1, 1, hq, hkv, d, "float32", n_new=2)
+        t.step(q, k, v, rope=rope)
+    x = attnlib.to_device(randn(rng, (1, 3, hq, d)), backend=be)
+    rot = attnlib.rope(x, np.arange(3), backend=be)
+    assert t.dev.k.events == [] and t.dev.v.events == [] and rot.events == []
