@@ -788,3 +788,29 @@ def test_per_call_rope_uploads_stay_off_the_arrays(be):
     x = attnlib.to_device(randn(rng, (1, 3, hq, d)), backend=be)
     rot = attnlib.rope(x, np.arange(3), backend=be)
     assert t.dev.k.events == [] and t.dev.v.events == [] and rot.events == []
+
+
+@pytest.mark.parametrize("d,dv,dtype", [(16, 24, "float32"), (24, 8, "float16"),
+                                        (16, 10, "float64")])
+def test_fused_append_value_dims_and_float64(be, fused, d, dv, dtype):
+    """Fused appends (RoPE and plain) with head_dim_v != head_dim (the grid spans max(D, Dv))
+    and in float64 (float64 (cos, sin)), against the numpy cache."""
+    rng = rng_for("host path dv", d, dv, dtype)
+    b, cap, hq, hkv = 2, 30, 4, 2
+    dev = attnlib.KVCache(b, cap, hkv, d, head_dim_v=dv, dtype=dtype, backend=be)
+    ref = attnlib.KVCache(b, cap, hkv, d, head_dim_v=dv, dtype=dtype, backend="numpy")
+    tol = {"float64": 1e-10}.get(dtype, TOL.get(dtype))
+    for rope in (attnlib.RoPE(rotary_dim=8), None, attnlib.RoPE(rotary_dim=8)):
+        for _ in range(3):
+            q = randn(rng, (b, 1, hq, d), dtype)
+            k, v = randn(rng, (b, 1, hkv, d), dtype), randn(rng, (b, 1, hkv, dv), dtype)
+            got = attnlib.attention_with_kvcache(
+                *(attnlib.to_device(x, backend=be) for x in (q,)), dev,
+                *(attnlib.to_device(x, backend=be) for x in (k, v)), rope=rope)
+            ref._fast.clear()
+            want = attnlib.attention_with_kvcache(q, ref, k, v, rope=rope)
+            np.testing.assert_allclose(attnlib.to_numpy(got).astype(np.float64),
+                                       want.astype(np.float64), atol=tol, rtol=0)
+    np.testing.assert_allclose(attnlib.to_numpy(dev.v).astype(np.float64),
+                               attnlib.to_numpy(ref.v).astype(np.float64), atol=tol, rtol=0)
+    assert fused["ran"] == 7  # the first call of each key is the full path
