@@ -323,7 +323,7 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   }
 
   // ---- one key tile's steps, shared by the two schedules below
-  // S = Q K^T issued: KSTEPS_QK k-slices of 16 (two core matrices, 256 bytes, along K)
+  // S = Q K^T issued: KSTEPS_QK k-slices of 16 (descriptor steps KSTEP_DESC)
 #if USE_PTX
 #define WG_SS_STEP(KK, DK)                                                                     \
   WG_SS_S(sacc, dq0 + KSTEP_DESC(KK, BLOCK_M), (DK) + KSTEP_DESC(KK, BLOCK_N), KK)
@@ -345,7 +345,7 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
     UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) { WG_SS_STEP(kk, dk0); }                     \
     WG_COMMIT();                                                                               \
   }
-  // O += P V issued: k-slice t2 = keys 16 t2 .. 16 t2 + 15 = two core matrices along K
+  // O += P V issued: k-slice t2 = keys 16 t2 .. 16 t2 + 15 (descriptor steps VSTEP_DESC)
 #define ISSUE_PV(VBUF)                                                                         \
   {                                                                                            \
     const ulong dv0 = DESC_NMAJ(v_addr + (VBUF) * TILE_BYTES(BLOCK_N));                        \

@@ -66,6 +66,24 @@ def _qkv_step(rng, b, sq, hq, hkv, d, dtype, n_new=1):
             randn(rng, (b, n_new, hkv, d), dtype))
 
 
+def _count_queue_work(monkeypatch):
+    """A tally of kernel enqueues, table fills and host writes, counted from now on."""
+    from attnlib.backends.opencl import _pool, _runtime
+
+    tally = {"enqueue": 0, "fill": 0, "write": 0}
+
+    def count(name, fn):
+        def wrapped(*a, **kw):
+            tally[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(_runtime, "_enqueue", count("enqueue", _runtime._enqueue))
+    monkeypatch.setattr(_pool, "_fill", count("fill", _pool._fill_function()))
+    monkeypatch.setattr(cl, "enqueue_copy", count("write", cl.enqueue_copy))
+    return tally
+
+
 @pytest.fixture
 def be():
     return attnlib.get_backend("opencl")
@@ -294,7 +312,7 @@ def test_repeat_calls_touch_the_queue_once(be, monkeypatch):
     """A repeated decode step: one kernel enqueue and no table rewrite; after an append: the
     fused append's table and the attention's are rewritten (two rewrites in all) and two
     kernels are enqueued (the fused k and v write, the attention)."""
-    from attnlib.backends.opencl import _attention, _ops, _pool, _runtime
+    from attnlib.backends.opencl import _attention, _ops
 
     # plans (and their device tables) of this geometry left by other tests may already hold
     # this test's table bytes, which would save a rewrite
@@ -308,18 +326,7 @@ def test_repeat_calls_touch_the_queue_once(be, monkeypatch):
     dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
     attnlib.attention_with_kvcache(dq, t.dev, dk, dv)  # makes the plans
     attnlib.attention_with_kvcache(dq, t.dev)
-    tally = {"enqueue": 0, "fill": 0, "write": 0}
-    enqueue, fill, copy = _runtime._enqueue, _pool._fill_function(), cl.enqueue_copy
-
-    def count(name, fn):
-        def wrapped(*a, **kw):
-            tally[name] += 1
-            return fn(*a, **kw)
-        return wrapped
-
-    monkeypatch.setattr(_runtime, "_enqueue", count("enqueue", enqueue))
-    monkeypatch.setattr(_pool, "_fill", count("fill", fill))
-    monkeypatch.setattr(cl, "enqueue_copy", count("write", copy))
+    tally = _count_queue_work(monkeypatch)
     for _ in range(3):
         attnlib.attention_with_kvcache(dq, t.dev)
     assert tally == {"enqueue": 3, "fill": 0, "write": 0}
@@ -652,7 +659,7 @@ def test_rope_append_errors_after_warm_calls(be):
 def test_rope_append_touches_the_queue_twice(be, monkeypatch):
     """A repeated append with RoPE: two enqueues (the fused append, the attention), the two
     tables rewritten by fills (their lengths changed), nothing written from the host."""
-    from attnlib.backends.opencl import _attention, _ops, _pool, _runtime
+    from attnlib.backends.opencl import _attention, _ops, _pool
 
     _attention._plans.clear()  # no table of another test's plan (see the test above)
     _ops._append_plans.clear()
@@ -665,18 +672,7 @@ def test_rope_append_touches_the_queue_twice(be, monkeypatch):
     rope = attnlib.RoPE()
     for _ in range(2):  # the full path, then the repeat entry makes its plan
         attnlib.attention_with_kvcache(dq, t.dev, dk, dv, rope=rope)
-    tally = {"enqueue": 0, "fill": 0, "write": 0}
-    enqueue, fill, copy = _runtime._enqueue, _pool._fill_function(), cl.enqueue_copy
-
-    def count(name, fn):
-        def wrapped(*a, **kw):
-            tally[name] += 1
-            return fn(*a, **kw)
-        return wrapped
-
-    monkeypatch.setattr(_runtime, "_enqueue", count("enqueue", enqueue))
-    monkeypatch.setattr(_pool, "_fill", count("fill", fill))
-    monkeypatch.setattr(cl, "enqueue_copy", count("write", copy))
+    tally = _count_queue_work(monkeypatch)
     for _ in range(3):
         attnlib.attention_with_kvcache(dq, t.dev, dk, dv, rope=rope)
     fills = 6 if _pool.DeviceTable(be.context, 8, not be.facts.simulator).fill else 0

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from devrun import dense_calls, emit, torch_median_s  # noqa: E402
+from devrun import dense_calls, emit, torch_sdpa_anchor  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
 WARMUP, REPS = 3, 10
@@ -102,33 +102,6 @@ def report_builds(cl, nv, dev, seen: set, name: str, ptx_dir: str | None,
         emit(rec, json_path)
 
 
-def _torch_median_s(torch, x, causal: bool) -> float:
-    """Median seconds of one scaled_dot_product_attention between two CUDA events."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    for _ in range(WARMUP):
-        sdpa(*x, is_causal=causal)
-    return torch_median_s(torch, lambda: sdpa(*x, is_causal=causal), REPS)
-
-
-def torch_anchor(shapes, dtypes, json_path: str | None) -> None:
-    """PyTorch's flash backend (scaled_dot_product_attention), CUDA events, same shapes."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    for dname in dtypes:
-        dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dname]
-        for b, h, s, d in shapes:
-            x = [torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(3)]
-            for causal in (False, True):
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    t = _torch_median_s(torch, x, causal)
-                fl = 4 * b * h * s * s * d / (2 if causal else 1)
-                emit({"part": "torch", "dtype": dname, "shape": [b, h, s, d], "causal": causal,
-                      "ms": round(t * 1e3, 4), "tflops": round(fl / t / 1e12, 1)}, json_path)
-            del x
-            torch.cuda.empty_cache()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -200,7 +173,7 @@ def main(argv=None) -> int:
     emit({"part": "opencl_done", "s": round(time.perf_counter() - t_start, 1)}, args.json)
     if not args.no_torch:
         try:
-            torch_anchor(shapes, args.dtype, args.json)
+            torch_sdpa_anchor(shapes, args.dtype, args.json, ("flash",), WARMUP, REPS)
         except Exception as exc:  # noqa: BLE001
             emit({"part": "torch", "error": f"{type(exc).__name__}: {str(exc)[:300]}"},
                  args.json)

@@ -107,3 +107,37 @@ def dense_calls(be, dtype, shapes, causals=(False, True)):
                                     alibi_slopes=None, causal=causal, window=None, softcap=None)
             yield (b, h, s, d), causal, call, flops(b, h, s, d, causal)
         del x
+
+
+def torch_sdpa_anchor(shapes, dtypes, json_path, backends=("flash",), warmup=3, reps=10):
+    """PyTorch SDPA on the same (B, H, S, D) shapes (random bhsd tensors), causal and not, per
+    backend name of ``backends`` ("flash", "cudnn", "efficient"): CUDA-event median of ``reps``
+    after ``warmup`` calls, one record {"part": "torch", backend, dtype, shape, causal, ms,
+    tflops} each (an error record when a backend refuses)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for dname in dtypes:
+        dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dname]
+        for b, h, s, d in shapes:
+            x = [torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(3)]
+            for causal in (False, True):
+                for name in backends:
+                    rec = {"part": "torch", "backend": name, "dtype": dname,
+                           "shape": [b, h, s, d], "causal": causal}
+                    try:
+                        with sdpa_kernel(kinds[name]):
+                            for _ in range(warmup):
+                                sdpa(*x, is_causal=causal)
+                            t = torch_median_s(
+                                torch, lambda x=x, c=causal: sdpa(*x, is_causal=c), reps)
+                        rec.update(ms=round(t * 1e3, 4),
+                                   tflops=round(flops(b, h, s, d, causal) / t / 1e12, 1))
+                    except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+                        rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    emit(rec, json_path)
+            del x
+            torch.cuda.empty_cache()

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from devrun import dense_calls, emit, torch_median_s  # noqa: E402
+from devrun import dense_calls, emit, torch_sdpa_anchor  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128), (4, 16, 2048, 64)]
 CONFIGS = [(2, 128), (2, 64), (1, 128), (3, 64)]
@@ -112,8 +112,6 @@ def try_swaps(be, q, k, v, kw, want, dname, args_json) -> None:
 
 
 def build_report(be, ptx_dir, json_path) -> None:
-    import pyopencl as cl
-
     import attnlib
     from attnlib import _spec
     from attnlib.backends.opencl import _nvidia_mma as nv
@@ -127,19 +125,12 @@ def build_report(be, ptx_dir, json_path) -> None:
                               extra_options=("-cl-nv-verbose",))
         rec = {"part": "build", "d": d, "causal": causal, "opts": list(plan.opts)}
         try:
-            first = wg.build_program(be.context, "attn_fwd_wgmma.cl",
-                                     wg.source(plan.block_n // 8, d // 8), plan.opts, std=None,
-                                     devices=[be.device])
-            ptx = first.get_info(cl.program_info.BINARIES)[0].decode("utf-8", "replace")
-            ptx = ptx.rstrip("\x00")
+            _, info = wg.build(be.context, be.device, plan.opts, plan.block_n, d)
+            ptx, new = info["ptx"], info["ptx_sm90a"]
             rec["header"] = [ln.strip() for ln in ptx.splitlines()
                              if ln.strip().startswith((".version", ".target"))]
-            new, counts = wg.rewrite_ptx(ptx)
-            rec["markers"] = counts
-            log: list = []
-            wg._programs.clear()
-            wg.get_program(be.context, be.device, plan.opts, plan.block_n, d, log)
-            rec["ptxas"] = [ln.strip() for ln in str(log[0]).splitlines()
+            rec["markers"] = info["markers"]
+            rec["ptxas"] = [ln.strip() for ln in info["log"].splitlines()
                             if "registers" in ln or "spill" in ln or "arning" in ln
                             or "stack" in ln][:12]
             if ptx_dir:
@@ -192,35 +183,6 @@ def timing(be, queue, shapes, dtypes, configs, json_path, variants=None) -> None
                 emit(row, json_path)
 
 
-def torch_anchor(shapes, dtypes, json_path) -> None:
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    for dname in dtypes:
-        dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dname]
-        for b, h, s, d in shapes:
-            x = [torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(3)]
-            for causal in (False, True):
-                fl = 4 * b * h * s * s * d / (2 if causal else 1)
-                for name, bk in (("flash", SDPBackend.FLASH_ATTENTION),
-                                 ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    try:
-                        with sdpa_kernel(bk):
-                            for _ in range(WARMUP):
-                                sdpa(*x, is_causal=causal)
-                            t = torch_median_s(torch, lambda x=x, c=causal: sdpa(*x, is_causal=c),
-                                               REPS)
-                        emit({"part": "torch", "backend": name, "dtype": dname,
-                              "shape": [b, h, s, d], "causal": causal, "ms": round(t * 1e3, 4),
-                              "tflops": round(fl / t / 1e12, 1)}, json_path)
-                    except Exception as exc:  # noqa: BLE001
-                        emit({"part": "torch", "backend": name, "error": str(exc)[:200]},
-                             json_path)
-            del x
-            torch.cuda.empty_cache()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -271,7 +233,7 @@ def main(argv=None) -> int:
         timing(be, queue, shapes, dtypes, configs, args.json, variants)
     if "torch" not in args.skip:
         try:
-            torch_anchor(shapes, dtypes, args.json)
+            torch_sdpa_anchor(shapes, dtypes, args.json, ("flash", "cudnn"), WARMUP, REPS)
         except Exception as exc:  # noqa: BLE001
             emit({"part": "torch", "error": f"{type(exc).__name__}: {str(exc)[:300]}"},
                  args.json)

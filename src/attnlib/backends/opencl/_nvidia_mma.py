@@ -95,9 +95,9 @@ DEFAULT_OPTIONS_16 = {
 #: float64) but slower than this module's mma.sync kernel: fp16 D=128 not causal 243-278 TFLOP/s
 #: against 319-337 (flash 315-350, cuDNN 566-671), causal 205-275 against 278-347; its schedule
 #: is serial within a warpgroup (S, wait, softmax, P V, wait) and both warpgroups meet at one
-#: barrier per tile, so their softmax phases
-#: coincide and the tensor cores idle through them. Opt in with WGMMA_ON = True (or the
-#: environment variable ATTNLIB_NV_WGMMA=1 before import, e.g. for the conformance suite).
+#: barrier per tile, so their softmax phases coincide and the tensor cores idle through them.
+#: Opt in with WGMMA_ON = True (or the environment variable ATTNLIB_NV_WGMMA=1 before import,
+#: e.g. for the conformance suite).
 WGMMA_ON = os.environ.get("ATTNLIB_NV_WGMMA") == "1"
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
 #: -D options the dispatch adds to every wgmma build (e.g. -DWG_OVERLAP=1, the overlapped

@@ -30,7 +30,7 @@ from typing import Any
 
 from ._runtime import KernelBuildError, build_program, kernel_source
 
-__all__ = ["marker_macros", "rewrite_ptx", "get_program"]
+__all__ = ["marker_macros", "rewrite_ptx", "get_program", "build"]
 
 _lock = threading.Lock()
 _programs: dict[tuple, Any] = {}
@@ -138,28 +138,34 @@ def source(n_tiles_s: int, n_tiles_o: int, markers: bool = True) -> str:
 
 
 def get_program(ctx: Any, device: Any, options: tuple[str, ...], block_n: int,
-                head_dim: int, log: list | None = None) -> Any:
-    """The program of attn_fwd_wgmma.cl for ``options`` (built once per context, device and
-    options): OpenCL C with markers -> NVIDIA's PTX -> :func:`rewrite_ptx` -> built from that
-    PTX; with -DUSE_PTX=0 in ``options`` the emulated build, from the source alone. ``log``,
-    when given, receives the second build's log (ptxas' report with -cl-nv-verbose) and the
-    marker counts."""
-    import pyopencl as cl
-
+                head_dim: int) -> Any:
+    """The program of attn_fwd_wgmma.cl for ``options``, built (:func:`build`) once per
+    context, device and options."""
     key = (ctx.int_ptr, device.int_ptr, options)
     with _lock:
         prg = _programs.get(key)
     if prg is not None:
         return prg
+    prg = build(ctx, device, options, block_n, head_dim)[0]
+    with _lock:
+        return _programs.setdefault(key, prg)
+
+
+def build(ctx: Any, device: Any, options: tuple[str, ...], block_n: int,
+          head_dim: int) -> tuple[Any, dict]:
+    """Build attn_fwd_wgmma.cl for ``options`` (no cache): OpenCL C with markers -> NVIDIA's
+    PTX -> :func:`rewrite_ptx` -> built from that PTX; with -DUSE_PTX=0 in ``options`` the
+    emulated build, from the source alone. Returns the program and what the build showed:
+    {"ptx": NVIDIA's PTX, "ptx_sm90a": the rewritten PTX, "markers": counts, "log": the
+    second build's log (ptxas' report with -cl-nv-verbose)} (empty for the emulation)."""
+    import pyopencl as cl
+
     if "-DUSE_PTX=0" in options:  # the emulation: plain OpenCL C, no markers, no rewrite
-        prg = build_program(ctx, "attn_fwd_wgmma.cl", source(0, 0, markers=False), options,
-                            devices=[device])
-        with _lock:
-            return _programs.setdefault(key, prg)
+        return build_program(ctx, "attn_fwd_wgmma.cl", source(0, 0, markers=False), options,
+                             devices=[device]), {}
     first = build_program(ctx, "attn_fwd_wgmma.cl", source(block_n // 8, head_dim // 8),
                           options, std=None, devices=[device])
-    ptx = first.get_info(cl.program_info.BINARIES)[0]
-    text = ptx.decode("utf-8", "replace").rstrip("\x00")
+    text = first.get_info(cl.program_info.BINARIES)[0].decode("utf-8", "replace").rstrip("\x00")
     try:
         new, counts = rewrite_ptx(text)
     except ValueError as exc:
@@ -171,12 +177,8 @@ def get_program(ctx: Any, device: Any, options: tuple[str, ...], block_n: int,
         raise KernelBuildError(
             f"opencl: attn_fwd_wgmma.cl (PTX rewritten for sm_90a) failed to build on "
             f"{device.name.strip()} with options {' '.join(options)}:\n{exc}") from exc
-    if log is not None:
-        try:
-            log.append(prg.get_build_info(device, cl.program_build_info.LOG))
-        except Exception:  # pragma: no cover - a driver without a log
-            log.append("")
-        log.append(counts)
-    with _lock:
-        _programs.setdefault(key, prg)
-        return _programs[key]
+    try:
+        log = prg.get_build_info(device, cl.program_build_info.LOG) or ""
+    except Exception:  # pragma: no cover - a driver without a log
+        log = ""
+    return prg, {"ptx": text, "ptx_sm90a": new, "markers": counts, "log": log}

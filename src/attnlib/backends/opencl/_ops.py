@@ -218,6 +218,23 @@ class _WritePlan:
 
 
 _write_plans: dict[tuple, Any] = {}
+_PLANS_MAX = 256
+
+
+def _memo_plan(table: dict, key: tuple, queue: Any, make: Any) -> Any:
+    """The plan of ``key`` in ``table`` (made by ``make()`` on first use; the table is emptied
+    past _PLANS_MAX), or None for an out-of-order queue: a plan's device tables are rewritten
+    in place, which relies on the queue's order."""
+    plan = table.get(key)
+    if plan is None:
+        import pyopencl as cl
+
+        if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+            return None
+        if len(table) >= _PLANS_MAX:
+            table.clear()
+        plan = table[key] = make()
+    return plan
 _ROW_SLOT = struct.Struct("=ii")  # one (cache row, first slot) entry of the table
 _WRITE_VARYING = (0, 13)
 
@@ -225,7 +242,6 @@ _WRITE_VARYING = (0, 13)
 def _cache_write_fast(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray,
                       start_pos: np.ndarray) -> bool:
     """The append through a _WritePlan; False when the call is not one it takes."""
-    import pyopencl as cl
 
     if (not is_cl_array(src) or src.base_data is None or buf.base_data is None or src.size == 0
             or buf.offset):
@@ -233,13 +249,9 @@ def _cache_write_fast(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray,
     queue = be.queue_for(buf)
     key = (id(be), queue.int_ptr, buf.shape, buf.strides, buf.dtype, src.shape, src.strides,
            src.offset, src.dtype)
-    plan = _write_plans.get(key)
+    plan = _memo_plan(_write_plans, key, queue, lambda: _WritePlan(be, queue, buf, src))
     if plan is None:
-        if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
-            return False
-        if len(_write_plans) >= 256:
-            _write_plans.clear()
-        plan = _write_plans[key] = _WritePlan(be, queue, buf, src)
+        return False
     cap = buf.shape[1]
     if rows.shape[0] == 1:
         table = _ROW_SLOT.pack(int(rows[0]), int(start_pos[0]) % cap)
@@ -378,25 +390,17 @@ def fused_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any
     if (k.queue is None or v.queue is None or k.queue.int_ptr != qp or v.queue.int_ptr != qp
             or vbuf.queue.int_ptr != qp or k.base_data is None or v.base_data is None):
         return None
+    if rotate and (not is_cl_array(q) or q.queue is None or q.queue.int_ptr != qp
+                   or q.base_data is None):
+        return None
+    key = (id(be), qp, kbuf.shape, kbuf.strides, kbuf.dtype, vbuf.shape, vbuf.strides,
+           k.shape, k.strides, k.offset, v.shape, v.strides, v.offset)
     if rotate:
-        if (not is_cl_array(q) or q.queue is None or q.queue.int_ptr != qp
-                or q.base_data is None):
-            return None
-        key = (id(be), qp, kbuf.shape, kbuf.strides, kbuf.dtype, vbuf.shape, vbuf.strides,
-               k.shape, k.strides, k.offset, v.shape, v.strides, v.offset, spec, q.shape,
-               q.strides, q.offset)
-    else:
-        key = (id(be), qp, kbuf.shape, kbuf.strides, kbuf.dtype, vbuf.shape, vbuf.strides,
-               k.shape, k.strides, k.offset, v.shape, v.strides, v.offset)
-    plan = _append_plans.get(key)
+        key += (spec, q.shape, q.strides, q.offset)
+    plan = _memo_plan(_append_plans, key, queue,
+                      lambda: _AppendPlan(be, queue, kbuf, vbuf, q, k, v, spec))
     if plan is None:
-        import pyopencl as cl
-
-        if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
-            return None
-        if len(_append_plans) >= 256:
-            _append_plans.clear()
-        plan = _append_plans[key] = _AppendPlan(be, queue, kbuf, vbuf, q, k, v, spec)
+        return None
     bsz, s = k.shape[:2]
     cap = plan.cap
     args = plan.args.copy()
