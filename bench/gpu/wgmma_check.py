@@ -192,7 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="*", default=None, help="B,H,S,D each")
     ap.add_argument("--skip", nargs="*", default=[], choices=["build", "check", "time", "torch"])
     ap.add_argument("--check-options", nargs="*", default=None,
-                    help="-D options of the wgmma builds the correctness part runs")
+                    help="-D options of the wgmma builds the correctness part runs (commas "
+                         "also separate them: --check-options=-DA=1,-DB=1)")
     ap.add_argument("--variants", nargs="*", default=None,
                     help="NAME=-DOPT=V,-DOPT=V each: wgmma kernel options timed per config "
                          "(e.g. serial=-DWG_OVERLAP=0 overlap=-DWG_OVERLAP=1)")
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
         from attnlib.backends.opencl import _nvidia_mma as nv
 
         if args.check_options is not None:
-            nv.WGMMA_OPTIONS = tuple(args.check_options)
+            nv.WGMMA_OPTIONS = tuple(o for v in args.check_options for o in v.split(","))
         ok = check(be, args.json, dtypes, swaps=True)
         emit({"part": "check_done", "all_ok": ok, "s": round(time.perf_counter() - t0, 1)},
              args.json)
