@@ -62,9 +62,12 @@
 // address bits 4-6 with bits 7-9: arrays 1024-byte aligned). As K-major operands (Q, K) the
 // 8-row groups are SBO = 1024 bytes apart and a k-slice of 16 moves the start address by 32
 // bytes (by 128 R at a new block); as the N-major V, the 64-column blocks are LBO = 128 R apart
-// and the 8-key groups SBO = 1024. Loads are row-major (16 threads per 256-byte row).
+// and the 8-key groups SBO = 1024. Loads are row-major (16 threads per 256-byte row).  The
+// default: on the H200 it ran 1.6-1.7x the no-swizzle layout at D=128, 1.45x at D=64 (sixth
+// session, bench/RESULTS.md); WG_SWIZZLE=0 (no-swizzle core matrices) stays for comparison and
+// for head dims not a multiple of 64.
 #ifndef WG_SWIZZLE
-#define WG_SWIZZLE 0
+#define WG_SWIZZLE (HEAD_DIM % 64 == 0)
 #endif
 #ifndef WG_ABL
 #define WG_ABL 0

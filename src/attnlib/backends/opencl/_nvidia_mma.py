@@ -90,15 +90,15 @@ DEFAULT_OPTIONS_16 = {
 }
 #: Hopper (compute capability 9.0): float16/bfloat16 run kernels/attn_fwd_wgmma.cl (warpgroup
 #: MMA through the PTX rewrite of _nvidia_wgmma) when True; (WGS, BLOCK_N) per head dim
-#: (BLOCK_M = 64 WGS query rows, 128 WGS threads). Off: on the H200 (fifth session, run 1,
-#: bench/RESULTS.md) it was correct (conformance 296/296 with it on, 12/12 checks against
-#: float64) but slower than this module's mma.sync kernel: fp16 D=128 not causal 243-278 TFLOP/s
-#: against 319-337 (flash 315-350, cuDNN 566-671), causal 205-275 against 278-347; its schedule
-#: is serial within a warpgroup (S, wait, softmax, P V, wait) and both warpgroups meet at one
-#: barrier per tile, so their softmax phases coincide and the tensor cores idle through them.
-#: Opt in with WGMMA_ON = True (or the environment variable ATTNLIB_NV_WGMMA=1 before import,
-#: e.g. for the conformance suite).
-WGMMA_ON = os.environ.get("ATTNLIB_NV_WGMMA") == "1"
+#: (BLOCK_M = 64 WGS query rows, 128 WGS threads), the serial schedule on the 128-byte-swizzle
+#: layouts (the kernel's defaults). H200, sixth session (bench/RESULTS.md; kernel events, the
+#: same run as PyTorch): fp16/bf16 D=128 420-480 TFLOP/s against this module's mma.sync kernel
+#: 276-346 and PyTorch's flash 229-357 (1.22-1.46x flash; cuDNN 360-677); D=64 (2, 64) 295-349
+#: against 252-298 and flash 187-245. The no-swizzle layout of the fifth session ran at 74-83% of
+#: mma.sync: its ablations showed the K/V reloads, not the softmax, holding it (bank conflicts of
+#: the GEMMs' shared-memory reads behind the loads' barrier). ATTNLIB_NV_WGMMA=0 (before import)
+#: turns it off, e.g. to compare with the mma.sync kernel.
+WGMMA_ON = os.environ.get("ATTNLIB_NV_WGMMA", "1") != "0"
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
 #: -D options the dispatch adds to every wgmma build (e.g. -DWG_OVERLAP=1, the overlapped
 #: schedule); the environment variable ATTNLIB_NV_WGMMA_OPTS (space-separated) sets them
