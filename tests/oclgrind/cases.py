@@ -9,6 +9,7 @@ Run directly it uses whatever device the opencl backend picks (PoCL here).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -135,6 +136,45 @@ def ring_cache_with_rope(be):
 
 
 @case
+def decode_append_on_device(be):
+    # repeat decode steps with device arrays take the fused append (rope_append in rope.cl):
+    # with RoPE (interleaved, partial rotary_dim) on a float16 ring cache of two sequences that
+    # wraps, and without RoPE on a float32 cache
+    from attnlib.backends.opencl import _ops
+
+    rng = rng_for("og append")
+    real, fused = _ops.fused_append, []
+
+    def counted(*args):
+        res = real(*args)
+        fused.append(res is not None)
+        return res
+
+    _ops.fused_append = counted
+    try:
+        for dtype, ring, rope, steps, tol in (
+                ("float16", True, attnlib.RoPE(theta=100.0, interleaved=True, rotary_dim=6),
+                 7, 3e-3),
+                ("float32", False, None, 3, 1e-5)):
+            caches = [attnlib.KVCache(2, 7, 1, 8, dtype=dtype, ring=ring, backend=name)
+                      for name in ("numpy", be)]
+            _, k, v = qkv(rng, 2, 0, 2, 4, 1, 8, dtype=dtype)
+            caches[0].update(k, v, 0)
+            caches[1].update(*(attnlib.to_device(x, backend=be) for x in (k, v)), 0)
+            for _ in range(steps):
+                q, k, v = qkv(rng, 2, 1, 1, 4, 1, 8, dtype=dtype)
+                want = attnlib.attention_with_kvcache(q, caches[0], k, v, rope=rope)
+                got = attnlib.attention_with_kvcache(
+                    *(attnlib.to_device(x, backend=be) for x in (q,)), caches[1],
+                    *(attnlib.to_device(x, backend=be) for x in (k, v)), rope=rope)
+                close(got, want, tol)
+    finally:
+        _ops.fused_append = real
+    # every step after each cache's first went through rope_append
+    assert sum(fused) == 7 - 1 + 3 - 1, fused
+
+
+@case
 def softmax_and_logsumexp(be):
     for dtype in ("float32", "float16", "bfloat16", "float64"):
         rng = rng_for("og softmax", dtype)
@@ -168,7 +208,34 @@ def rope_both_layouts(be):
               1e-5)
 
 
+_KEPT: list = []
+
+
+def keep_buffers_alive() -> None:
+    """Make every ``pyopencl.Buffer`` made from here on live until the process ends.
+
+    Why: Oclgrind gives a released buffer's number to the next buffer made, but its
+    uninitialised-value plugin keeps the old buffer's shadow state under that number (it has no
+    handler for a release, and makes a shadow only for a number that has none). A buffer that
+    takes the number of a smaller one keeps the smaller shadow: its bytes past that size read as
+    uninitialised whatever wrote them, and every kernel reading them is reported (a float16 ring
+    cache of 224 bytes given the number of a released 128-byte input: ~1000 reports in
+    attn_fwd). stale_shadow.py shows it with pyopencl alone. Numbers that are never released are
+    never reused. (A kernel reading a buffer through a stale argument then reads the old buffer's
+    data, which the comparison with the reference catches.)"""
+    import pyopencl as cl
+
+    class KeptBuffer(cl.Buffer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _KEPT.append(self)
+
+    cl.Buffer = KeptBuffer
+
+
 def main() -> int:
+    if os.environ.get("ATTNLIB_OCLGRIND_KEEP_BUFFERS") == "1":  # set by run_oclgrind.py
+        keep_buffers_alive()
     be = attnlib.get_backend("opencl")
     print(f"device: {be.info()['device']}", flush=True)
     failed = 0
@@ -184,6 +251,8 @@ def main() -> int:
             failed += 1
             status = f"FAILED: {type(exc).__name__}: {exc}"
         print(f"{fn.__name__:36s} {time.perf_counter() - t0:6.1f} s  {status}", flush=True)
+    if os.environ.get("ATTNLIB_OCLGRIND_KEEP_BUFFERS") == "1":
+        print(f"buffers kept alive: {len(_KEPT)}")
     return 1 if failed else 0
 
 

@@ -39,6 +39,7 @@ def oclgrind_env() -> dict[str, str]:
         OCLGRIND_CHECK_API="1",
         OCLGRIND_BUILD_OPTIONS="-cl-opt-disable",
         PYTHONWARNINGS="ignore",
+        ATTNLIB_OCLGRIND_KEEP_BUFFERS="1",  # see cases.keep_buffers_alive
     )
     return env
 
