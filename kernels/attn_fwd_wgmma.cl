@@ -69,6 +69,17 @@
 #ifndef WG_SWIZZLE
 #define WG_SWIZZLE (HEAD_DIM % 64 == 0)
 #endif
+// WG_PINGPONG=1 (serial schedule, WGS=2): FA3's inter-warpgroup ping-pong. The two warpgroups
+// take turns to issue their products (named barriers 1 and 2: a warpgroup waits for its turn,
+// issues S or P V, then passes the turn), so one's softmax runs while the other's products
+// occupy the tensor cores instead of both softmaxes coinciding. Only the issue order changes;
+// the emulation (USE_PTX=0) ignores it.
+#ifndef WG_PINGPONG
+#define WG_PINGPONG 0
+#endif
+#if WG_PINGPONG && (WG_OVERLAP || WGS != 2)
+#error "WG_PINGPONG is for the serial schedule with two warpgroups"
+#endif
 #ifndef WG_ABL
 #define WG_ABL 0
 #endif
@@ -89,6 +100,15 @@
 #if USE_PTX
 // make the generic-proxy writes to shared memory (cp.async, stores) visible to wgmma's reads
 #define FENCE_ASYNC_SHARED() asm volatile("fence.proxy.async.shared::cta;" ::: "memory")
+#if WG_PINGPONG
+// the ping-pong turn: wait at this warpgroup's barrier (1 + wgi) for the other's arrival; pass
+// the turn by arriving at the other's (2 - wgi); 256 threads each
+#define PP_SYNC() asm volatile("bar.sync %0, 256;" ::"r"(1 + wgi) : "memory")
+#define PP_ARRIVE() asm volatile("bar.arrive %0, 256;" ::"r"(2 - wgi) : "memory")
+#else
+#define PP_SYNC()
+#define PP_ARRIVE()
+#endif
 #define SBASE(P) ((uint)(size_t)(P))  // shared-window byte address of local array P
 #define WAIT_S() WG_WAIT_S(sacc)
 #define WAIT1_S() WG_WAIT1_S(sacc)
@@ -100,6 +120,8 @@
 // descriptor values as the PTX build, addresses relative to the array). The waits are no-ops
 // (the emulated product is done when it returns).
 #define FENCE_ASYNC_SHARED()
+#define PP_SYNC()
+#define PP_ARRIVE()
 #define SBASE(P) 0u
 #define WAIT_S()
 #define WAIT1_S()
@@ -455,6 +477,7 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   // the next tile's pair loaded under this tile's math.  WG_ABL (timing only, wrong results):
   // bit 0 drops the softmax (P = S), bit 1 the K/V loads after the first tile (every tile
   // reads buffer 0), bit 2 the P V products: what each step costs, by difference
+  if (WG_PINGPONG && wgi == 1) PP_ARRIVE();  // warpgroup 0 takes the first turn
   for (int t = t_first; t <= t_last; t++) {
     const int buf = (WG_ABL & 2) ? 0 : (t - t_first) & 1;
     // -- tile t (and Q) landed; after the barrier no thread still reads tile t-1's buffer, so
@@ -471,7 +494,9 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
     // hidden keys' inf/NaN v zeroed for the tensor cores (tiles that hide keys only)
     int v_bad = 0;
     if (need_mask) SCAN_HIDDEN_V16(sV + buf * BLOCK_N * HEAD_DIM, HEAD_DIM)
+    PP_SYNC();
     ISSUE_S(buf)
+    PP_ARRIVE();
     WAIT_S();
 #if !(WG_ABL & 1)
     SCORES(n0, need_mask)
@@ -480,11 +505,14 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
 #endif
     PACK_P()
 #if !(WG_ABL & 4)
+    PP_SYNC();
     ISSUE_PV(buf)
+    PP_ARRIVE();
     WAIT_O();
 #endif
     ADD_BACK_HIDDEN_V()
   }
+  if (WG_PINGPONG && wgi == 0) PP_SYNC();  // warpgroup 1's last arrival: every phase completes
 #else
   // ---- overlapped schedule (FA3's intra-warpgroup pipelining): tile t's S = Q K(t)^T and
   // tile t-1's O += P V(t-1) are issued together, and the softmax of S(t) runs while the tensor

@@ -2,9 +2,11 @@
 
 Every kernel and every code path runs at least once: partial and fully masked tiles, GQA, Dv != D,
 an odd D, each storage dtype, bool / additive masks, ALiBi, softcap, windows, varlen, split-KV
-with its merge, the ring KV cache with fused RoPE, softmax / logsumexp, merge_states and rope.
-Each result is also checked against the float64 reference, so a wrong answer fails here too.
-Run directly it uses whatever device the opencl backend picks (PoCL here).
+with its merge, the ring KV cache with fused RoPE, the decode step's fused append (rope_append),
+softmax / logsumexp, merge_states and rope. Each result is also checked against the float64
+reference, so a wrong answer fails here too. Run directly it uses whatever device the opencl
+backend picks (PoCL here). Under run_oclgrind.py every buffer is kept alive until the end
+(keep_buffers_alive: Oclgrind's stale shadow memory, stale_shadow.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ CL_INVALID_VALUE`` API reports pyopencl causes while it queries device propertie
 Kernels are built with -cl-opt-disable (OCLGRIND_BUILD_OPTIONS): the uninitialised-value plugin
 cannot interpret LLVM's ``freeze`` instruction, which optimised builds contain; pyopencl's binary
 cache is bypassed so that those options apply.
+
+ATTNLIB_OCLGRIND_KEEP_BUFFERS=1 makes cases.py keep every buffer alive: a buffer that reuses a
+released buffer's number keeps that buffer's shadow memory in Oclgrind's uninitialised-value
+plugin, and reads past its size were reported as uninitialised (stale_shadow.py shows it).
 """
 
 from __future__ import annotations
