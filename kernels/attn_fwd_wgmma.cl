@@ -73,9 +73,11 @@
 // take turns to issue their products (named barriers 1 and 2: a warpgroup waits for its turn,
 // issues S or P V, then passes the turn), so one's softmax runs while the other's products
 // occupy the tensor cores instead of both softmaxes coinciding. Only the issue order changes;
-// the emulation (USE_PTX=0) ignores it.
+// the emulation (USE_PTX=0) ignores it. The default where it applies: on the H200 it ran
+// +1% to +10% over the plain serial schedule at D=128 (sixth session, bench/RESULTS.md); the
+// work-group barrier of each tile (K/V buffer reuse) still brings the two back in step.
 #ifndef WG_PINGPONG
-#define WG_PINGPONG 0
+#define WG_PINGPONG (WGS == 2 && !WG_OVERLAP)
 #endif
 #if WG_PINGPONG && (WG_OVERLAP || WGS != 2)
 #error "WG_PINGPONG is for the serial schedule with two warpgroups"
