@@ -73,11 +73,12 @@
 // take turns to issue their products (named barriers 1 and 2: a warpgroup waits for its turn,
 // issues S or P V, then passes the turn), so one's softmax runs while the other's products
 // occupy the tensor cores instead of both softmaxes coinciding. Only the issue order changes;
-// the emulation (USE_PTX=0) ignores it. The default where it applies: on the H200 it ran
-// +1% to +10% over the plain serial schedule at D=128 (sixth session, bench/RESULTS.md); the
-// work-group barrier of each tile (K/V buffer reuse) still brings the two back in step.
+// the emulation (USE_PTX=0) ignores it. The default at D >= 128: on the H200 it ran -3.5% to
+// +5.7% against the plain serial schedule at D=128 (11 of 12 cases faster), -1% to -2.5% at D=64
+// (sixth session, bench/RESULTS.md); the work-group barrier of each tile (K/V buffer reuse)
+// still brings the two warpgroups back in step.
 #ifndef WG_PINGPONG
-#define WG_PINGPONG (WGS == 2 && !WG_OVERLAP)
+#define WG_PINGPONG (WGS == 2 && !WG_OVERLAP && HEAD_DIM >= 128)
 #endif
 #if WG_PINGPONG && (WG_OVERLAP || WGS != 2)
 #error "WG_PINGPONG is for the serial schedule with two warpgroups"
@@ -376,6 +377,7 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
 #define ISSUE_PV(VBUF)                                                                         \
   {                                                                                            \
     const ulong dv0 = DESC_NMAJ(v_addr + (VBUF) * TILE_BYTES(BLOCK_N));                        \
+    PIN_P();                                                                                   \
     WG_FENCE_O(o);                                                                             \
     UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) { WG_RS_STEP(t2, dv0); }                     \
     WG_COMMIT();                                                                               \
@@ -469,6 +471,21 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
     pa[t2][2] = pack2(sacc[2 * t2 + 1][0], sacc[2 * t2 + 1][1]);                               \
     pa[t2][3] = pack2(sacc[2 * t2 + 1][2], sacc[2 * t2 + 1][3]);                               \
   }
+  // WG_PIN_P=1: every P register is final before the fence of the P V chain. NVIDIA's compiler
+  // otherwise sinks each k-slice's packing next to its wgmma, and ptxas then injects a
+  // warpgroup.arrive before each (its C7519 notes: KSTEPS_PV - 1 of them on the H200, sixth
+  // session). An empty asm that reads and writes them all pins the conversions above the fence.
+#ifndef WG_PIN_P
+#define WG_PIN_P 1
+#endif
+#if USE_PTX && WG_PIN_P
+#define PIN_P()                                                                                \
+  UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) {                                              \
+    asm volatile("" : "+r"(pa[t2][0]), "+r"(pa[t2][1]), "+r"(pa[t2][2]), "+r"(pa[t2][3]));      \
+  }
+#else
+#define PIN_P()
+#endif
 #define NEED_MASK(N0) (!((N0) >= lo_all && (N0) + BLOCK_N - 1 <= hi_all))
   uint pa[KSTEPS_PV][4];
   float alpha[2];
