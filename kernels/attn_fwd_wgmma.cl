@@ -471,12 +471,14 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
     pa[t2][2] = pack2(sacc[2 * t2 + 1][0], sacc[2 * t2 + 1][1]);                               \
     pa[t2][3] = pack2(sacc[2 * t2 + 1][2], sacc[2 * t2 + 1][3]);                               \
   }
-  // WG_PIN_P=1: every P register is final before the fence of the P V chain. NVIDIA's compiler
-  // otherwise sinks each k-slice's packing next to its wgmma, and ptxas then injects a
-  // warpgroup.arrive before each (its C7519 notes: KSTEPS_PV - 1 of them on the H200, sixth
-  // session). An empty asm that reads and writes them all pins the conversions above the fence.
+  // WG_PIN_P=1: every P register is final before the fence of the P V chain (an empty asm that
+  // reads and writes them all pins the conversions above it). NVIDIA's compiler otherwise
+  // sinks each k-slice's packing next to its wgmma, and ptxas injects a warpgroup.arrive before
+  // each (its C7519 notes, KSTEPS_PV - 1 of them). Off: pinned, the notes were gone but the
+  // kernel ran 2-10% slower on the H200 (sixth session): the packing of slice t2 overlaps the
+  // products of the slices before it.
 #ifndef WG_PIN_P
-#define WG_PIN_P 1
+#define WG_PIN_P 0
 #endif
 #if USE_PTX && WG_PIN_P
 #define PIN_P()                                                                                \
