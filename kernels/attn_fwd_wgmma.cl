@@ -83,6 +83,18 @@
 #if WG_PINGPONG && (WG_OVERLAP || WGS != 2)
 #error "WG_PINGPONG is for the serial schedule with two warpgroups"
 #endif
+// WG_PIPE=1 (serial schedule): no work-group barrier per tile. Separate K and V buffers
+// handed over through mbarriers (FULL: every thread's copies landed, each thread arriving after
+// its own cp.async wait and proxy fence; EMPTY: every thread's products read it), so the two
+// warpgroups can drift apart and the ping-pong's offset lasts across tiles. K(t+1) is loaded at
+// the top of tile t, V(t+1) after tile t's softmax; each is shown to the other warpgroup half a
+// tile after its copies were issued.
+#ifndef WG_PIPE
+#define WG_PIPE 0
+#endif
+#if WG_PIPE && (WG_OVERLAP || WG_ABL)
+#error "WG_PIPE is the serial schedule without ablations"
+#endif
 #ifndef WG_ABL
 #define WG_ABL 0
 #endif
@@ -113,6 +125,22 @@
 #define PP_ARRIVE()
 #endif
 #define SBASE(P) ((uint)(size_t)(P))  // shared-window byte address of local array P
+// mbarriers (WG_PIPE): init with a thread count, arrive (release), wait for a phase (acquire)
+#define MB_INIT(A, N) asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(A), "r"(N) : "memory")
+#define MB_ARRIVE(A)                                                                           \
+  {                                                                                            \
+    ulong st_;                                                                                 \
+    asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];" : "=l"(st_) : "r"(A) : "memory"); \
+  }
+#define MB_WAIT(A, PARITY)                                                                     \
+  {                                                                                            \
+    uint ok_;                                                                                  \
+    do {                                                                                       \
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"     \
+                   " selp.u32 %0, 1, 0, p; }"                                                  \
+                   : "=r"(ok_) : "r"(A), "r"(PARITY) : "memory");                              \
+    } while (!ok_);                                                                            \
+  }
 #define WAIT_S() WG_WAIT_S(sacc)
 #define WAIT1_S() WG_WAIT1_S(sacc)
 #define WAIT_O() WG_WAIT_O(o)
@@ -123,6 +151,10 @@
 // descriptor values as the PTX build, addresses relative to the array). The waits are no-ops
 // (the emulated product is done when it returns).
 #define FENCE_ASYNC_SHARED()
+// the emulation runs every warp in step and copies synchronously: a handover is a barrier
+#define MB_INIT(A, N)
+#define MB_ARRIVE(A)
+#define MB_WAIT(A, PARITY) barrier(CLK_LOCAL_MEM_FENCE);
 #define PP_SYNC()
 #define PP_ARRIVE()
 #define SBASE(P) 0u
@@ -263,6 +295,9 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   __local ELEM sK[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(SMEM_ALIGN)));
   __local ELEM sV[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(SMEM_ALIGN)));
   __local int v_flag;  // = t + 1 when tile t's V held inf/NaN under hidden keys
+#if WG_PIPE
+  __local ulong mbar[8];  // FULL_K[2], FULL_V[2], EMPTY_K[2], EMPTY_V[2]
+#endif
 #if !USE_PTX
   __local uint scr_all[(THREADS / 32) * 256];
   __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
@@ -493,7 +528,70 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   float alpha[2];
   int resc = 0;
 
-#if !WG_OVERLAP
+#if WG_PIPE
+  // ---- serial schedule, pipelined through mbarriers (see WG_PIPE above).  Tile i = t - t_first
+  // uses buffers b = i % 2 in the phase (i / 2) % 2 of their barriers; the prologue's tile (Q,
+  // K(t_first), V(t_first), buffer 0) is handed over like the others.
+  const uint mb = SBASE(mbar);
+#define FULL_K(B) (mb + 8 * (B))
+#define FULL_V(B) (mb + 16 + 8 * (B))
+#define EMPTY_K(B) (mb + 32 + 8 * (B))
+#define EMPTY_V(B) (mb + 48 + 8 * (B))
+  if (tid < 8) MB_INIT(mb + 8 * tid, THREADS);
+  barrier(CLK_LOCAL_MEM_FENCE);  // the barriers' init before any arrival
+  CP_WAIT(0);
+  FENCE_ASYNC_SHARED();
+  MB_ARRIVE(FULL_K(0));
+  MB_ARRIVE(FULL_V(0));
+  if (WG_PINGPONG && wgi == 1) PP_ARRIVE();  // warpgroup 0 takes the first turn
+  for (int t = t_first; t <= t_last; t++) {
+    const int i = t - t_first, b = i & 1, nb = b ^ 1;
+    const uint ph = (i >> 1) & 1, ph_prev = ((i - 1) >> 1) & 1;
+    // K(t+1) into buffer nb once every thread's S read K(t-1) there
+    if (t < t_last) {
+      if (i >= 1) MB_WAIT(EMPTY_K(nb), ph_prev)
+      LOAD_K1(t + 1, nb)
+    }
+    CP_COMMIT();
+    if (i >= 1) {  // V(t), issued in tile t-1: this thread's copies landed (K(t+1) may not have)
+      CP_WAIT(1);
+      FENCE_ASYNC_SHARED();
+      MB_ARRIVE(FULL_V(b));
+    }
+    MB_WAIT(FULL_K(b), ph)
+    const int n0 = t * BLOCK_N;
+    const bool need_mask = NEED_MASK(n0);
+    PP_SYNC();
+    ISSUE_S(b)
+    PP_ARRIVE();
+    WAIT_S();
+    MB_ARRIVE(EMPTY_K(b));
+    SCORES(n0, need_mask)
+    SOFTMAX_P()
+    RESCALE_O()
+    PACK_P()
+    if (t < t_last) {  // K(t+1) landed: show it; V(t+1) into buffer nb once P V(t-1) read it
+      CP_WAIT(0);
+      FENCE_ASYNC_SHARED();
+      MB_ARRIVE(FULL_K(nb));
+      if (i >= 1) MB_WAIT(EMPTY_V(nb), ph_prev)
+      LOAD_V1(t + 1, nb)
+    }
+    CP_COMMIT();
+    MB_WAIT(FULL_V(b), ph)
+    // hidden keys' inf/NaN v zeroed for the tensor cores (tiles that hide keys only; a
+    // work-group barrier inside, on every thread alike)
+    int v_bad = 0;
+    if (need_mask) SCAN_HIDDEN_V16(sV + b * BLOCK_N * HEAD_DIM, HEAD_DIM)
+    PP_SYNC();
+    ISSUE_PV(b)
+    PP_ARRIVE();
+    WAIT_O();
+    MB_ARRIVE(EMPTY_V(b));
+    ADD_BACK_HIDDEN_V()
+  }
+  if (WG_PINGPONG && wgi == 0) PP_SYNC();  // warpgroup 1's last arrival: every phase completes
+#elif !WG_OVERLAP
   // ---- serial schedule: per tile S, wait, softmax, P V, wait; one K/V buffer pair per tile,
   // the next tile's pair loaded under this tile's math.  WG_ABL (timing only, wrong results):
   // bit 0 drops the softmax (P = S), bit 1 the K/V loads after the first tile (every tile

@@ -107,11 +107,13 @@ EMU_CASES = [
 
 
 @pytest.mark.parametrize("swizzle", [0, 1], ids=["core-matrices", "swizzle128"])
-@pytest.mark.parametrize("overlap", [0, 1], ids=["serial", "overlap"])
+@pytest.mark.parametrize("schedule", [("-DWG_OVERLAP=0",), ("-DWG_OVERLAP=1",),
+                                      ("-DWG_OVERLAP=0", "-DWG_PIPE=1")],
+                         ids=["serial", "overlap", "pipe"])
 @pytest.mark.parametrize("name,dtype,shape,opts,cfg", EMU_CASES, ids=[c[0] for c in EMU_CASES])
-def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, overlap, swizzle):
+def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, schedule, swizzle):
     """The wgmma kernel with each product emulated through its descriptors (USE_PTX=0): the
-    shared-memory layout, the descriptors' k-slice steps, both schedules' buffer phases (a V
+    shared-memory layout, the descriptors' k-slice steps, the schedules' buffer phases (a V
     tile loaded over one still in use shows here: the emulated copies land at once), masking
     and the online softmax, against the float64 oracle; both shared-memory layouts (the
     128-byte swizzle as the PTX ISA defines it: only the card can confirm the hardware agrees)."""
@@ -135,7 +137,7 @@ def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, overlap, swizzle):
                             window=kw.get("window"), softcap=kw.get("softcap"))
     out, lse = nv.run(be.context, be.queue, be.device, call, kernel="wgmma", use_ptx=False,
                       wgmma_config=cfg,
-                      extra_options=(f"-DWG_OVERLAP={overlap}", f"-DWG_SWIZZLE={swizzle}"))
+                      extra_options=(*schedule, f"-DWG_SWIZZLE={swizzle}"))
     ref, ref_lse = reference_attention(q, k, v, alibi_slopes=slopes, **kw)
     assert out.dtype == q.dtype
     got = out.astype(np.float64)
