@@ -91,10 +91,11 @@ DEFAULT_OPTIONS_16 = {
 #: Hopper (compute capability 9.0): float16/bfloat16 run kernels/attn_fwd_wgmma.cl (warpgroup
 #: MMA through the PTX rewrite of _nvidia_wgmma) when True; (WGS, BLOCK_N) per head dim
 #: (BLOCK_M = 64 WGS query rows, 128 WGS threads), the serial schedule on the 128-byte-swizzle
-#: layouts (the kernel's defaults). H200, sixth session (bench/RESULTS.md; kernel events, the
-#: same run as PyTorch): fp16/bf16 D=128 420-480 TFLOP/s against this module's mma.sync kernel
-#: 276-346 and PyTorch's flash 229-357 (1.22-1.46x flash; cuDNN 360-677); D=64 (2, 64) 295-349
-#: against 252-298 and flash 187-245. The no-swizzle layout of the fifth session ran at 74-83% of
+#: layouts, with the two warpgroups' products in ping-pong at D >= 128 (the kernel's defaults).
+#: H200, sixth session, run 8 (bench/RESULTS.md; kernel events, the same run as PyTorch):
+#: fp16/bf16 D=128 430-492 TFLOP/s against this module's mma.sync kernel 276-347 and PyTorch's
+#: flash 221-351 (1.33-1.70x flash; cuDNN 367-640); D=64 (2, 64) 294-352 against 252-300 and
+#: flash 195-236. The no-swizzle layout of the fifth session ran at 74-83% of
 #: mma.sync: its ablations showed the K/V reloads, not the softmax, holding it (bank conflicts of
 #: the GEMMs' shared-memory reads behind the loads' barrier). ATTNLIB_NV_WGMMA=0 (before import)
 #: turns it off, e.g. to compare with the mma.sync kernel.
