@@ -147,3 +147,46 @@ def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, schedule, swizzle)
     fin = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), fin)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-4, rtol=0)
+
+
+def test_wgmma_build_failure_falls_back_to_mma_sync(monkeypatch):
+    """A driver whose compiler does not take the rewritten PTX (another PTX version, no sm_90a):
+    the dispatch warns once and runs the mma.sync kernel (here its emulation) on that device
+    from then on, with results against the float64 oracle, instead of every call failing."""
+    import warnings
+
+    import numpy as np
+
+    import attnlib
+    from attnlib import _spec
+    from attnlib.backends.opencl import _nvidia_mma as nv
+    from attnlib.backends.opencl import _nvidia_wgmma
+    from attnlib.backends.opencl._runtime import KernelBuildError
+    from attnlib.testing._helpers import qkv, rng_for
+    from attnlib.testing.reference import reference_attention
+
+    be = attnlib.get_backend("opencl")
+    monkeypatch.setattr(nv, "WGMMA_ON", True)
+    monkeypatch.setattr(nv, "compute_capability", lambda dev: (9, 0))
+    monkeypatch.setattr(nv, "_wgmma_failed", set())
+    tried = []
+
+    def broken(*args, **kwargs):
+        tried.append(args)
+        raise KernelBuildError("opencl: no sm_90a here")
+
+    monkeypatch.setattr(_nvidia_wgmma, "get_program", broken)
+    q, k, v = qkv(rng_for("wgmma fallback"), 1, 37, 45, 4, 2, 64, dtype="float16")
+    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
+                            alibi_slopes=None, causal=True, window=None, softcap=None)
+    assert nv.use_wgmma(be.device, call)
+    with pytest.warns(RuntimeWarning, match="warpgroup-MMA kernel did not build"):
+        out, lse = nv.run(be.context, be.queue, be.device, call, use_ptx=False)
+    ref, ref_lse = reference_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=4e-3, rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=0)
+    assert len(tried) == 1 and not nv.use_wgmma(be.device, call)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second attempt
+        out2, _ = nv.run(be.context, be.queue, be.device, call, use_ptx=False)
+    assert len(tried) == 1 and np.array_equal(out2, out)

@@ -166,7 +166,7 @@ class _MmaCommon:
     def __init__(self, fp: Any, call: AttnCall) -> None:
         ctx, device = fp.ctx, fp.be.device
         use_ptx = mma.compute_capability(device) is not None and not mma.EMULATE_PTX
-        plan = mma.plan_launch(ctx, device, call, use_ptx=use_ptx)
+        plan = mma.usable_plan(ctx, device, call, use_ptx=use_ptx)
         self.block_m, self.block_n, self.threads = plan.block_m, plan.block_n, plan.threads
         self.heads_inner, self.name, opts = plan.heads_inner, plan.name, plan.opts
         alibi_buf, _, geometry, scalars = mma.kernel_inputs(ctx, call)

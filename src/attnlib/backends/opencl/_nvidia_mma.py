@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -41,7 +42,7 @@ import numpy as np
 from ..base import AttnCall
 from . import _pool
 from ._arrays import is_cl_array
-from ._runtime import build_program, kernel_source, launch
+from ._runtime import KernelBuildError, build_program, kernel_source, launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
            "default_config", "build_options", "kernel_options"]
@@ -354,11 +355,38 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
     return opts, heads_inner
 
 
+#: devices (``int_ptr``) on which a warpgroup-MMA build failed: they keep the mma.sync kernel
+_wgmma_failed: set[int] = set()
+
+
 def use_wgmma(device: Any, call: AttnCall) -> bool:
     """True when ``call`` runs the warpgroup-MMA kernel (Hopper, 16-bit, a head dim of
-    :data:`WGMMA_CONFIGS`)."""
+    :data:`WGMMA_CONFIGS`, and no failed build of it on this device)."""
     return (WGMMA_ON and not EMULATE_PTX and compute_capability(device) == (9, 0)
-            and call.dtype != _F32 and call.head_dim in WGMMA_CONFIGS)
+            and call.dtype != _F32 and call.head_dim in WGMMA_CONFIGS
+            and device.int_ptr not in _wgmma_failed)
+
+
+def usable_plan(ctx: Any, device: Any, call: AttnCall, **kw: Any) -> Launch:
+    """:func:`plan_launch`, with the dispatch's own choice of the warpgroup-MMA kernel built
+    right away: its program is PTX rewritten for sm_90a, which a driver's compiler might not
+    take (another version's PTX, or no sm_90a). Then the device keeps the mma.sync kernel from
+    here on, with one warning, instead of every call failing."""
+    plan = plan_launch(ctx, device, call, **kw)
+    if plan.name != "attn_fwd_wgmma" or kw.get("kernel") is not None:
+        return plan
+    try:
+        plan.make()
+    except KernelBuildError as exc:
+        with _lock:
+            first = device.int_ptr not in _wgmma_failed
+            _wgmma_failed.add(device.int_ptr)
+        if first:
+            warnings.warn(f"attnlib: the warpgroup-MMA kernel did not build on "
+                          f"{device.name.strip()}; the mma.sync kernel runs instead ({exc})",
+                          RuntimeWarning, stacklevel=3)
+        return plan_launch(ctx, device, call, **kw)
+    return plan
 
 
 class Launch:
@@ -434,7 +462,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     ``kernel`` ("mma" or "wgmma") and ``wgmma_config`` = (WGS, BLOCK_N) override the choice of
     :func:`plan_launch`.
     """
-    plan = plan_launch(ctx, device, call, config=config, use_ptx=use_ptx,
+    plan = usable_plan(ctx, device, call, config=config, use_ptx=use_ptx,
                        extra_options=extra_options, heads_inner=heads_inner, kernel=kernel,
                        wgmma_config=wgmma_config)
     dtype = call.dtype
