@@ -80,23 +80,25 @@
 #ifndef WG_PINGPONG
 #define WG_PINGPONG (WGS == 2 && !WG_OVERLAP && HEAD_DIM >= 128)
 #endif
-#if WG_PINGPONG && (WG_OVERLAP || WGS != 2)
-#error "WG_PINGPONG is for the serial schedule with two warpgroups"
+#if WG_PINGPONG && ((WG_OVERLAP && !WG_PIPE) || WGS != 2)
+#error "WG_PINGPONG needs two warpgroups, and WG_PIPE with WG_OVERLAP"
 #endif
 // WG_PIPE=1 (serial schedule): no work-group barrier per tile. Separate K and V buffers
 // handed over through mbarriers (FULL: every thread's copies landed, each thread arriving after
 // its own cp.async wait and proxy fence; EMPTY: every thread's products read it), so the two
 // warpgroups can drift apart and the ping-pong's offset lasts across tiles. K(t+1) is loaded at
 // the top of tile t, V(t+1) after tile t's softmax; each is shown to the other warpgroup half a
-// tile after its copies were issued. On the H200 (sixth session, run 9, bench/RESULTS.md) it was
+// tile after its copies were issued. With WG_OVERLAP=1 too: FA3's full schedule (S(t) and
+// P V(t-1) issued together, the softmax of S(t) under P V(t-1), in ping-pong turns with
+// -DWG_PINGPONG=1); not yet run on a card. On the H200 (sixth session, run 9, bench/RESULTS.md) it was
 // correct (12/12 checks against float64) and ran +1% to +5% over the ping-pong with the
 // barrier at D=128 (fp16, all 6 cases), -5% to -8% at D=64 with (2, 64). Off until the
 // conformance suite has run with it on the card (no device time was left).
 #ifndef WG_PIPE
 #define WG_PIPE 0
 #endif
-#if WG_PIPE && (WG_OVERLAP || WG_ABL)
-#error "WG_PIPE is the serial schedule without ablations"
+#if WG_PIPE && WG_ABL
+#error "WG_PIPE runs without ablations"
 #endif
 #ifndef WG_ABL
 #define WG_ABL 0

@@ -1,11 +1,11 @@
-// The key-tile loop of attn_fwd_wgmma.cl: its three schedules (WG_PIPE, the serial one, WG_OVERLAP),
-// included inside the kernel after the per-tile steps (ISSUE_S, SCORES, SOFTMAX_P, RESCALE_O,
-// PACK_P, ISSUE_PV, ADD_BACK_HIDDEN_V) and the buffers, barriers and options they use.
+// The key-tile loop of attn_fwd_wgmma.cl: its schedules (WG_PIPE with and without WG_OVERLAP,
+// the serial one, WG_OVERLAP), included inside the kernel after the per-tile steps (ISSUE_S,
+// SCORES, SOFTMAX_P, RESCALE_O, PACK_P, ISSUE_PV, ADD_BACK_HIDDEN_V) and the buffers, barriers
+// and options they use.
 
 #if WG_PIPE
-  // ---- serial schedule, pipelined through mbarriers (see WG_PIPE above).  Tile i = t - t_first
-  // uses buffers b = i % 2 in the phase (i / 2) % 2 of their barriers; the prologue's tile (Q,
-  // K(t_first), V(t_first), buffer 0) is handed over like the others.
+  // the mbarriers of the pipelined schedules: tile j's K and V sit in buffer (j - t_first) % 2,
+  // and its use of each barrier completes phase ((j - t_first) / 2) % 2
   const uint mb = SBASE(mbar);
 #define FULL_K(B) (mb + 8 * (B))
 #define FULL_V(B) (mb + 16 + 8 * (B))
@@ -13,6 +13,90 @@
 #define EMPTY_V(B) (mb + 48 + 8 * (B))
   if (tid < 8) MB_INIT(mb + 8 * tid, THREADS);
   barrier(CLK_LOCAL_MEM_FENCE);  // the barriers' init before any arrival
+#endif
+
+#if WG_PIPE && WG_OVERLAP
+  // ---- FA3's schedule: pass t issues S(t) with P V(t-1) (one ping-pong turn), runs the softmax
+  // of S(t) under P V(t-1), and loads K(t+1) and V(t) at its top (V one pass ahead of its use).
+  // A thread shows its copies (cp.async wait, proxy fence, FULL arrival) after the softmax,
+  // about half a tile after issuing them; it frees a buffer (EMPTY arrival) once its own
+  // products have read it. The prologue is pass t_first's S and softmax.
+  if (t_first < t_last) { LOAD_K1(t_first + 1, 1) }
+  CP_COMMIT();
+  CP_WAIT(1);  // Q, K(t_first), V(t_first)
+  FENCE_ASYNC_SHARED();
+  MB_ARRIVE(FULL_K(0));
+  MB_ARRIVE(FULL_V(0));
+  if (WG_PINGPONG && wgi == 1) PP_ARRIVE();  // warpgroup 0 takes the first turn
+  if (t_first <= t_last) {
+    MB_WAIT(FULL_K(0), 0)
+    PP_SYNC();
+    ISSUE_S(0)
+    PP_ARRIVE();
+    WAIT_S();
+    MB_ARRIVE(EMPTY_K(0));
+    SCORES(t_first * BLOCK_N, NEED_MASK(t_first * BLOCK_N))
+    SOFTMAX_P()
+    PACK_P()
+    if (t_first < t_last) {  // K(t_first + 1)
+      CP_WAIT(0);
+      FENCE_ASYNC_SHARED();
+      MB_ARRIVE(FULL_K(1));
+    }
+  }
+  for (int t = t_first + 1; t <= t_last + 1; t++) {
+    const int i = t - t_first, cur = i & 1, prev = cur ^ 1;
+    const int np = (t - 1) * BLOCK_N;  // tile t-1: its P is in pa, its V in buffer prev
+    const bool mask_p = NEED_MASK(np);
+    if (t + 1 <= t_last) {  // K(t+1) over K(t-1), which every thread's S has read
+      MB_WAIT(EMPTY_K(prev), ((i - 1) >> 1) & 1)
+      LOAD_K1(t + 1, prev)
+    }
+    if (t <= t_last) {  // V(t) over V(t-2), which every thread's P V has read
+      if (i >= 2) MB_WAIT(EMPTY_V(cur), ((i - 2) >> 1) & 1)
+      LOAD_V1(t, cur)
+    }
+    CP_COMMIT();
+    MB_WAIT(FULL_V(prev), ((i - 1) >> 1) & 1)
+    int v_bad = 0;  // tile t-1's scan (its flag value t + 1 is new in every pass)
+    if (mask_p) SCAN_HIDDEN_V16(sV + prev * BLOCK_N * HEAD_DIM, HEAD_DIM)
+    if (t <= t_last) {
+      const int n0 = t * BLOCK_N;
+      const bool need_mask = NEED_MASK(n0);
+      MB_WAIT(FULL_K(cur), (i >> 1) & 1)
+      PP_SYNC();
+      ISSUE_S(cur)
+      ISSUE_PV(prev)
+      PP_ARRIVE();
+      WAIT1_S();  // S(t) done, P V(t-1) may still run
+      MB_ARRIVE(EMPTY_K(cur));
+      SCORES(n0, need_mask)
+      SOFTMAX_P()
+      CP_WAIT(0);  // this thread's K(t+1) and V(t)
+      FENCE_ASYNC_SHARED();
+      if (t + 1 <= t_last) MB_ARRIVE(FULL_K(prev));
+      MB_ARRIVE(FULL_V(cur));
+      WAIT_O();
+    } else {
+      resc = 0;
+      PP_SYNC();
+      ISSUE_PV(prev)
+      PP_ARRIVE();
+      WAIT_O();
+    }
+    MB_ARRIVE(EMPTY_V(prev));
+    {  // O holds tile t-1's P V: its hidden inf/NaN v, then the rescale for tile t's max
+      const int n0 = np;
+      ADD_BACK_HIDDEN_V()
+    }
+    RESCALE_O()
+    if (t <= t_last) { PACK_P() }
+  }
+  if (WG_PINGPONG && wgi == 0) PP_SYNC();  // warpgroup 1's last arrival: every phase completes
+#elif WG_PIPE
+  // ---- serial schedule, pipelined through mbarriers (see WG_PIPE): tile i = t - t_first uses
+  // buffers b = i % 2; the prologue's tile (Q, K(t_first), V(t_first), buffer 0) is handed over
+  // like the others.
   CP_WAIT(0);
   FENCE_ASYNC_SHARED();
   MB_ARRIVE(FULL_K(0));

@@ -249,10 +249,14 @@ def test_threads_share_plans(be, rope):
 
 @pytest.fixture
 def emulated_nvidia(monkeypatch):
-    """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0)."""
+    """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0). The
+    prefill plans are the mma.sync kernel's: the warpgroup-MMA program needs NVIDIA's compiler
+    (a build here would fail and put this device on the fallback list for the whole session)."""
     from attnlib.backends.opencl import _attention, _nvidia_decode, _nvidia_mma
 
     monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
+    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
     monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
     monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
     _attention._plans.clear()

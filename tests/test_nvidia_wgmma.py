@@ -77,6 +77,7 @@ def test_dispatch_takes_wgmma_only_on_hopper_when_on(monkeypatch):
     call = _spec.dense_call(*x, scale=None, mask=None, layout="bshd", need_lse=False,
                             alibi_slopes=None, causal=True, window=None, softcap=None)
     monkeypatch.setattr(nv, "WGMMA_ON", True)
+    monkeypatch.setattr(nv, "_wgmma_failed", set())  # no earlier test's fallback
     monkeypatch.setattr(nv, "compute_capability", lambda dev: None)
     assert not nv.use_wgmma(be.device, call)  # not an NVIDIA device
     monkeypatch.setattr(nv, "compute_capability", lambda dev: (9, 0))
@@ -108,8 +109,9 @@ EMU_CASES = [
 
 @pytest.mark.parametrize("swizzle", [0, 1], ids=["core-matrices", "swizzle128"])
 @pytest.mark.parametrize("schedule", [("-DWG_OVERLAP=0",), ("-DWG_OVERLAP=1",),
-                                      ("-DWG_OVERLAP=0", "-DWG_PIPE=1")],
-                         ids=["serial", "overlap", "pipe"])
+                                      ("-DWG_OVERLAP=0", "-DWG_PIPE=1"),
+                                      ("-DWG_OVERLAP=1", "-DWG_PIPE=1")],
+                         ids=["serial", "overlap", "pipe", "pipe-overlap"])
 @pytest.mark.parametrize("name,dtype,shape,opts,cfg", EMU_CASES, ids=[c[0] for c in EMU_CASES])
 def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, schedule, swizzle):
     """The wgmma kernel with each product emulated through its descriptors (USE_PTX=0): the
