@@ -14,7 +14,13 @@
 //                A fragment), V from shared memory read N-major (imm-trans-b = 1)
 // K/V tiles are double-buffered with cp.async; tiles no row can see are never visited.
 //
-// Shared-memory layout of Q, K and V tiles ("no swizzle" canonical layout): 8 x 8 core matrices
+// The defaults (H200, sixth session, bench/RESULTS.md): the 128-byte-swizzle layout (WG_SWIZZLE,
+// below; 1.6-1.7x the no-swizzle one), the serial schedule with the two warpgroups taking
+// turns to issue their products (WG_PINGPONG, at D >= 128). Options measured and kept off:
+// WG_OVERLAP, WG_PIN_P, WG_PIPE; written but not yet run on a card: WG_PIPE with WG_OVERLAP
+// (FA3's schedule). The loop of each schedule is in attn_fwd_wgmma_loop.h.
+//
+// Shared-memory layout of Q, K and V tiles with WG_SWIZZLE=0 ("no swizzle"): 8 x 8 core matrices
 // of 128 contiguous bytes, element (r, c) at halves (r / 8) * 8 HEAD_DIM + (c / 8) * 64 +
 // (r % 8) * 8 + c % 8. As a K-major operand (Q, K: rows = M or N, columns = K) the core matrices
 // are LBO = 128 bytes apart along K and SBO = 16 HEAD_DIM bytes along M/N; as the N-major B of
