@@ -113,9 +113,16 @@ def torch_sdpa_anchor(shapes, dtypes, json_path, backends=("flash",), warmup=3, 
     """PyTorch SDPA on the same (B, H, S, D) shapes (random bhsd tensors), causal and not, per
     backend name of ``backends`` ("flash", "cudnn", "efficient"): CUDA-event median of ``reps``
     after ``warmup`` calls, one record {"part": "torch", backend, dtype, shape, causal, ms,
-    tflops} each (an error record when a backend refuses)."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    tflops} each (an error record when a backend refuses, one {"part": "torch", error} when
+    PyTorch or its GPU is missing: the device run goes on)."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        torch.cuda.init()
+    except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+        emit({"part": "torch", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, json_path)
+        return
 
     kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION}
