@@ -94,6 +94,22 @@ def _fill(twin, rng, b, n, hkv, d, dtype):
     twin.update(k, v, 0)
 
 
+def _counting_setup(be, seed):
+    """The counting tests' cache (float32, 9 of 40 rows filled; no plan or table of another
+    test's geometry left over, which could already hold this test's table bytes and save a
+    rewrite) and one decode step's q, k, v on the device."""
+    from attnlib.backends.opencl import _attention, _ops
+
+    _attention._plans.clear()
+    _ops._append_plans.clear()
+    rng = rng_for(seed)
+    b, cap, hq, hkv, d = 1, 40, 4, 2, 16
+    t = Twin(be, b, cap, hkv, d, "float32")
+    _fill(t, rng, b, 9, hkv, d, "float32")
+    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
+    return t, *(attnlib.to_device(x, backend=be) for x in (q, k, v))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_decode_steps_follow_every_change(be, dtype):
     rng = rng_for("host path steps", dtype)
@@ -316,18 +332,7 @@ def test_repeat_calls_touch_the_queue_once(be, monkeypatch):
     """A repeated decode step: one kernel enqueue and no table rewrite; after an append: the
     fused append's table and the attention's are rewritten (two rewrites in all) and two
     kernels are enqueued (the fused k and v write, the attention)."""
-    from attnlib.backends.opencl import _attention, _ops
-
-    # plans (and their device tables) of this geometry left by other tests may already hold
-    # this test's table bytes, which would save a rewrite
-    _attention._plans.clear()
-    _ops._append_plans.clear()
-    rng = rng_for("host path counts")
-    b, cap, hq, hkv, d = 1, 40, 4, 2, 16
-    t = Twin(be, b, cap, hkv, d, "float32")
-    _fill(t, rng, b, 9, hkv, d, "float32")
-    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
-    dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+    t, dq, dk, dv = _counting_setup(be, "host path counts")
     attnlib.attention_with_kvcache(dq, t.dev, dk, dv)  # makes the plans
     attnlib.attention_with_kvcache(dq, t.dev)
     tally = _count_queue_work(monkeypatch)
@@ -663,16 +668,9 @@ def test_rope_append_errors_after_warm_calls(be):
 def test_rope_append_touches_the_queue_twice(be, monkeypatch):
     """A repeated append with RoPE: two enqueues (the fused append, the attention), the two
     tables rewritten by fills (their lengths changed), nothing written from the host."""
-    from attnlib.backends.opencl import _attention, _ops, _pool
+    from attnlib.backends.opencl import _pool
 
-    _attention._plans.clear()  # no table of another test's plan (see the test above)
-    _ops._append_plans.clear()
-    rng = rng_for("host path rope counts")
-    b, cap, hq, hkv, d = 1, 40, 4, 2, 16
-    t = Twin(be, b, cap, hkv, d, "float32")
-    _fill(t, rng, b, 9, hkv, d, "float32")
-    q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, "float32")
-    dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
+    t, dq, dk, dv = _counting_setup(be, "host path rope counts")
     rope = attnlib.RoPE()
     for _ in range(2):  # the full path, then the repeat entry makes its plan
         attnlib.attention_with_kvcache(dq, t.dev, dk, dv, rope=rope)
