@@ -12,7 +12,7 @@ import pytest
 
 import attnlib
 from attnlib import _spec
-from attnlib.testing._helpers import qkv, rng_for
+from attnlib.testing._helpers import kernel_call, qkv, rng_for
 from attnlib.testing.reference import naive_attention, reference_attention
 from attnlib.testing.tolerance import assert_rule
 
@@ -45,11 +45,7 @@ def test_mma_kernel_emulated(name, dtype, shape, opts):
     q, k, v = qkv(rng_for("mma", name), b, sq, sk, hq, hkv, d, dtype=dtype)
     if "gqa" in name:
         v[0, sk - 1, 0, 3] = np.nan  # hidden from the first rows by causal: must not leak
-    kw = dict(opts)
-    slopes = np.linspace(0.05, 0.4, hq).astype(np.float32) if kw.pop("alibi", False) else None
-    call = _spec.dense_call(q, k, v, scale=kw.get("scale"), mask=None, layout="bshd",
-                            need_lse=True, alibi_slopes=slopes, causal=kw.get("causal", False),
-                            window=kw.get("window"), softcap=kw.get("softcap"))
+    call, slopes, kw = kernel_call(q, k, v, opts)
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
     _check(q, k, v, slopes, kw, out, lse)
 
@@ -247,11 +243,7 @@ def test_mma_candidate_options(name, dtype, shape, config, extra, opts):
     q, k, v = qkv(rng_for("mma cand", name), b, sq, sk, hq, hkv, d, dtype=dtype)
     v[0, sk - 1, 0, 3] = np.nan  # hidden from some rows (causal / window): must not leak
     v[0, sk // 2, 0, 1] = np.inf  # seen by the rows whose window holds it
-    kw = dict(opts)
-    slopes = np.linspace(0.05, 0.4, hq).astype(np.float32) if kw.pop("alibi", False) else None
-    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
-                            alibi_slopes=slopes, causal=kw.get("causal", False),
-                            window=kw.get("window"), softcap=kw.get("softcap"))
+    call, slopes, kw = kernel_call(q, k, v, opts)
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, config=config,
                                use_ptx=False, extra_options=extra)
     _check(q, k, v, slopes, kw, out, lse)

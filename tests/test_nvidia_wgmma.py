@@ -129,9 +129,8 @@ def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, schedule, swizzle)
     import numpy as np
 
     import attnlib
-    from attnlib import _spec
     from attnlib.backends.opencl import _nvidia_mma as nv
-    from attnlib.testing._helpers import qkv, rng_for
+    from attnlib.testing._helpers import kernel_call, qkv, rng_for
     from attnlib.testing.reference import reference_attention
 
     be = attnlib.get_backend("opencl")
@@ -139,11 +138,7 @@ def test_wgmma_kernel_emulated(name, dtype, shape, opts, cfg, schedule, swizzle)
     q, k, v = qkv(rng_for("wgmma", name), b, sq, sk, hq, hkv, d, dtype=dtype)
     if "NaN" in name:
         v[0, sk - 1, 0, 3] = np.nan  # hidden from the first rows by causal: must not leak
-    kw = dict(opts)
-    slopes = np.linspace(0.05, 0.4, hq).astype(np.float32) if kw.pop("alibi", False) else None
-    call = _spec.dense_call(q, k, v, scale=None, mask=None, layout="bshd", need_lse=True,
-                            alibi_slopes=slopes, causal=kw.get("causal", False),
-                            window=kw.get("window"), softcap=kw.get("softcap"))
+    call, slopes, kw = kernel_call(q, k, v, opts)
     out, lse = nv.run(be.context, be.queue, be.device, call, kernel="wgmma", use_ptx=False,
                       wgmma_config=cfg,
                       extra_options=(*schedule, f"-DWG_SWIZZLE={swizzle}"))
