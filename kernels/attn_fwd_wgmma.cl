@@ -173,6 +173,11 @@
 #define WAIT1_S()
 #define WAIT_O()
 #endif
+// X (a product's issue) in this warpgroup's turn; the turns' start (warpgroup 0 goes first) and
+// end (warpgroup 0 takes warpgroup 1's last arrival, so every barrier phase completes)
+#define IN_TURN(X) PP_SYNC(); X PP_ARRIVE();
+#define TURNS_BEGIN() if (WG_PINGPONG && wgi == 1) PP_ARRIVE();
+#define TURNS_END() if (WG_PINGPONG && wgi == 0) PP_SYNC();
 
 // 64-bit wgmma matrix descriptor: start address, LBO, SBO (bytes, each >> 4), swizzle mode
 // (bits 62-63: 0 none, 1 128-byte)

@@ -27,12 +27,10 @@
   FENCE_ASYNC_SHARED();
   MB_ARRIVE(FULL_K(0));
   MB_ARRIVE(FULL_V(0));
-  if (WG_PINGPONG && wgi == 1) PP_ARRIVE();  // warpgroup 0 takes the first turn
+  TURNS_BEGIN()
   if (t_first <= t_last) {
     MB_WAIT(FULL_K(0), 0)
-    PP_SYNC();
-    ISSUE_S(0)
-    PP_ARRIVE();
+    IN_TURN(ISSUE_S(0))
     WAIT_S();
     MB_ARRIVE(EMPTY_K(0));
     SCORES(t_first * BLOCK_N, NEED_MASK(t_first * BLOCK_N))
@@ -64,10 +62,7 @@
       const int n0 = t * BLOCK_N;
       const bool need_mask = NEED_MASK(n0);
       MB_WAIT(FULL_K(cur), (i >> 1) & 1)
-      PP_SYNC();
-      ISSUE_S(cur)
-      ISSUE_PV(prev)
-      PP_ARRIVE();
+      IN_TURN(ISSUE_S(cur) ISSUE_PV(prev))
       WAIT1_S();  // S(t) done, P V(t-1) may still run
       MB_ARRIVE(EMPTY_K(cur));
       SCORES(n0, need_mask)
@@ -79,9 +74,7 @@
       WAIT_O();
     } else {
       resc = 0;
-      PP_SYNC();
-      ISSUE_PV(prev)
-      PP_ARRIVE();
+      IN_TURN(ISSUE_PV(prev))
       WAIT_O();
     }
     MB_ARRIVE(EMPTY_V(prev));
@@ -92,7 +85,7 @@
     RESCALE_O()
     if (t <= t_last) { PACK_P() }
   }
-  if (WG_PINGPONG && wgi == 0) PP_SYNC();  // warpgroup 1's last arrival: every phase completes
+  TURNS_END()
 #elif WG_PIPE
   // ---- serial schedule, pipelined through mbarriers (see WG_PIPE): tile i = t - t_first uses
   // buffers b = i % 2; the prologue's tile (Q, K(t_first), V(t_first), buffer 0) is handed over
@@ -101,7 +94,7 @@
   FENCE_ASYNC_SHARED();
   MB_ARRIVE(FULL_K(0));
   MB_ARRIVE(FULL_V(0));
-  if (WG_PINGPONG && wgi == 1) PP_ARRIVE();  // warpgroup 0 takes the first turn
+  TURNS_BEGIN()
   for (int t = t_first; t <= t_last; t++) {
     const int i = t - t_first, b = i & 1, nb = b ^ 1;
     const uint ph = (i >> 1) & 1, ph_prev = ((i - 1) >> 1) & 1;
@@ -119,9 +112,7 @@
     MB_WAIT(FULL_K(b), ph)
     const int n0 = t * BLOCK_N;
     const bool need_mask = NEED_MASK(n0);
-    PP_SYNC();
-    ISSUE_S(b)
-    PP_ARRIVE();
+    IN_TURN(ISSUE_S(b))
     WAIT_S();
     MB_ARRIVE(EMPTY_K(b));
     SCORES(n0, need_mask)
@@ -141,20 +132,18 @@
     // work-group barrier inside, on every thread alike)
     int v_bad = 0;
     if (need_mask) SCAN_HIDDEN_V16(sV + b * BLOCK_N * HEAD_DIM, HEAD_DIM)
-    PP_SYNC();
-    ISSUE_PV(b)
-    PP_ARRIVE();
+    IN_TURN(ISSUE_PV(b))
     WAIT_O();
     MB_ARRIVE(EMPTY_V(b));
     ADD_BACK_HIDDEN_V()
   }
-  if (WG_PINGPONG && wgi == 0) PP_SYNC();  // warpgroup 1's last arrival: every phase completes
+  TURNS_END()
 #elif !WG_OVERLAP
   // ---- serial schedule: per tile S, wait, softmax, P V, wait; one K/V buffer pair per tile,
   // the next tile's pair loaded under this tile's math.  WG_ABL (timing only, wrong results):
   // bit 0 drops the softmax (P = S), bit 1 the K/V loads after the first tile (every tile
   // reads buffer 0), bit 2 the P V products: what each step costs, by difference
-  if (WG_PINGPONG && wgi == 1) PP_ARRIVE();  // warpgroup 0 takes the first turn
+  TURNS_BEGIN()
   for (int t = t_first; t <= t_last; t++) {
     const int buf = (WG_ABL & 2) ? 0 : (t - t_first) & 1;
     // -- tile t (and Q) landed; after the barrier no thread still reads tile t-1's buffer, so
@@ -171,9 +160,7 @@
     // hidden keys' inf/NaN v zeroed for the tensor cores (tiles that hide keys only)
     int v_bad = 0;
     if (need_mask) SCAN_HIDDEN_V16(sV + buf * BLOCK_N * HEAD_DIM, HEAD_DIM)
-    PP_SYNC();
-    ISSUE_S(buf)
-    PP_ARRIVE();
+    IN_TURN(ISSUE_S(buf))
     WAIT_S();
 #if !(WG_ABL & 1)
     SCORES(n0, need_mask)
@@ -182,14 +169,12 @@
 #endif
     PACK_P()
 #if !(WG_ABL & 4)
-    PP_SYNC();
-    ISSUE_PV(buf)
-    PP_ARRIVE();
+    IN_TURN(ISSUE_PV(buf))
     WAIT_O();
 #endif
     ADD_BACK_HIDDEN_V()
   }
-  if (WG_PINGPONG && wgi == 0) PP_SYNC();  // warpgroup 1's last arrival: every phase completes
+  TURNS_END()
 #else
   // ---- overlapped schedule (FA3's intra-warpgroup pipelining): tile t's S = Q K(t)^T and
   // tile t-1's O += P V(t-1) are issued together, and the softmax of S(t) runs while the tensor
