@@ -182,13 +182,10 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
         rank 1  chunk 1       # \\ . .
                 chunk 2       # # \\ .
 
-    Collective checks come first: shapes, dtypes and options are compared across ranks and any
-    mismatch or local error raises the same AttnlibError (ShapeError, DTypeError, ArgumentError,
-    UnsupportedError, ...) with the same message on every rank. Not checkable: a rank that does
-    not call at all, or calls with a different communicator, leaves the others waiting in MPI;
-    and an error after the checks (out of memory, a device failure) is raised on its own rank
-    only. Run ``mpiexec -n P python -m mpi4py script.py`` so that an uncaught exception on one
-    rank aborts the whole job instead of leaving the others waiting.
+    Collective checks come first: shapes, dtypes and options are compared across ranks, and a
+    mismatch or a local error raises the same AttnlibError (ShapeError, DTypeError, ArgumentError,
+    UnsupportedError, ...) with the same message on every rank; the package docstring says what
+    no check can catch.
     """
     plan, return_lse = collective_check(comm, "ring_attention", lambda: plan_ring(
         q_l, k_l, v_l, comm, causal=causal, scale=scale, window=window, softcap=softcap,
