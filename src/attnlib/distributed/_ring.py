@@ -12,7 +12,7 @@ from .._api import _from_bshd, merge_states, pick_backend
 from ..backends.base import AttnCall, Backend
 from ..errors import ShapeError
 from ._comm import TAG_K, TAG_V, Ring, allgather_array, check_comm, collective_check
-from ._sharding import _check_host, check_sharding, local_chunks
+from ._sharding import check_host, check_sharding, local_chunks
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,9 @@ class BlockPlan:
         return local_chunks(self.sharding, rank, self.size, self.q.shape[1])
 
     def visible(self, qpos: int, qlen: int, kpos: int, klen: int) -> bool:
-        """Whether any key of the block is visible to any of its rows. ``d = kpos - qpos``
-        takes every integer in ``[dmin, dmax]``; causal keeps ``d <= 0``, the window
-        ``-left <= d <= right``."""
+        """Whether any key of the block is visible to any of its rows: over the block,
+        ``d = kpos - qpos`` takes every integer in ``[lo, hi]``; causal keeps ``d <= 0``, the
+        window ``-left <= d <= right``."""
         lo, hi = kpos - (qpos + qlen - 1), kpos + klen - 1 - qpos
         left, right = self.window
         if self.causal:
@@ -113,7 +113,7 @@ def plan_ring(q_l, k_l, v_l, comm, *, causal, scale, window, softcap, alibi_slop
     layout = _spec.check_layout(layout)
     dtype = _spec.check_qkv(q_l, k_l, v_l, ndim=4)
     for name, x in (("q_l", q_l), ("k_l", k_l), ("v_l", v_l)):
-        _check_host(x, name)
+        check_host(x, name)
     q, k, v = (_spec.to_bshd(x, layout) for x in (q_l, k_l, v_l))
     _spec.check_heads(q.shape, k.shape, v.shape, names=("q_l", "k_l", "v_l"))
     if k.shape[:2] != q.shape[:2]:
@@ -231,8 +231,8 @@ def merge_across(o_l, lse_l, comm, *, layout="bshd", backend=None):
         lay = _spec.check_layout(layout)
         _spec.check_array(o_l, "o_l", ndim=4)
         _spec.check_array(lse_l, "lse_l", ndim=3)
-        _check_host(o_l, "o_l")
-        _check_host(lse_l, "lse_l")
+        check_host(o_l, "o_l")
+        check_host(lse_l, "lse_l")
         dtype = _spec.check_float_dtype(o_l, "o_l")
         _spec.check_float_dtype(lse_l, "lse_l")
         o = _spec.to_bshd(o_l, lay)

@@ -49,7 +49,7 @@ def _slab(x: np.ndarray, axis: int, start: int, length: int) -> np.ndarray:
     return x[(slice(None),) * axis + (slice(start, start + length),)]
 
 
-def _check_host(x: Any, name: str) -> None:
+def check_host(x: Any, name: str) -> None:
     if not isinstance(x, np.ndarray):
         raise DTypeError(
             f"{name} must be a numpy array, got {type(x).__name__}; attnlib.distributed moves "
@@ -76,7 +76,7 @@ def shard(x, comm, *, sharding="zigzag", layout="bshd"):
     rank, size = check_comm(comm)
     sharding = check_sharding(sharding)
     layout = _spec.check_layout(layout)
-    _check_host(x, "x")
+    check_host(x, "x")
     axis = seq_axis(x, "x", layout)
     s = x.shape[axis]
     parts = size * n_chunks(sharding)
@@ -102,7 +102,7 @@ def gather(x_l, comm, *, sharding="zigzag", layout="bshd"):
     def local():
         sh = check_sharding(sharding)
         lay = _spec.check_layout(layout)
-        _check_host(x_l, "x_l")
+        check_host(x_l, "x_l")
         axis = seq_axis(x_l, "x_l", lay)
         if sh == "zigzag" and x_l.shape[axis] % 2:
             raise ShapeError(
