@@ -1,14 +1,26 @@
-"""One device run: the opencl backend beside PyTorch SDPA on the same GPU, same data, same process.
+"""The GPU benchmark: the opencl backend beside PyTorch SDPA on the same GPU, same data, one run.
 
-Prefill forward TFLOP/s (4·B·H·S²·D, halved for causal) and decode (one query token over a
-KV cache; bytes = the K and V cache read once) for the shapes of the OpenCL and tensor-core
-issues. Times are medians of ``--reps`` runs after warm-up, each run synchronised with the
-device (OpenCL: ``queue.finish()``; torch: CUDA events), so they include attnlib's Python
-front door. ``*_pipe*`` figures: the same calls issued back to back with one synchronisation
-at the end (attnlib and torch alike), the throughput a caller sees who does not wait on each
-result. Prints a markdown table and writes JSON.
+    python bench/gpu/run.py                       # every table, markdown on stdout
+    python bench/gpu/run.py --json out.json       # also every row as JSON
+    python bench/gpu/run.py --only prefill16 --only decode --reps 20
+    python bench/gpu/run.py --no-torch            # attnlib only (no PyTorch with CUDA here)
 
-    python bench/gpu/h200_suite.py --json $OUT/h200.json
+Needs an OpenCL GPU (the ``opencl`` backend's default device) and, for the anchors, PyTorch with
+CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
+
+* **prefill** (``prefill32``, ``prefill16``, ``prefillbf16``; ``prefill16p`` = float16 on the
+  portable kernel, ``use_mma=False``): TFLOP/s (4·B·H·S²·D, halved for causal) per
+  (dtype, B, H, S, D, causal) through ``attnlib.attention`` on device arrays, beside PyTorch
+  SDPA's flash, efficient and cuDNN backends. "per call": median of ``--reps`` calls, each
+  followed by a synchronisation (OpenCL: ``queue.finish()``; torch: CUDA events), so attnlib's
+  Python front door is inside the figure. "pipelined": ``--reps`` calls back to back and one
+  synchronisation, the throughput of a caller that does not wait on each result.
+* **decode** (``decode``): one float16 query token, 32 query / 8 kv heads, D=128, over a KV cache
+  of B sequences × L tokens through ``attention_with_kvcache``: µs per call and pipelined, and
+  the cache read rate (K and V read once), beside the same PyTorch backends.
+* **host** (``host``): what a repeated call costs the host (``bench/gpu/hostcost.py``: the call
+  with its kernel launches stubbed, the real enqueue, back to back), and what a repeated call
+  does on the queue (kernel enqueues, table fills, host-to-device copies).
 """
 
 from __future__ import annotations
@@ -123,7 +135,6 @@ def prefill(dtype: str, reps: int, with_torch: bool, rows: list, portable: bool 
                 del tq
                 torch.cuda.empty_cache()
             rows.append(row)
-            print(json.dumps(row), flush=True)
 
 
 def decode(reps: int, with_torch: bool, rows: list) -> None:
@@ -149,7 +160,7 @@ def decode(reps: int, with_torch: bool, rows: list) -> None:
         nbytes = 2 * b * n * hkv * d * 2
         row = {"kind": "decode", "dtype": "float16", "batch": b, "cache_len": n,
                "opencl_us": t * 1e6, "opencl_TBps": nbytes / t / 1e12,
-               "opencl_pipe_us": tp * 1e6}
+               "opencl_pipe_us": tp * 1e6, "opencl_pipe_TBps": nbytes / tp / 1e12}
         if with_torch:
             tq = torch.from_numpy(q.astype(np.float32)).to("cuda", torch.float16).transpose(1, 2)
             tk = torch.from_numpy(np.tile(kh, (1, n // step, 1, 1)).astype(np.float32)).to(
@@ -160,31 +171,93 @@ def decode(reps: int, with_torch: bool, rows: list) -> None:
             del tk, tv
             torch.cuda.empty_cache()
         rows.append(row)
-        print(json.dumps(row), flush=True)
+
+
+def _fmt(x, digits: int = 1) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x) if x is not None else "-"
+
+
+def prefill_table(rows: list) -> str:
+    """Markdown: TFLOP/s per call / pipelined, attnlib and each PyTorch backend, and the ratio
+    to the best PyTorch backend of the same run."""
+    out = ["| dtype | path | B,H,S,D | causal | attnlib | flash | efficient | cuDNN "
+           "| attnlib / best PyTorch |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "prefill":
+            continue
+        cells, best = [], None
+        for name in ("flash", "efficient", "cudnn"):
+            per, pipe = r.get(f"torch_{name}_tflops"), r.get(f"torch_{name}_pipe_tflops")
+            cells.append(f"{_fmt(per)} / {_fmt(pipe)}" if isinstance(per, float) else _fmt(per))
+            if isinstance(per, float) and (best is None or per > best[0]):
+                best = (per, pipe)
+        ratio = "-" if best is None else (f"{r['opencl_tflops'] / best[0]:.2f} / "
+                                          f"{r['opencl_pipe_tflops'] / best[1]:.2f}")
+        out.append(f"| {r['dtype']} | {r['path']} | {','.join(map(str, r['shape']))} | "
+                   f"{'yes' if r['causal'] else 'no'} | {_fmt(r['opencl_tflops'])} / "
+                   f"{_fmt(r['opencl_pipe_tflops'])} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(out)
+
+
+def decode_table(rows: list) -> str:
+    out = ["| B, tokens | attnlib µs | attnlib TB/s | flash µs | efficient µs | cuDNN µs "
+           "| attnlib / best PyTorch |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        cells, best = [], None
+        for name in ("flash", "efficient", "cudnn"):
+            per, pipe = r.get(f"torch_{name}_us"), r.get(f"torch_{name}_pipe_us")
+            cells.append(f"{_fmt(per)} / {_fmt(pipe)}" if isinstance(per, float) else _fmt(per))
+            if isinstance(per, float) and (best is None or per < best[0]):
+                best = (per, pipe)
+        ratio = "-" if best is None else (f"{best[0] / r['opencl_us']:.2f} / "
+                                          f"{best[1] / r['opencl_pipe_us']:.2f}")
+        out.append(f"| {r['batch']}, {r['cache_len']} | {_fmt(r['opencl_us'])} / "
+                   f"{_fmt(r['opencl_pipe_us'])} | {_fmt(r['opencl_TBps'], 2)} / "
+                   f"{_fmt(r['opencl_pipe_TBps'], 2)} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--json", help="write the rows here")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="also write every row here")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--only", action="append",
-                    choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "decode"])
+                    choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "decode",
+                             "host"])
     args = ap.parse_args(argv)
     be = attnlib.get_backend("opencl")
-    print("opencl backend:", be.info(), flush=True)
+    print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "opencl backend:", be.info(),
+          flush=True)
     rows: list = []
-    parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "decode"]
-    if "prefill32" in parts:
-        prefill("float32", args.reps, not args.no_torch, rows)
-    if "prefill16p" in parts:
-        prefill("float16", args.reps, not args.no_torch, rows, portable=True)
-    if "prefill16" in parts:
-        prefill("float16", args.reps, not args.no_torch, rows)
-    if "prefillbf16" in parts:
-        prefill("bfloat16", args.reps, not args.no_torch, rows)
+    parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "decode", "host"]
+    for part, dtype, portable in (("prefill32", "float32", False),
+                                  ("prefill16p", "float16", True),
+                                  ("prefill16", "float16", False),
+                                  ("prefillbf16", "bfloat16", False)):
+        if part in parts:
+            print(f"prefill {dtype}{' (portable kernel)' if portable else ''} ...", flush=True)
+            prefill(dtype, args.reps, not args.no_torch, rows, portable=portable)
     if "decode" in parts:
+        print("decode ...", flush=True)
         decode(args.reps, not args.no_torch, rows)
+    if any(r["kind"] == "prefill" for r in rows):
+        print("\n## Prefill, TFLOP/s (per call / pipelined)\n")
+        print(prefill_table(rows))
+    if any(r["kind"] == "decode" for r in rows):
+        print("\n## Decode, float16, 32 q / 8 kv heads, D=128 (per call / pipelined)\n")
+        print(decode_table(rows))
+    if "host" in parts:
+        import hostcost  # this script's folder
+
+        print("\n## Host cost of a repeated call, µs (stub = kernel launches stubbed)\n",
+              flush=True)
+        rows.append({"kind": "host", **hostcost.main(["--repeat", "3"])})
+        rows.append({"kind": "host_count", **hostcost.main(["--count"])})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
