@@ -21,7 +21,6 @@ share of what is left (:class:`Budget`). Per family (one ladder, largest case fi
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
@@ -293,7 +292,9 @@ def _fmt_s(t: float) -> str:
 
 
 def _debug() -> None:
-    if os.environ.get("ATTNLIB_BENCH_DEBUG"):
+    from .._config import env_bench_debug
+
+    if env_bench_debug():
         traceback.print_exc()
 
 
