@@ -221,6 +221,21 @@ def decode_table(rows: list) -> str:
     return "\n".join(out)
 
 
+def host_table(times: dict, counts: dict) -> str:
+    """Markdown: per case, µs stub / call / pipelined, and what a repeated call does on the
+    queue (kernel enqueues, table fills, host-to-device copies)."""
+    cases = sorted({k.rsplit("_", 1)[0] for k in times if k.endswith("_stub")},
+                   key=lambda c: (c.startswith("portable_"), c))
+    out = ["| case | stub µs | call µs | pipelined µs | enqueues | fills | copies |",
+           "|---|---|---|---|---|---|---|"]
+    for c in cases:
+        cnt = counts.get(c) or {}
+        out.append(f"| {c} | {_fmt(times.get(c + '_stub'))} | {_fmt(times.get(c + '_call'))} | "
+                   f"{_fmt(times.get(c + '_pipelined'))} | {_fmt(cnt.get('enqueues'))} | "
+                   f"{_fmt(cnt.get('fills'))} | {_fmt(cnt.get('writes'))} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write every row here")
@@ -254,10 +269,12 @@ def main(argv=None) -> int:
     if "host" in parts:
         import hostcost  # this script's folder
 
-        print("\n## Host cost of a repeated call, µs (stub = kernel launches stubbed)\n",
-              flush=True)
-        rows.append({"kind": "host", **hostcost.main(["--repeat", "3"])})
-        rows.append({"kind": "host_count", **hostcost.main(["--count"])})
+        print("host cost ...", flush=True)
+        times = hostcost.main(["--repeat", "3"])
+        counts = hostcost.main(["--count"])
+        rows += [{"kind": "host", **times}, {"kind": "host_count", **counts}]
+        print("\n## Host cost of a repeated call (stub: kernel launches stubbed; per call)\n")
+        print(host_table(times, counts))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
