@@ -1,4 +1,4 @@
-"""numba backend vs PyTorch SDPA on the CPU: the table in bench/RESULTS.md ("numba backend").
+"""numba backend vs PyTorch SDPA on the CPU (bench/RESULTS.md, "CPU: numba against PyTorch").
 
     python bench/numba_vs_torch.py                 # prefill + decode + compile times
     python bench/numba_vs_torch.py --big           # also S=16384, 32 heads, D=128 (memory run)

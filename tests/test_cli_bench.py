@@ -19,7 +19,7 @@ RESULT_KEYS = {
     "task", "family", "label", "shape", "dtype", "backend", "device", "device_key", "median_s",
     "min_s", "reps", "first_call_s", "first_call_shape", "flops", "bytes", "intensity",
     "flop_per_s", "byte_per_s", "pct_roof", "bound", "vs_torch", "peak_mem_bytes", "mem_method",
-    "error",
+    "error", "skipped",
 }
 
 
@@ -36,6 +36,9 @@ def _check_doc(doc: dict) -> None:
     for r in doc["results"]:
         assert set(r) == RESULT_KEYS
         assert r["error"] is None, r
+        if r["skipped"] is not None:  # a backend that stopped below this shape: said, not timed
+            assert r["median_s"] is None and r["skipped"].startswith("not run"), r
+            continue
         assert r["reps"] >= 1 and r["min_s"] <= r["median_s"]
         for k in ("median_s", "min_s", "flops", "bytes", "intensity", "flop_per_s", "byte_per_s"):
             assert _positive(r[k]), (k, r)
@@ -163,3 +166,99 @@ def test_runs_without_torch(monkeypatch, tmp_path):
     assert all(r["vs_torch"] is None for r in doc["results"])
     with pytest.raises(SystemExit):
         main(["--backends", "torch", "-q"])
+
+
+class _CompilingRunner:
+    """A runner whose first call of a task compiles for ``compile_s`` (like numba on a cold
+    cache) and whose calls then take ``call_s``; it records the order of what happened."""
+
+    device_key, device_label, host_memory = "cpu", "CPU", False
+
+    def __init__(self, name: str, compile_s: float, call_s: float, log: list) -> None:
+        self.name, self.compile_s, self.call_s, self.log = name, compile_s, call_s, log
+        self.compiled: set[str] = set()
+        self.shapes_called: set = set()
+
+    def prepare(self, case, inputs):
+        import time
+
+        def fn():
+            first_of_task = case.family() not in self.compiled
+            self.compiled.add(case.family())
+            first_of_shape = case not in self.shapes_called
+            self.shapes_called.add(case)
+            self.log.append((self.name, "compile" if first_of_task else "call", case.label(),
+                             first_of_shape))
+            time.sleep(self.compile_s if first_of_task else self.call_s)
+            return None
+
+        return fn, lambda _result: None
+
+
+def test_compiles_happen_before_the_timed_slots_and_every_backend_is_in_every_table(
+        monkeypatch, tmp_path, capsys):
+    """A backend that compiles for longer than its time slot (numba on a cold cache) still
+    appears, timed, in every table; the first-call column is the first call of that shape."""
+    import attnlib._bench.cli as cli
+
+    log: list = []
+    slow = _CompilingRunner("slowjit", compile_s=1.5, call_s=0.002, log=log)
+    fast = _CompilingRunner("nojit", compile_s=0.0, call_s=0.001, log=log)
+    monkeypatch.setattr(cli, "_make_runners", lambda names, progress: [slow, fast])
+    monkeypatch.setattr(cli, "_pick_backends", lambda args, parser: ["slowjit", "nojit"])
+    path = tmp_path / "b.json"
+    # a budget far below the compile times: before, the compile ate slowjit's slots
+    argv = ["--size", "tiny", "--tasks", "prefill,softmax", "--causal", "no", "--budget", "2",
+            "--no-probes", "--json", str(path)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(path.read_text())
+    # every compile came before any timed call
+    kinds = [kind for name, kind, _, _ in log if name == "slowjit"]
+    assert kinds.count("compile") == 2
+    assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "compile")
+    # the progress says so, before the timing starts
+    err = captured.err
+    assert "warm-up, not timed" in err
+    assert err.index("warm-up, not timed") < err.index("timing")
+    assert doc["config"]["warm_up_s"]["slowjit"] >= 2 * 1.5
+    # every table (case) has a row for both backends, and slowjit's are timed calls
+    cases = {r["label"] for r in doc["results"]}
+    assert len(cases) >= 2
+    for label in cases:
+        rows = {r["backend"]: r for r in doc["results"] if r["label"] == label}
+        assert set(rows) == {"slowjit", "nojit"}, label
+        timed = rows["slowjit"]
+        if timed["skipped"] is None:
+            assert timed["median_s"] < 0.5, timed  # never a compile
+            # the first call of that shape, not a compile on another shape
+            dims = " ".join(f"{k}={v}" for k, v in timed["shape"].items() if k != "causal")
+            assert timed["first_call_shape"] == dims
+            assert timed["first_call_s"] < 0.5
+            first = next(e for e in log if e[0] == "slowjit" and e[2] == label)
+            assert first[1:] == ("call", label, True)  # its first call ever was a timed one
+    assert any(r["backend"] == "slowjit" and r["skipped"] is None for r in doc["results"])
+    assert "compile / kernel build before timing" in captured.out
+
+
+def test_memory_by_default_leaves_out_the_slow_backends(monkeypatch):
+    from attnlib._bench.memory import default_memory_backends
+
+    run, slow = default_memory_backends(["numba", "numpy", "torch"])
+    assert run == ["numba", "torch"] and slow == ["numpy"]
+
+
+def test_memory_child_progress_is_passed_on(monkeypatch):
+    """The --memory subprocess's stderr lines reach the progress output while it runs, with a
+    heartbeat while it is quiet, and its JSON line becomes the row."""
+    import attnlib._bench.memory as memory
+
+    monkeypatch.setattr(memory, "HEARTBEAT_S", 0.2)
+    script = ("import sys, time, json; print('compiled and warm in 0.0 s', file=sys.stderr, "
+              "flush=True); time.sleep(0.7); print(json.dumps({'backend': 'x', 'time_s': 0.7}))")
+    lines: list[str] = []
+    row = memory._run_child("x", [sys.executable, "-c", script], 60, lines.append)
+    assert row == {"backend": "x", "time_s": 0.7}
+    assert "  x: compiled and warm in 0.0 s" in lines
+    assert any("still running" in line for line in lines)
+    assert lines[-1] == "  x: done in 0.7 s"

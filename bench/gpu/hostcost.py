@@ -211,7 +211,8 @@ def count(fn, reset, queue, n=16):
     return {k: round(v / n, 2) for k, v in tally.items()}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
+    """Prints one JSON line per backend variant and returns every figure in one dict."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--emulate-nvidia", action="store_true")
     ap.add_argument("--stub-only", action="store_true")
@@ -223,7 +224,7 @@ def main() -> None:
                     help="report the least of this many medians (default 1)")
     ap.add_argument("--cases", default="decode,append,append_rope,rewrite_rope,decode_batch_idx,"
                                        "prefill,dense_decode")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     global REPEAT
     REPEAT = max(1, args.repeat)
     if args.emulate_nvidia:
@@ -234,7 +235,7 @@ def main() -> None:
             _nvidia_decode.EMULATE_PTX = True
     stub_only = args.stub_only or args.emulate_nvidia
     want = args.cases.split(",")
-    res = {}
+    res, every = {}, {}
     variants = [("portable_", {"use_mma": False})]
     if not args.portable_only:
         variants.insert(0, ("", {}))
@@ -247,6 +248,7 @@ def main() -> None:
                 if name in want and not (args.emulate_nvidia and name == "prefill"):
                     res[f"{label}{name}"] = count(fn, reset, queue)
             print(json.dumps({"emulate_nvidia": args.emulate_nvidia, "count": res}), flush=True)
+            every.update(res)
             res = {}
             continue
         if not label:
@@ -280,7 +282,9 @@ def main() -> None:
                 reset()
             res[f"{label}{name}_pipelined"] = pipelined_us(fn, queue, min(n, 512))
         print(json.dumps({"emulate_nvidia": args.emulate_nvidia, **res}), flush=True)
+        every.update(res)
         res = {}
+    return every
 
 
 if __name__ == "__main__":

@@ -7,6 +7,15 @@ import os
 import platform
 import sys
 
+_DEVICE_TYPES = (("GPU", "GPU"), ("CPU", "CPU"), ("ACCELERATOR", "accelerator"),
+                 ("CUSTOM", "custom"))
+
+
+def _device_type_words(cl, bits: int) -> str:
+    """An OpenCL device-type bitfield as words ("GPU", "CPU", "GPU + accelerator")."""
+    words = [word for attr, word in _DEVICE_TYPES if bits & getattr(cl.device_type, attr, 0)]
+    return " + ".join(words) or f"unknown type {bits}"
+
 
 def _opencl_devices() -> list[str]:
     try:
@@ -24,17 +33,47 @@ def _opencl_devices() -> list[str]:
         except Exception:
             devices = []
         for d in devices:
-            kind = cl.device_type.to_string(d.type)
-            lines.append(f"{p.name} | {d.name} | {kind} | OpenCL {d.version.split()[1]} | "
-                         f"{d.max_compute_units} CUs | {d.global_mem_size / 2**30:.1f} GiB")
+            try:
+                lines.append(f"{p.name.strip()} | {d.name.strip()} | "
+                             f"{_device_type_words(cl, d.type)} | {d.version.strip()} | "
+                             f"{d.max_compute_units} compute units | "
+                             f"{d.global_mem_size / 2**30:.1f} GiB")
+            except Exception as exc:  # a driver that fails a query still gets its line
+                lines.append(f"{p.name.strip()} | (device query failed: {exc})")
     return lines or ["(no OpenCL devices)"]
 
 
+def _render(value, indent: str) -> list[str]:
+    """A backend's info() value: scalars inline, dicts and lists one entry per line."""
+    if isinstance(value, dict):
+        out = []
+        for k, v in value.items():
+            if isinstance(v, (dict, list, tuple)) and v:
+                out.append(f"{indent}{k}:")
+                out.extend(_render(v, indent + "  "))
+            else:
+                out.append(f"{indent}{k}: {v}")
+        return out
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            if isinstance(v, dict):
+                sub = _render(v, indent + "  ")
+                out.append(indent + "- " + sub[0].lstrip() if sub else indent + "-")
+                out.extend(sub[1:])
+            else:
+                out.append(f"{indent}- {v}")
+        return out
+    return [f"{indent}{value}"]
+
+
 def cmd_info(_args) -> int:
+    """What runs here. Never fails: each part that cannot be found out says why instead."""
     import numpy as np
 
     import attnlib
     from attnlib import registry
+    from attnlib._config import env_backend
 
     print(f"attnlib {attnlib.__version__} | Python {platform.python_version()} | "
           f"numpy {np.__version__} | {platform.machine()} {platform.system()}")
@@ -44,27 +83,39 @@ def cmd_info(_args) -> int:
         except Exception:
             ver = "not installed"
         print(f"  {mod:10s} {ver}")
-    avail = registry.available_backends()
-    print("backends (auto order):")
-    for name in registry.known_backends():
-        state = "available" if name in avail else "not available"
-        line = f"  {name:8s} {state}"
-        if name in avail:
-            try:
-                extra = registry.get_backend(name).info()
-                line += "  " + ", ".join(f"{k}={v}" for k, v in extra.items())
-            except Exception as exc:
-                line += f"  (info failed: {exc})"
-        print(line)
-    chosen = registry.current_choice(None)
-    default = registry.resolve_backend().name if avail else "none"
-    print(f"default here: {default}" + (f" (chosen by {chosen!r})" if chosen else " (auto)"))
+    try:
+        avail = registry.available_backends()
+        known = registry.known_backends()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        print(f"backends: could not be listed ({type(exc).__name__}: {exc})")
+        avail, known = [], []
+    print("backends, in the order auto tries them:")
+    for name in avail + [n for n in known if n not in avail]:
+        if name not in avail:
+            print(f"  {name:8s} not available")
+            continue
+        print(f"  {name:8s} available")
+        try:
+            print("\n".join(_render(registry.get_backend(name).info(), " " * 12)))
+        except Exception as exc:  # noqa: BLE001
+            print(f"            (info failed: {type(exc).__name__}: {exc})")
+    env = env_backend()
+    try:
+        chosen = registry.current_choice(None)
+        default = registry.resolve_backend().name
+        how = f"ATTNLIB_BACKEND={env}" if env is not None and chosen is not None else "auto"
+        print(f"default here: {default} (chosen by {how})")
+    except Exception as exc:  # noqa: BLE001 - a bad ATTNLIB_BACKEND is reported as such
+        print(f"default here: none: {exc}")
+        if env is not None:
+            print("  every call without backend= raises this error until ATTNLIB_BACKEND is "
+                  "fixed or unset")
     print("OpenCL devices:")
     for line in _opencl_devices():
         print("  " + line)
-    env = {k: os.environ[k] for k in ("ATTNLIB_BACKEND", "PYOPENCL_CTX") if k in os.environ}
-    if env:
-        print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    shown = {k: os.environ[k] for k in ("ATTNLIB_BACKEND", "PYOPENCL_CTX") if k in os.environ}
+    if shown:
+        print("environment: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     return 0
 
 

@@ -28,3 +28,9 @@ def env_test_backends() -> list[str] | None:
     if not value:
         return None
     return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def env_bench_debug() -> bool:
+    """ATTNLIB_BENCH_DEBUG set and not empty: ``attnlib bench`` prints the traceback of a case
+    that failed (the table shows its one-line error either way)."""
+    return bool(os.environ.get("ATTNLIB_BENCH_DEBUG", "").strip())

@@ -154,9 +154,23 @@ def register_backend(name: str, cls: type[Backend]) -> None:
         _instances.pop(name, None)
 
 
+class _FromEnv(str):
+    """A backend name that came from the ATTNLIB_BACKEND variable: errors it causes name the
+    variable, so that a user who never wrote ``backend=`` learns where the name came from."""
+
+
+def _origin(name: Any) -> str:
+    if isinstance(name, _FromEnv):
+        return f"the environment variable ATTNLIB_BACKEND={str(name)!r}"
+    return f"backend={name!r}"
+
+
 def _unknown(name: Any) -> ArgumentError:
     valid = ", ".join(["auto"] + known_backends())
-    return ArgumentError(f"backend={name!r} is not a known backend; expected one of: {valid}")
+    hint = " (or unset it)" if isinstance(name, _FromEnv) else ""
+    return ArgumentError(
+        f"{_origin(name)} is not a known backend; expected one of: {valid}{hint}"
+    )
 
 
 def get_backend(name: str = "auto", **options: Any) -> Backend:
@@ -166,18 +180,20 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
         return name
     if not isinstance(name, str):
         raise _unknown(name)
-    name = name.strip()
+    origin = _origin(name)
+    name = _FromEnv(name.strip()) if isinstance(name, _FromEnv) else name.strip()
     if name == "auto":
         avail = available_backends()
         name = avail[0]
     with _lock:
         if name not in known_backends():
             raise _unknown(name)
+        name = str(name)
         cls = _load_class(name)
         if cls is None:
             raise BackendUnavailableError(
-                f"backend {name!r} cannot be imported here (is its package installed? "
-                f"e.g. pip install 'attnlib[{name}]')"
+                f"{origin}: backend {str(name)!r} cannot be imported here (is its package "
+                f"installed? e.g. pip install 'attnlib[{name}]')"
             )
         if options:
             return cls(**options)
@@ -186,8 +202,8 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
             return inst
         if not _safe_available(cls):
             raise BackendUnavailableError(
-                f"backend {name!r} is not available on this machine; available here: "
-                f"{', '.join(available_backends())}"
+                f"{origin}: backend {str(name)!r} is not available on this machine; available "
+                f"here: {', '.join(available_backends())}"
             )
         inst = cls()
         _instances[name] = inst
@@ -227,10 +243,11 @@ def use_backend(name: str | Backend) -> Iterator[None]:
 
 def current_choice(backend: str | Backend | None = None) -> str | Backend | None:
     """The explicit choice in force (argument > use_backend > set_backend > env), or None."""
-    for choice in (backend, _context_choice.get(), _global_choice, _config.env_backend()):
+    for choice in (backend, _context_choice.get(), _global_choice):
         if choice is not None:
             return choice
-    return None
+    env = _config.env_backend()
+    return None if env is None else _FromEnv(env)
 
 
 def resolve_backend(backend: str | Backend | None = None) -> Backend:

@@ -56,9 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", action="store_true",
                    help="run the motivating example instead: S=16384, 32 heads, D=128, float32, "
                         "one subprocess per backend, peak memory beside the naive score matrix "
-                        "(--backends, --causal and the first of --dtypes apply)")
-    p.add_argument("--memory-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="with --memory: skip a backend predicted slower than this (default: 300)")
+                        "(--backends, --causal and the first of --dtypes apply; 2-4 minutes "
+                        "on a 2-core CPU)")
+    p.add_argument("--memory-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="with --memory: skip a backend predicted slower than this (default: "
+                        "120); without --backends the numpy reference and opencl on a CPU are "
+                        "left out")
     p.add_argument("--no-probes", action="store_true", help="skip the ceiling probes")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     return p
@@ -186,21 +189,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ladders = default_ladders(profile, args.tasks, args.dtypes, causal)
     from .report import annotate, print_table, to_json, write_json
-    from .suite import Budget, run_family
+    from .suite import Budget, run_family, warm_up
 
-    # the budget counts from the start: imports and probes are part of the minute
-    budget = Budget(args.budget - (time.perf_counter() - t_start), len(ladders) * len(runners))
     ceilings = {} if args.no_probes else _ceilings(runners, progress)
     progress(f"size profile {profile!r}; {len(ladders)} families x {len(runners)} backends")
+    warm_s = warm_up(ladders, runners, progress)
+    # the budget counts from the start (imports, probes and compiles are part of the minute);
+    # the timed slots share what is left, so no slot pays for a compile
+    budget = Budget(args.budget - (time.perf_counter() - t_start), len(ladders) * len(runners))
+    progress("timing (compiled; each backend gets an equal share of the time left) ...")
     results = []
     for lad in ladders:
         progress(f"{lad[0].family()}:")
         results += run_family(lad, runners, budget, progress, reps=args.reps)
     annotate(results, ceilings)
-    print_table(results, ceilings, sys.stdout, load)
+    print_table(results, ceilings, sys.stdout, load, warm_s)
     config = {"backends": [r.name for r in runners], "devices": {r.name: r.device_label
               for r in runners}, "profile": profile, "budget_s": args.budget,
-              "reps": args.reps, "argv": list(sys.argv[1:] if argv is None else argv)}
+              "reps": args.reps, "argv": list(sys.argv[1:] if argv is None else argv),
+              "warm_up_s": warm_s}
     if args.json:
         write_json(to_json(results, ceilings, config, load), args.json)
         progress(f"wrote {args.json}")
@@ -214,8 +221,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _memory(args: argparse.Namespace, names: list[str], progress: Any) -> int:
-    from .memory import memory_case, run_memory
+    from .memory import default_memory_backends, memory_case, run_memory
 
+    if args.backends is None:
+        names, slow = default_memory_backends(names)
+        if slow:
+            progress(f"--memory: leaving out {', '.join(slow)} (minutes each here); "
+                     f"--backends {','.join(names + slow)} runs them too")
     case = memory_case(args.dtypes[0], causal=args.causal != "no")
     rows = run_memory(names, case, args.memory_timeout, progress, sys.stdout)
     if args.json:

@@ -6,7 +6,11 @@ exact tiled attention needs only its inputs and output. Each backend runs in a f
 peak: inputs are made, a small case of the same head size compiles the kernels, the time of the
 full call is predicted from a mid-sized one (a backend too slow for ``--memory-timeout`` is
 reported, not run), then one full call runs under the peak meter of
-:mod:`attnlib._bench.measure`. The subprocess prints one JSON line.
+:mod:`attnlib._bench.measure`. The subprocess prints its progress on stderr (passed on, with a
+line every ``HEARTBEAT_S`` while the full call runs) and one JSON line on stdout.
+
+Without ``--backends`` the backends that are slow here by design are left out (the numpy
+reference, and opencl when its device is a CPU: minutes each); naming them runs them.
 """
 
 from __future__ import annotations
@@ -15,13 +19,40 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import TextIO
 
 from .shapes import Case
 
-__all__ = ["memory_case", "run_memory"]
+__all__ = ["memory_case", "run_memory", "default_memory_backends", "HEARTBEAT_S"]
+
+HEARTBEAT_S = 10.0
+
+
+def default_memory_backends(names: list[str]) -> tuple[list[str], list[str]]:
+    """(backends to run, backends left out as slow here) for ``--memory`` without
+    ``--backends``: the numpy reference and opencl on a CPU device take minutes."""
+    import attnlib
+
+    slow = []
+    for n in names:
+        if n == "numpy":
+            slow.append(n)
+        elif n == "opencl":
+            try:
+                import pyopencl as cl
+
+                if not attnlib.get_backend("opencl").device.type & cl.device_type.GPU:
+                    slow.append(n)
+            except Exception:  # noqa: BLE001 - a backend that cannot say is run
+                pass
+    return [n for n in names if n not in slow], slow
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def memory_case(dtype: str = "float32", causal: bool = True) -> Case:
@@ -47,8 +78,10 @@ def _child(argv: list[str]) -> int:
     out: dict = {"backend": a.backend, "device": runner.device_label}
     # compile on a small case, then time a mid-sized one to predict the full call
     small = replace(full, S=min(256, a.S))
+    t0 = time.perf_counter()
     fn, sync = runner.prepare(small, make_inputs(small))
     sync(fn())
+    _say(f"compiled and warm in {time.perf_counter() - t0:.1f} s")
     mid = replace(full, S=min(1024, a.S))
     fn, sync = runner.prepare(mid, make_inputs(mid))
     t0 = time.perf_counter()
@@ -60,6 +93,7 @@ def _child(argv: list[str]) -> int:
         out["skipped"] = f"predicted {predicted:.0f} s > --memory-timeout {a.limit:.0f} s"
         print(json.dumps(out))
         return 0
+    _say(f"full call predicted to take {predicted:.0f} s; running it ...")
     del fn, sync
     inputs = make_inputs(full)
     fn, sync = runner.prepare(full, inputs)
@@ -85,18 +119,11 @@ def run_memory(backends: list[str], case: Case, limit: float, progress, out: Tex
     print(f"  naive score matrix B*H*S*S*4 bytes: {naive / gib:.1f} GiB", file=out)
     rows = []
     for name in backends:
-        progress(f"--memory: {name} (subprocess, up to {limit:.0f} s)")
+        progress(f"--memory: {name} in a fresh process (skipped if predicted over {limit:.0f} s)")
         cmd = [sys.executable, "-m", "attnlib._bench.memory", "--backend", name,
                "--S", str(case.S), "--H", str(case.H), "--D", str(case.D),
                "--dtype", case.dtype, "--causal", str(int(case.causal)), "--limit", str(limit)]
-        try:
-            cp = subprocess.run(cmd, capture_output=True, text=True, timeout=limit * 1.5 + 120)
-            line = (cp.stdout.strip().splitlines() or [""])[-1]
-            row = json.loads(line) if cp.returncode == 0 and line.startswith("{") else {
-                "backend": name, "error": (cp.stderr.strip().splitlines() or ["failed"])[-1]}
-        except subprocess.TimeoutExpired:
-            row = {"backend": name, "error": "timed out"}
-        rows.append(row)
+        rows.append(_run_child(name, cmd, limit * 1.5 + 120, progress))
     print(f"  {'backend':<8}  {'time':>9}  {'measured peak (extra)':>22}  vs naive scores  method",
           file=out)
     for r in rows:
@@ -111,6 +138,45 @@ def run_memory(backends: list[str], case: Case, limit: float, progress, out: Tex
     print("  the measured peak is the memory one call added, its output included; the naive "
           "kernel would need the score matrix on top of that", file=out)
     return rows
+
+
+def _run_child(name: str, cmd: list[str], timeout: float, progress) -> dict:
+    """Run one child, passing its stderr lines on as progress, with a line every
+    ``HEARTBEAT_S`` seconds while it is quiet; its last stdout line is the JSON row."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err_tail: list[str] = []
+
+    def forward() -> None:
+        for line in proc.stderr:
+            line = line.rstrip()
+            if line:
+                err_tail[:] = (err_tail + [line])[-5:]
+                progress(f"  {name}: {line}")
+
+    reader = threading.Thread(target=forward, daemon=True)
+    reader.start()
+    try:
+        while True:
+            try:
+                out = proc.stdout.read() if proc.wait(timeout=HEARTBEAT_S) is not None else ""
+                break
+            except subprocess.TimeoutExpired:
+                elapsed = time.perf_counter() - t0
+                if elapsed > timeout:
+                    proc.kill()
+                    proc.wait()
+                    return {"backend": name, "error": f"timed out after {elapsed:.0f} s"}
+                progress(f"  {name}: still running ({elapsed:.0f} s)")
+    finally:
+        reader.join(timeout=5)
+    line = (out.strip().splitlines() or [""])[-1]
+    if proc.returncode == 0 and line.startswith("{"):
+        row = json.loads(line)
+        if "time_s" in row:
+            progress(f"  {name}: done in {row['time_s']:.1f} s")
+        return row
+    return {"backend": name, "error": (err_tail or ["failed"])[-1]}
 
 
 if __name__ == "__main__":

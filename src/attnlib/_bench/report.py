@@ -1,11 +1,13 @@
 """The printed table and the JSON document of ``attnlib bench``.
 
-Columns: median time of the repeated calls; the first call of that backend on that task (JIT
-compile or kernel build included, on the smallest shape it ran); achieved FLOP/s and GB/s with the
-counting rules of :mod:`attnlib._bench.shapes`; ``%roof`` = achieved FLOP/s over the roofline bound
-``min(peak FLOP/s, bandwidth * intensity)`` of the backend's device, both measured by
-:mod:`attnlib._bench.probes` (``C`` compute-bound, ``M`` memory-bound); ``vs torch`` = PyTorch's
-time over the backend's on the same case (above 1: faster than PyTorch); peak memory of one call.
+Columns: median time of the repeated calls; the first call of that shape (the JIT compile or
+kernel build of each task ran before, untimed; its time is printed below the tables); achieved
+FLOP/s and GB/s with the counting rules of :mod:`attnlib._bench.shapes`; ``%roof`` = achieved
+FLOP/s over the roofline bound ``min(peak FLOP/s, bandwidth * intensity)`` of the backend's
+device, both measured by :mod:`attnlib._bench.probes` (``C`` compute-bound, ``M``
+memory-bound); ``vs torch`` = PyTorch's time over the backend's on the same case (above 1:
+faster than PyTorch); peak memory of one call. A backend that stopped below a shape has a row
+there saying so.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def _row(cells: list[str]) -> str:
 
 
 def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO,
-                load: dict | None = None) -> None:
+                load: dict | None = None, warm_s: dict[str, float] | None = None) -> None:
     """One section per case (every backend that ran it, PyTorch included), largest case first."""
     order: list[Any] = []
     for r in results:
@@ -98,7 +100,8 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
     header = _row([n for n, _ in _COLS])
     for case in order:
         rows = [r for r in results if r.case == case]
-        rows.sort(key=lambda r: (r.backend == "torch", r.median_s is None, r.median_s or 0))
+        rows.sort(key=lambda r: (r.backend == "torch", r.median_s is None, r.median_s or 0,
+                                 r.backend))
         print("", file=out)
         print(f"{case.label()}   [{case.flops() / 1e9:.3g} GFLOP, "
               f"{case.nbytes() / (1 << 20):.3g} MiB moved, "
@@ -106,8 +109,8 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
         print(header, file=out)
         print("-" * len(header), file=out)
         for r in rows:
-            if r.error:
-                print(_row([r.backend, r.device]) + "  " + r.error, file=out)
+            if r.error or r.skipped:
+                print(_row([r.backend, r.device]) + "  " + (r.error or r.skipped), file=out)
                 continue
             roof = "-" if r.pct_roof is None else f"{r.pct_roof:.0f}% {r.bound[0].upper()}"
             if r.pct_roof is None and r.bound:
@@ -126,9 +129,12 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
         print(f"  {c.device:<40} {_si(c.byte_per_s, 'B/s'):>12} "
               f"{_si(c.flop_per_s, 'FLOP/s'):>14}   ({c.method})", file=out)
     methods = sorted({r.mem_method for r in results if r.mem_method})
+    if warm_s:
+        print("compile / kernel build before timing (one small untimed call per table): "
+              + ", ".join(f"{name} {t:.1f} s" for name, t in warm_s.items()), file=out)
     notes = [
-        "median of the repeated calls; '1st call' includes JIT compile / kernel build (smallest "
-        "shape); F = FLOP, B = bytes",
+        "median of the repeated calls; '1st call': the first call of that shape, after the "
+        "compile above; F = FLOP, B = bytes",
         "%roof: achieved FLOP/s over min(peak FLOP/s, bandwidth x FLOP/byte) of the device; "
         "C compute-bound, M memory-bound (compute roofs are float32: '-' for other dtypes)",
         "vs torch: PyTorch's time / this backend's time (above 1 = faster than PyTorch)",

@@ -1,21 +1,26 @@
 """Run ladders of cases on runners within a time budget; one Result per (runner, case).
 
-The run's wall-clock budget is handed out in slots, one per (family, runner), each an equal share
-of what is left (:class:`Budget`). Per family (one ladder, largest case first) and runner:
+First, untimed, :func:`warm_up` calls every runner once on the smallest case of every family, so
+that JIT compiles (numba) and kernel builds (OpenCL) happen before any time slot starts: a backend
+that compiles for seconds is then timed like one that does not.
 
-1. climb: call the smallest case (the first call includes the JIT compile or kernel build and is
-   reported as ``first_call_s``), then call it again, timed, under the peak-memory meter; predict
-   the next rung's time from the FLOP ratio and climb while ``MIN_REPS + 1`` calls of it still
-   fit in the slot. A slow backend (PoCL, the numpy reference) so stops on a smaller shape;
+The run's wall-clock budget is then handed out in slots, one per (family, runner), each an equal
+share of what is left (:class:`Budget`). Per family (one ladder, largest case first) and runner:
+
+1. climb: call the smallest case under the peak-memory meter (its time is the first call of that
+   shape, ``first_call_s``: the warm-up ran a length no table uses); predict the next rung's time
+   from the FLOP ratio and climb while ``MIN_REPS + 1`` calls of it still fit in the slot. A slow
+   backend (PoCL, the numpy reference) so stops on a smaller shape;
 2. repeat the top rung reached: the median of as many calls as fit the rest of the slot
    (``MIN_REPS`` to ``MAX_REPS``, or ``--reps``);
 3. side by side: every runner is also timed (``MIN_REPS`` calls) on the top rungs that slower
-   runners stopped at, so each shape's table has every backend that reached it, PyTorch included.
+   runners stopped at, so each shape's table has every backend that reached it, PyTorch included;
+   a runner that stopped below a shape gets a row there that says so (``skipped``), so every table
+   lists every backend.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
@@ -27,7 +32,7 @@ from .measure import median, peak_meter, time_once, time_reps
 from .runners import make_inputs
 from .shapes import Case
 
-__all__ = ["Result", "Progress", "Budget", "run_family", "MIN_REPS", "MAX_REPS"]
+__all__ = ["Result", "Progress", "Budget", "warm_up", "run_family", "MIN_REPS", "MAX_REPS"]
 
 MIN_REPS = 3
 MAX_REPS = 30
@@ -63,6 +68,7 @@ class Result:
     peak_mem_bytes: int | None = None
     mem_method: str | None = None
     error: str | None = None
+    skipped: str | None = None  # why this runner has no time on this case
     # filled in by the report, once ceilings and PyTorch's times are known
     pct_roof: float | None = None
     bound: str | None = None
@@ -97,6 +103,7 @@ class Result:
             "peak_mem_bytes": self.peak_mem_bytes,
             "mem_method": self.mem_method,
             "error": self.error,
+            "skipped": self.skipped,
         }
         return d
 
@@ -140,23 +147,22 @@ class _Inputs:
         self._cache.clear()
 
 
-def _probe(runner: Any, case: Case, inputs: _Inputs, res: Result, warm: bool,
+def _probe(runner: Any, case: Case, inputs: _Inputs, res: Result,
            predicted: float | None = None) -> tuple[Callable, Callable, float]:
-    """Prepare ``case`` and call it once under the peak-memory meter (after a first, compiling
-    call when not ``warm``); fills ``res`` and returns ``(fn, sync, time of one call)``.
+    """Prepare ``case`` and make its first call under the peak-memory meter; fills ``res`` (the
+    first call's time and memory) and returns ``(fn, sync, time of one call)``.
 
-    A backend may build kernels per shape: a metered call much slower than ``predicted`` is
-    followed by one more, whose time is returned instead."""
+    The family's compile happened in :func:`warm_up`, but a backend may still build kernels per
+    shape: a first call slower than ``predicted`` (or, without a prediction, the first call of
+    any shape) is followed by one more, whose time is returned instead."""
     fn, sync = runner.prepare(case, inputs.get(case))
-    if not warm:
-        res.first_call_s = time_once(fn, sync)
-        res.first_call_shape = _short(case)
     meter = peak_meter(runner)
     with meter:
         t = time_once(fn, sync)
     res.peak_mem_bytes, res.mem_method = meter.bytes, meter.method
-    if predicted is not None and t > 1.5 * predicted:
-        t = time_once(fn, sync)
+    res.first_call_s, res.first_call_shape = t, _short(case)
+    if predicted is None or t > 1.5 * predicted:
+        t = min(t, time_once(fn, sync))
     return fn, sync, t
 
 
@@ -166,6 +172,41 @@ def _repeat(fn: Callable, sync: Callable, t: float, budget: float, reps: int | N
     n = reps if reps else int(max(MIN_REPS, min(MAX_REPS, budget / max(t, 1e-9))))
     ts = [t] + time_reps(fn, sync, n - 1)
     res.median_s, res.min_s, res.reps = median(ts), min(ts), len(ts)
+
+
+def warm_up(ladders: list[list[Case]], runners: list[Any],
+            progress: Callable[[str], None]) -> dict[str, float]:
+    """One untimed call of every runner on a small case of every family (:func:`_warm_case`:
+    the JIT compiles and kernel builds of that task, dtype and head size); returns the seconds
+    each runner spent. A failure is left for the timed run to report as a row of its table."""
+    spent = {r.name: 0.0 for r in runners}
+    cases = [_warm_case(ladder[-1]) for ladder in ladders]
+    progress("compiling and building kernels (warm-up, not timed): one small call per backend "
+             "and table ...")
+    for runner in runners:
+        t0 = time.perf_counter()
+        for case in cases:
+            try:
+                fn, sync = runner.prepare(case, make_inputs(case))
+                time_once(fn, sync)
+                del fn, sync
+            except Exception:  # noqa: BLE001 - reported by run_family on the same case
+                _debug()
+        spent[runner.name] = time.perf_counter() - t0
+        progress(f"  {runner.name:<8} warm in {spent[runner.name]:.1f} s")
+    return spent
+
+
+def _warm_case(case: Case) -> Case:
+    """A small case of the same task, dtype and head sizes as ``case`` but a length no table
+    uses, so that the first call of every table's shape is still to come when timing starts."""
+    from dataclasses import replace
+
+    if case.task == "softmax":
+        return replace(case, rows=3 if case.rows != 3 else 5)
+    if case.task == "decode":
+        return replace(case, L=17 if case.L != 17 else 19)
+    return replace(case, S=17 if case.S != 17 else 19)
 
 
 def run_family(
@@ -179,7 +220,6 @@ def run_family(
     inputs = _Inputs()
     results: list[Result] = []
     top_index: dict[str, int] = {}  # runner -> index in ``ladder`` of its top rung
-    first_call: dict[str, tuple[float | None, str | None]] = {}
     t_top: dict[str, float] = {}  # runner -> median time on its top rung
     try:
         for runner in runners:
@@ -188,14 +228,13 @@ def run_family(
             idx = len(ladder) - 1
             res = Result(ladder[idx], runner.name, runner.device_label, runner.device_key)
             try:
-                fn, sync, t = _probe(runner, ladder[idx], inputs, res, warm=False)
+                fn, sync, t = _probe(runner, ladder[idx], inputs, res)
             except Exception as exc:  # a failing backend is a row in the table, not a crash
                 res.error = _err(exc)
                 results.append(res)
                 progress(f"  {runner.name:<8} {res.case.label()}: FAILED {res.error}")
                 _debug()
                 continue
-            first_call[runner.name] = (res.first_call_s, res.first_call_shape)
             while idx > 0:
                 nxt = ladder[idx - 1]
                 predicted = t * nxt.flops() / ladder[idx].flops()
@@ -203,8 +242,7 @@ def run_family(
                     break
                 nres = Result(nxt, runner.name, runner.device_label, runner.device_key)
                 try:
-                    fn, sync, t = _probe(runner, nxt, inputs, nres, warm=True,
-                                         predicted=predicted)
+                    fn, sync, t = _probe(runner, nxt, inputs, nres, predicted=predicted)
                 except Exception as exc:  # e.g. MemoryError: keep the rung below
                     nres.error = _err(exc)
                     results.append(nres)
@@ -213,7 +251,6 @@ def run_family(
                     break
                 idx, res = idx - 1, nres
             _repeat(fn, sync, t, slot_end - time.perf_counter(), reps, res)
-            res.first_call_s, res.first_call_shape = first_call[runner.name]
             top_index[runner.name] = idx
             t_top[runner.name] = res.median_s
             results.append(res)
@@ -225,17 +262,20 @@ def run_family(
         for runner in runners:
             mine = top_index.get(runner.name)
             for idx in tops:
-                if mine is None or idx <= mine:
+                if mine is None or idx == mine:
                     continue
                 case = ladder[idx]
                 res = Result(case, runner.name, runner.device_label, runner.device_key)
+                predicted = t_top[runner.name] * case.flops() / ladder[mine].flops()
+                if idx < mine:  # a larger shape than this runner's slot reached
+                    res.skipped = (f"not run: ~{_fmt_s(predicted)} per call predicted, beyond "
+                                   "its share of --budget")
+                    results.append(res)
+                    continue
                 try:
-                    predicted = t_top[runner.name] * case.flops() / ladder[mine].flops()
-                    fn, sync, t = _probe(runner, case, inputs, res, warm=True,
-                                         predicted=predicted)
+                    fn, sync, t = _probe(runner, case, inputs, res, predicted=predicted)
                     _repeat(fn, sync, t, MIN_SLOT_S, reps, res)
                     del fn, sync
-                    res.first_call_s, res.first_call_shape = first_call[runner.name]
                     progress(f"  {runner.name:<8} {case.label()}: median "
                              f"{res.median_s * 1e3:.3f} ms of {res.reps} (side by side)")
                 except Exception as exc:
@@ -247,8 +287,14 @@ def run_family(
     return results
 
 
+def _fmt_s(t: float) -> str:
+    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
+
+
 def _debug() -> None:
-    if os.environ.get("ATTNLIB_BENCH_DEBUG"):
+    from .._config import env_bench_debug
+
+    if env_bench_debug():
         traceback.print_exc()
 
 

@@ -10,7 +10,7 @@ Backends under test, first that applies:
    (or ``module.sub:Class``): the class is imported and registered with
    :func:`attnlib.register_backend` under its ``name`` attribute, so a third party runs::
 
-       pytest --pyargs attnlib.testing --attnlib-backend mypkg.backend:MyBackend
+       python -m pytest --pyargs attnlib.testing --attnlib-backend mypkg.backend:MyBackend
 
 2. the environment variable ``ATTNLIB_TEST_BACKENDS`` (same syntax, comma-separated);
 3. :func:`attnlib.available_backends` (every backend that can run here).

@@ -47,9 +47,8 @@ def _torch_first() -> None:
     ``libmkl_rt``'s first call dlopens MKL's layer libraries into the process's global symbol
     scope, and a PyTorch imported afterwards binds its own MKL calls to them: it then sizes its
     OpenMP pool from the sequential layer's ``mkl_get_max_threads()`` = 1 and runs
-    single-threaded (measured here: torch 2.13 CPU, ``torch.get_num_threads()`` 1 instead of 2;
-    SDPA at S=512 took 4.7-5.1 ms instead of 2.5-2.9, fifth session, /work/notes/numba5.md).
-    Importing it first costs ~1-2 s once and keeps PyTorch's own bindings."""
+    single-threaded (``torch.get_num_threads()`` reports 1, and its SDPA runs about half as fast
+    on two cores). Importing it first costs ~1-2 s once and keeps PyTorch's own bindings."""
     import importlib.util
     import sys
 

@@ -1,0 +1,285 @@
+"""The GPU benchmark: the opencl backend beside PyTorch SDPA on the same GPU, same data, one run.
+
+    python bench/gpu/run.py                       # every table, markdown on stdout
+    python bench/gpu/run.py --json out.json       # also every row as JSON
+    python bench/gpu/run.py --only prefill16 --only decode --reps 20
+    python bench/gpu/run.py --no-torch            # attnlib only (no PyTorch with CUDA here)
+
+Needs an OpenCL GPU (the ``opencl`` backend's default device) and, for the anchors, PyTorch with
+CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
+
+* **prefill** (``prefill32``, ``prefill16``, ``prefillbf16``; ``prefill16p`` = float16 on the
+  portable kernel, ``use_mma=False``): TFLOP/s (4·B·H·S²·D, halved for causal) per
+  (dtype, B, H, S, D, causal) through ``attnlib.attention`` on device arrays, beside PyTorch
+  SDPA's flash, efficient and cuDNN backends. "per call": median of ``--reps`` calls, each
+  followed by a synchronisation (OpenCL: ``queue.finish()``; torch: CUDA events), so attnlib's
+  Python front door is inside the figure. "pipelined": ``--reps`` calls back to back and one
+  synchronisation, the throughput of a caller that does not wait on each result.
+* **decode** (``decode``): one float16 query token, 32 query / 8 kv heads, D=128, over a KV cache
+  of B sequences × L tokens through ``attention_with_kvcache``: µs per call and pipelined, and
+  the cache read rate (K and V read once), beside the same PyTorch backends.
+* **host** (``host``): what a repeated call costs the host (``bench/gpu/hostcost.py``: the call
+  with its kernel launches stubbed, the real enqueue, back to back), and what a repeated call
+  does on the queue (kernel enqueues, table fills, host-to-device copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import attnlib
+
+PREFILL = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128)]
+DECODE = [(1, 8192), (8, 8192), (1, 131072)]  # (batch, cache length); 32 q heads, 8 kv, D 128
+
+
+def _median_time(fn, sync, warm: int, reps: int) -> float:
+    for _ in range(warm):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _pipelined_time(fn, sync, reps: int) -> float:
+    """Seconds per call of ``reps`` calls issued back to back, then one synchronisation: the
+    throughput a caller that does not wait on every result sees (host time hides under device
+    time where the kernels are the longer)."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def _torch_times(q, k, v, causal: bool, reps: int) -> dict:
+    """SDPA per backend on (B, H, S, D) CUDA tensors; missing backends are left out."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    f = torch.nn.functional.scaled_dot_product_attention
+    out = {}
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                f(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                ts = []
+                for _ in range(reps):
+                    start.record()
+                    f(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+                    end.record()
+                    end.synchronize()
+                    ts.append(start.elapsed_time(end) / 1e3)
+                out[name] = statistics.median(ts)
+                out[name + "_pipe"] = _pipelined_time(
+                    lambda: f(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]),
+                    torch.cuda.synchronize, reps)
+        except Exception as exc:  # noqa: BLE001 - a backend torch cannot run here is reported
+            out[name] = f"n/a ({type(exc).__name__})"
+    return out
+
+
+def prefill(dtype: str, reps: int, with_torch: bool, rows: list, portable: bool = False) -> None:
+    """``portable=True`` keeps float16/bfloat16 off the tensor-core kernel (``use_mma=False``)."""
+    import ml_dtypes
+    import torch
+
+    np_dtype = {"float32": np.float32, "float16": np.float16,
+                "bfloat16": ml_dtypes.bfloat16}[dtype]
+    t_dtype = {"float32": torch.float32, "float16": torch.float16,
+               "bfloat16": torch.bfloat16}[dtype]
+    be = attnlib.get_backend("opencl", use_mma=False) if portable else "opencl"
+    for b, h, s, d in PREFILL:
+        if (dtype == "float32" or portable) and h * s > 16 * 8192:
+            continue  # the fp32 / portable figures use the first three shapes only
+        rng = np.random.default_rng(0)
+        host = [rng.standard_normal((b, s, h, d), dtype=np.float32).astype(np_dtype)
+                for _ in range(3)]
+        dev = [attnlib.to_device(x, backend="opencl") for x in host]
+        for causal in (False, True):
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            out = attnlib.attention(*dev, causal=causal, backend=be)
+            sync = out.queue.finish
+
+            def run(c=causal, x=dev):
+                return attnlib.attention(*x, causal=c, backend=be)
+
+            t = _median_time(run, sync, warm=2, reps=reps)
+            tp = _pipelined_time(run, sync, reps)
+            row = {"kind": "prefill", "dtype": dtype, "path": "portable" if portable else "auto",
+                   "shape": [b, h, s, d], "causal": causal,
+                   "opencl_s": t, "opencl_tflops": flops / t / 1e12,
+                   "opencl_pipe_tflops": flops / tp / 1e12}
+            if with_torch:
+                tq = [torch.from_numpy(x.astype(np.float32)).to("cuda", t_dtype)
+                      .transpose(1, 2).contiguous() for x in host]
+                for name, tt in _torch_times(*tq, causal, reps).items():
+                    row[f"torch_{name}_tflops"] = flops / tt / 1e12 if isinstance(tt, float) else tt
+                del tq
+                torch.cuda.empty_cache()
+            rows.append(row)
+
+
+def decode(reps: int, with_torch: bool, rows: list) -> None:
+    import torch
+
+    hq, hkv, d = 32, 8, 128
+    for b, n in DECODE:
+        rng = np.random.default_rng(1)
+        cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend="opencl")
+        step = 8192
+        kh = rng.standard_normal((b, step, hkv, d), dtype=np.float32).astype(np.float16)
+        vh = rng.standard_normal((b, step, hkv, d), dtype=np.float32).astype(np.float16)
+        for p in range(0, n, step):
+            cache.update(kh, vh, p)
+        q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
+        qd = attnlib.to_device(q, backend="opencl")
+        out = attnlib.attention_with_kvcache(qd, cache)
+        def step_once(x=qd, c=cache):
+            return attnlib.attention_with_kvcache(x, c)
+
+        t = _median_time(step_once, out.queue.finish, warm=3, reps=max(reps, 20))
+        tp = _pipelined_time(step_once, out.queue.finish, max(reps, 20))
+        nbytes = 2 * b * n * hkv * d * 2
+        row = {"kind": "decode", "dtype": "float16", "batch": b, "cache_len": n,
+               "opencl_us": t * 1e6, "opencl_TBps": nbytes / t / 1e12,
+               "opencl_pipe_us": tp * 1e6, "opencl_pipe_TBps": nbytes / tp / 1e12}
+        if with_torch:
+            tq = torch.from_numpy(q.astype(np.float32)).to("cuda", torch.float16).transpose(1, 2)
+            tk = torch.from_numpy(np.tile(kh, (1, n // step, 1, 1)).astype(np.float32)).to(
+                "cuda", torch.float16).transpose(1, 2).contiguous()
+            tv = tk.clone()
+            for name, tt in _torch_times(tq.contiguous(), tk, tv, False, max(reps, 20)).items():
+                row[f"torch_{name}_us"] = tt * 1e6 if isinstance(tt, float) else tt
+            del tk, tv
+            torch.cuda.empty_cache()
+        rows.append(row)
+
+
+def _fmt(x, digits: int = 1) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x) if x is not None else "-"
+
+
+def prefill_table(rows: list) -> str:
+    """Markdown: TFLOP/s per call / pipelined, attnlib and each PyTorch backend, and the ratio
+    to the best PyTorch backend of the same run."""
+    out = ["| dtype | path | B,H,S,D | causal | attnlib | flash | efficient | cuDNN "
+           "| attnlib / best PyTorch |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "prefill":
+            continue
+        cells, best = [], None
+        for name in ("flash", "efficient", "cudnn"):
+            per, pipe = r.get(f"torch_{name}_tflops"), r.get(f"torch_{name}_pipe_tflops")
+            cells.append(f"{_fmt(per)} / {_fmt(pipe)}" if isinstance(per, float) else _fmt(per))
+            if isinstance(per, float) and (best is None or per > best[0]):
+                best = (per, pipe)
+        ratio = "-" if best is None else (f"{r['opencl_tflops'] / best[0]:.2f} / "
+                                          f"{r['opencl_pipe_tflops'] / best[1]:.2f}")
+        out.append(f"| {r['dtype']} | {r['path']} | {','.join(map(str, r['shape']))} | "
+                   f"{'yes' if r['causal'] else 'no'} | {_fmt(r['opencl_tflops'])} / "
+                   f"{_fmt(r['opencl_pipe_tflops'])} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(out)
+
+
+def decode_table(rows: list) -> str:
+    out = ["| B, tokens | attnlib µs | attnlib TB/s | flash µs | efficient µs | cuDNN µs "
+           "| attnlib / best PyTorch |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        cells, best = [], None
+        for name in ("flash", "efficient", "cudnn"):
+            per, pipe = r.get(f"torch_{name}_us"), r.get(f"torch_{name}_pipe_us")
+            cells.append(f"{_fmt(per)} / {_fmt(pipe)}" if isinstance(per, float) else _fmt(per))
+            if isinstance(per, float) and (best is None or per < best[0]):
+                best = (per, pipe)
+        ratio = "-" if best is None else (f"{best[0] / r['opencl_us']:.2f} / "
+                                          f"{best[1] / r['opencl_pipe_us']:.2f}")
+        out.append(f"| {r['batch']}, {r['cache_len']} | {_fmt(r['opencl_us'])} / "
+                   f"{_fmt(r['opencl_pipe_us'])} | {_fmt(r['opencl_TBps'], 2)} / "
+                   f"{_fmt(r['opencl_pipe_TBps'], 2)} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(out)
+
+
+def host_table(times: dict, counts: dict) -> str:
+    """Markdown: per case, µs stub / call / pipelined, and what a repeated call does on the
+    queue (kernel enqueues, table fills, host-to-device copies)."""
+    cases = sorted({k.rsplit("_", 1)[0] for k in times if k.endswith("_stub")},
+                   key=lambda c: (c.startswith("portable_"), c))
+    out = ["| case | stub µs | call µs | pipelined µs | enqueues | fills | copies |",
+           "|---|---|---|---|---|---|---|"]
+    for c in cases:
+        cnt = counts.get(c) or {}
+        out.append(f"| {c} | {_fmt(times.get(c + '_stub'))} | {_fmt(times.get(c + '_call'))} | "
+                   f"{_fmt(times.get(c + '_pipelined'))} | {_fmt(cnt.get('enqueues'))} | "
+                   f"{_fmt(cnt.get('fills'))} | {_fmt(cnt.get('writes'))} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="also write every row here")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--only", action="append",
+                    choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "decode",
+                             "host"])
+    args = ap.parse_args(argv)
+    be = attnlib.get_backend("opencl")
+    print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "opencl backend:", be.info(),
+          flush=True)
+    rows: list = []
+    parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "decode", "host"]
+    for part, dtype, portable in (("prefill32", "float32", False),
+                                  ("prefill16p", "float16", True),
+                                  ("prefill16", "float16", False),
+                                  ("prefillbf16", "bfloat16", False)):
+        if part in parts:
+            print(f"prefill {dtype}{' (portable kernel)' if portable else ''} ...", flush=True)
+            prefill(dtype, args.reps, not args.no_torch, rows, portable=portable)
+    if "decode" in parts:
+        print("decode ...", flush=True)
+        decode(args.reps, not args.no_torch, rows)
+    if any(r["kind"] == "prefill" for r in rows):
+        print("\n## Prefill, TFLOP/s (per call / pipelined)\n")
+        print(prefill_table(rows))
+    if any(r["kind"] == "decode" for r in rows):
+        print("\n## Decode, float16, 32 q / 8 kv heads, D=128 (per call / pipelined)\n")
+        print(decode_table(rows))
+    if "host" in parts:
+        import hostcost  # this script's folder
+
+        print("host cost ...", flush=True)
+        times = hostcost.main(["--repeat", "3"])
+        counts = hostcost.main(["--count"])
+        rows += [{"kind": "host", **times}, {"kind": "host_count", **counts}]
+        print("\n## Host cost of a repeated call (stub: kernel launches stubbed; per call)\n")
+        print(host_table(times, counts))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
