@@ -118,9 +118,20 @@ def _sum_exp_f32(a, m):
 
 
 @njit(inline="always", fastmath=_FM)
-def _write_exp_f32(a, m, inv, out):
+def _sum_exp_store_f32(a, m, out):
+    """``out = exp(a - m)`` over a contiguous block, returning its sum."""
+    s = _F0
     for j in range(a.size):
-        out[j] = _exp_nonpos(a[j] - m) * inv
+        e = _exp_nonpos(a[j] - m)
+        out[j] = e
+        s += e
+    return s
+
+
+@njit(inline="always", fastmath=_FM)
+def _scale_f32(out, c):
+    for j in range(out.size):
+        out[j] *= c
 
 
 @njit(inline="always")
@@ -132,28 +143,38 @@ def _any_nan(a):
 
 
 @njit(cache=True, parallel=True, fastmath=_FM)
-def _softmax_rows_f32(x, out, lse, want_p):
-    """float32 rows: per block of ``_BLOCK`` elements the block max, then (against the running
-    max ``m``, rescaling the running sum by exp(m - m') when it grows) the block's sum of
-    exp(x - m); for softmax a second pass writes ``exp(x - m) / l`` (a row that fits L2 is
-    re-read from cache). NaN never wins a max and poisons the sum."""
+def _softmax_rows_f32(x, out, lse, block_m, want_p):
+    """float32 rows, one read of x: per block of ``_BLOCK`` elements the block max, then
+    (against the running max ``m``, rescaling the running sum by exp(m - m') when it grows)
+    the block's sum of exp(x - m). For softmax the block's exponentials go to ``out`` as they
+    are summed and the max they used to ``block_m``; a last pass scales each block by
+    exp(m_block - m) / l (re-read from cache while a row fits L2). NaN never wins a max and
+    poisons the sum."""
     n = x.shape[1]
     for r in prange(x.shape[0]):
         xr = x[r]
         m = np.float32(NEG_INF)
         acc = 0.0  # float64 running sum of exp(x - m)
         nan_seen = False
-        for b0 in range(0, n, _BLOCK):
-            blk = xr[b0:min(b0 + _BLOCK, n)]
+        for bi, b0 in enumerate(range(0, n, _BLOCK)):
+            b1 = min(b0 + _BLOCK, n)
+            blk = xr[b0:b1]
             mb = _max_f32(blk, m)
             if mb == NEG_INF:
                 # only -inf and NaN so far: exp(-inf) adds nothing, NaN decides the row
                 nan_seen = nan_seen or _any_nan(blk)
+                if want_p:
+                    out[r, b0:b1] = _F0
+                    block_m[r, bi] = NEG_INF
                 continue
             if mb > m:
                 acc *= math.exp(float(m) - float(mb))
                 m = mb
-            acc += _sum_exp_f32(blk, m)
+            if want_p:
+                block_m[r, bi] = m
+                acc += _sum_exp_store_f32(blk, m, out[r, b0:b1])
+            else:
+                acc += _sum_exp_f32(blk, m)
         if nan_seen or m == np.inf:
             # NaN propagates; +inf - +inf is NaN, as the float64 reference gives
             lse[r] = np.nan
@@ -166,7 +187,9 @@ def _softmax_rows_f32(x, out, lse, want_p):
         else:
             lse[r] = float(m) + math.log(acc)
             if want_p:
-                _write_exp_f32(xr, m, np.float32(1.0 / acc), out[r])
+                for bi, b0 in enumerate(range(0, n, _BLOCK)):
+                    c = np.float32(math.exp(float(block_m[r, bi]) - float(m)) / acc)
+                    _scale_f32(out[r, b0:min(b0 + _BLOCK, n)], c)
 
 
 @njit(cache=True, parallel=True)
@@ -217,8 +240,12 @@ def softmax(x: np.ndarray, axis: int, log: bool) -> np.ndarray:
     lse = np.empty(rows.shape[0], cdt)
     out = np.empty(rows.shape if not log else (0, 0), cdt)
     if rows.shape[0]:
-        kernel = _softmax_rows_f32 if cdt == np.float32 else _softmax_rows
-        kernel(rows, out, lse, not log)
+        if cdt == np.float32:
+            nblocks = -(-n // _BLOCK) if not log else 0
+            block_m = np.empty((rows.shape[0] if not log else 0, nblocks), cdt)
+            _softmax_rows_f32(rows, out, lse, block_m, not log)
+        else:
+            _softmax_rows(rows, out, lse, not log)
     if log:
         return lse.reshape(lead)
     p = np.moveaxis(out.reshape(*lead, n), -1, axis)
@@ -228,20 +255,28 @@ def softmax(x: np.ndarray, axis: int, log: bool) -> np.ndarray:
 @njit(cache=True, parallel=True)
 def _merge_rows(outs, w, live, acc):
     """``acc[b, s, h] = sum_i w[i, b, h, s] * outs[i][b, s, h]`` over the live states, in state
-    order; rows (b, s) in parallel, each head's Dv values a contiguous inner loop."""
+    order (the first live one assigned); rows (b, s) in
+    parallel, each head's Dv values a contiguous inner loop."""
     nb, sq, nh, dv = acc.shape
     for bs in prange(nb * sq):
         b = bs // sq
         s = bs - b * sq
         for h in range(nh):
-            for d in range(dv):
-                acc[b, s, h, d] = 0.0
+            dst = acc[b, s, h]
+            first = True
             for i in range(len(outs)):
                 if live[i, b, h, s]:
                     wi = w[i, b, h, s]
-                    o = outs[i]
-                    for d in range(dv):
-                        acc[b, s, h, d] += wi * o[b, s, h, d]
+                    src = outs[i][b, s, h]
+                    if first:
+                        for d in range(dv):
+                            dst[d] = wi * src[d]
+                        first = False
+                    else:
+                        for d in range(dv):
+                            dst[d] += wi * src[d]
+            if first:
+                dst[:] = 0.0
 
 
 def merge_states(outs: list[np.ndarray], lses: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
