@@ -571,10 +571,20 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
             for (int u = 0; u < THREADS_N; ++u) mt = nan_max(mt, red_s[u * BLOCK_M + mr]);
 #endif
             const int empty = mt == NEG_INF; /* guard: exp(-inf - -inf) would be NaN */
+#if CPU_VEC /* an unchanged finite max (the common case) gives alpha = exp(0) = 1: no rescale */
+            const int same = m_i[r] - mt == 0;
+            if (!same) {
+                const acc_t alpha = empty ? (acc_t)1 : exp(m_i[r] - mt);
+                l_i[r] *= alpha;
+                for (int c = 0; c < DV_PER; ++c) acc[r][c] *= alpha;
+            }
+            m_i[r] = mt;
+#else
             const acc_t alpha = empty ? (acc_t)1 : exp(m_i[r] - mt);
             m_i[r] = mt;
             l_i[r] *= alpha;
             for (int c = 0; c < DV_PER; ++c) acc[r][c] *= alpha;
+#endif
 #if CPU_VEC /* a vector of exponentials at a time; the lanes' sums added in a fixed order */
             cvec_t l8 = 0;
             for (int c8 = 0; c8 < TN / CPU_VEC; ++c8) {

@@ -106,8 +106,9 @@ def local_bytes(bm: int, bn: int, tn: int, d: int, dv: int, acc_bytes: int,
             + kv_bytes * (bn * max(ld, dv_pad) + 4))
 
 
-#: the prefill tiling of CPU_VEC (float32 on CPU devices): one work-item per work-group
-CPU_VEC_TILES = (128, 32, 1, 1)
+#: the prefill tilings of CPU_VEC (float32 on CPU devices): one work-item per work-group; the
+#: taller block from 1024 packed query rows on (staging of K and V shared by more rows)
+CPU_VEC_TILES, CPU_VEC_TILES_TALL = (128, 64, 1, 1), (256, 64, 1, 1)
 
 
 def cpu_vec(facts: Any, tiles: tuple, d: int, dv: int, dtype: np.dtype) -> int:
@@ -144,7 +145,8 @@ def choose_tiles(
     elif facts.is_cpu:  # PoCL: larger per-work-item tiles measured faster than many items
         cands = [(32, 32, 8, 4), (16, 16, 4, 4)]
         if acc_bytes == 4 and kv_bytes == 4 and d % 8 == 0 and dv % 8 == 0:
-            cands.insert(0, CPU_VEC_TILES)  # float32: the CPU_VEC kernel (see cpu_vec)
+            # float32: the CPU_VEC kernel (see cpu_vec)
+            cands.insert(0, CPU_VEC_TILES_TALL if rows >= 1024 else CPU_VEC_TILES)
     else:
         cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8), (16, 16, 4, 4), (8, 8, 2, 4)]
         if d <= 64 and dv <= 64:  # H200 fp32 D=64: 24.6 TFLOP/s vs 18.5 (bench/RESULTS.md)
