@@ -398,8 +398,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 
     int row_ok[TM], row_i[TM], row_h[TM];
     long qpos[TM];
-    acc_t slope[TM], m_i[TM], l_i[TM];
-    acc_t acc[TM][DV_PER] ALIGN8;
+    acc_t slope[TM], m_i[TM], l_i[TM], acc[TM][DV_PER] ALIGN8;
     for (int r = 0; r < TM; ++r) {
         const int m = m0 + tm + THREADS_M * r;
         row_ok[r] = m < rows;
