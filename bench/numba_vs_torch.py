@@ -6,6 +6,7 @@
     python bench/numba_vs_torch.py --single        # also: one thread each, CPU time (load-proof)
     python bench/numba_vs_torch.py --single --prefill-only   # the two prefill tables only
     python bench/numba_vs_torch.py --opencl --reps 3  # the prefill cases on opencl (PoCL) too
+    POCL_MAX_PTHREAD_COUNT=1 python bench/numba_vs_torch.py --opencl --single  # one thread each
     python bench/numba_vs_torch.py --prefill-only --isolated  # neither timed in the other's wake
     python bench/numba_vs_torch.py --prefill-only --layout bhsd  # numba reads torch's memory
 
@@ -145,7 +146,7 @@ def prefill_opencl(reps: int) -> None:
             run_t = functools.partial(F.scaled_dot_product_attention, tq, tk, tv,
                                       is_causal=causal)
             t_cl, t_nb = _time_pair(run_cl, run_nb, reps)
-            _, t_t = _time_pair(run_cl, run_t, 1)
+            _, t_t = _time_pair(run_cl, run_t, reps)
             fl = 4 * b * h * d * _pairs(s, causal)
             print(f"| {b},{h},{s},{d} | {'yes' if causal else 'no'} | {t_cl * 1e3:.1f} | "
                   f"{fl / t_cl / 1e9:.1f} | {t_nb * 1e3:.1f} | {t_t * 1e3:.1f} | "
@@ -262,6 +263,7 @@ def big(causal: bool) -> None:
 
 
 def main() -> None:
+    global CLOCK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true")
@@ -305,6 +307,11 @@ def main() -> None:
           + f"; numba layout {LAYOUT}\n")
     reps = 3 if args.quick else args.reps
     if args.opencl:
+        if args.single:  # PoCL's own threads: POCL_MAX_PTHREAD_COUNT=1 in the environment
+            CLOCK = time.process_time
+            numba.set_num_threads(1)
+            torch.set_num_threads(1)
+            print("one thread each, CPU time (time.process_time)\n")
         prefill_opencl(reps)
         return
     prefill(reps)
@@ -315,7 +322,6 @@ def main() -> None:
     if args.single:
         # other processes on a shared machine delay one of two threads; one thread each,
         # timed in CPU time, compares the kernels themselves
-        global CLOCK
         CLOCK = time.process_time
         numba.set_num_threads(1)
         torch.set_num_threads(1)

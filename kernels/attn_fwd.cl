@@ -23,6 +23,13 @@
  * per-tile row max over the THREADS_N items of a row in log2(THREADS_N) halving steps (wide decode
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
  * work-item issued before their __local stores when staging a tile.
+ *
+ * CPU_VEC=8 or 16 (chosen on the host for CPU devices only: float32, one work-item per
+ * work-group, D, Dv and BLOCK_N multiples of CPU_VEC): the work-item is the whole block, so it
+ * computes S = Q K^T and O += P V as register-blocked outer products of CPU_VEC-wide vectors (K
+ * staged transposed in __local, so consecutive keys are one vector) and the exponentials a vector
+ * at a time. Everything else (staging of Q and V,
+ * masking, the online softmax, the epilogue) is the code every device runs.
  */
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -47,6 +54,14 @@
 #endif
 #ifndef CP_ASYNC
 #define CP_ASYNC 0
+#endif
+#ifndef CPU_VEC
+#define CPU_VEC 0
+#endif
+#if CPU_VEC && ((CPU_VEC != 8 && CPU_VEC != 16) || THREADS_M != 1 || THREADS_N != 1 ||          \
+                STORE_KIND != 0 || ACC_KIND || HEAD_DIM % CPU_VEC || HEAD_DIM_V % CPU_VEC ||      \
+                BLOCK_N % CPU_VEC || V_VEC != 4)
+#error "CPU_VEC (8 or 16) needs one work-item per work-group, float32, D, Dv, BLOCK_N multiples"
 #endif
 #ifndef CP_ASYNC_EMULATE
 #define CP_ASYNC_EMULATE 0
@@ -119,7 +134,22 @@ typedef store_t out_t;
 #define QS_LD (HEAD_DIM + (D_VEC == 4 ? 4 : 1))
 #define KS_LD QS_LD
 #define VS_LD DV_PAD
+#if CPU_VEC
+/* vector loads and stores straight from the arrays (PoCL calls vload8 / vstore8 out of line):
+ * rows of multiples of CPU_VEC floats, arrays aligned to 64 bytes */
+#if CPU_VEC == 16
+typedef float16 cvec_t;
+#else
+typedef float8 cvec_t;
+#endif
+#define PS_LD BLOCK_N
+#define ALIGN8 __attribute__((aligned(64)))
+#define L8(p) (*(__local cvec_t *)(p))
+#define P8(p) (*(cvec_t *)(p))
+#else
 #define PS_LD (BLOCK_N + 4)
+#define ALIGN8
+#endif
 #define KV_SIZE ((BLOCK_N * KS_LD) > (BLOCK_N * VS_LD) ? (BLOCK_N * KS_LD) : (BLOCK_N * VS_LD))
 #define V4(n) (((n) + 3) / 4)
 
@@ -138,6 +168,33 @@ typedef store_t out_t;
 #endif
 
 /* acc += P V over the staged tile; GUARD=1 skips keys with p == 0 */
+#if CPU_VEC
+/* CPU_RB rows x Dv in vector accumulators (at most 16 vectors), one V row of the tile at a time */
+#define CPU_VB (DV_PER / CPU_VEC)
+#define CPU_RB (CPU_VB >= 16 ? 1 : 16 / CPU_VB)
+#define PV_TILE(GUARD)                                                        \
+    for (int r0 = 0; r0 < TM; r0 += CPU_RB) {                                 \
+        cvec_t o_[CPU_RB][CPU_VB];                                            \
+        _Pragma("unroll") for (int r = 0; r < CPU_RB; ++r)                    \
+            _Pragma("unroll") for (int c = 0; c < CPU_VB; ++c)                \
+                o_[r][c] = (r0 + r < TM) ? P8(&acc[r0 + r][CPU_VEC * c]) : 0; \
+        for (int n = 0; n < BLOCK_N; ++n) {                                   \
+            cvec_t b_[CPU_VB];                                                \
+            _Pragma("unroll") for (int c = 0; c < CPU_VB; ++c)                \
+                b_[c] = L8(v_s + n * VS_LD + CPU_VEC * c);                    \
+            _Pragma("unroll") for (int r = 0; r < CPU_RB; ++r) {              \
+                const float p_ = r0 + r < TM ? p_s[(r0 + r) * PS_LD + n] : 0; \
+                if (GUARD && p_ == 0) continue;                               \
+                _Pragma("unroll") for (int c = 0; c < CPU_VB; ++c)            \
+                    o_[r][c] += p_ * b_[c];                                   \
+            }                                                                 \
+        }                                                                     \
+        _Pragma("unroll") for (int r = 0; r < CPU_RB; ++r)                    \
+            if (r0 + r < TM)                                                  \
+                _Pragma("unroll") for (int c = 0; c < CPU_VB; ++c)            \
+                    P8(&acc[r0 + r][CPU_VEC * c]) = o_[r][c];                 \
+    }
+#else
 #define PV_TILE(GUARD)                                                        \
     for (int n4 = 0; n4 < BLOCK_N / 4; ++n4) {                                \
         acc_t pr[TM][4];                                                      \
@@ -156,6 +213,7 @@ typedef store_t out_t;
                     acc[r][c] += (GUARD && pr[r][e] == 0) ? (acc_t)0 : pr[r][e] * b[c]; \
         }                                                                     \
     }
+#endif
 
 /* Tile staging from global to __local. LOAD_REGS issues the loads of chunks BASE + u * NT + lid
  * (u < PER) of a tile of keys from N0 on into registers, STORE_REGS writes them to __local; chunk
@@ -232,8 +290,13 @@ typedef store_t out_t;
     }
 #endif
 
-/* max that propagates NaN, as numpy's max does */
+/* max that propagates NaN, as numpy's max does (CPU_VEC: b != b, which PoCL keeps inline where
+ * it calls isnan out of line) */
+#if CPU_VEC
+inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || b != b) ? b : a; }
+#else
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
+#endif
 
 /* -- stage one key tile of K or V (WIDTH columns, the first VALID of them real) into DST with
  * scalar loads; keys past k_len and padding columns are zero. Ring rows wrap at `ring`. */
@@ -271,10 +334,10 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global const mask_t *mask, long m_off, long m_s0, long m_s1, long m_s2, long m_s3,
     __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows,
     int group) {
-    __local acc4_t q_s4[V4(BLOCK_M * QS_LD)];
-    __local kv4_t kv_s4[V4(KV_SIZE)]; /* V is staged over K once S is done */
+    __local acc4_t q_s4[V4(BLOCK_M * QS_LD)] ALIGN8;
+    __local kv4_t kv_s4[V4(KV_SIZE)] ALIGN8; /* V is staged over K once S is done */
     __local kv_t *k_s = (__local kv_t *)kv_s4, *v_s = k_s;
-    __local acc4_t p_s4[V4(BLOCK_M * PS_LD)];
+    __local acc4_t p_s4[V4(BLOCK_M * PS_LD)] ALIGN8;
     __local acc_t red_s[THREADS_N * BLOCK_M];
     __local acc_t *q_s = (__local acc_t *)q_s4;
     __local acc_t *p_s = (__local acc_t *)p_s4;
@@ -335,7 +398,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 
     int row_ok[TM], row_i[TM], row_h[TM];
     long qpos[TM];
-    acc_t slope[TM], m_i[TM], l_i[TM], acc[TM][DV_PER];
+    acc_t slope[TM], m_i[TM], l_i[TM], acc[TM][DV_PER] ALIGN8;
     for (int r = 0; r < TM; ++r) {
         const int m = m0 + tm + THREADS_M * r;
         row_ok[r] = m < rows;
@@ -358,14 +421,65 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 
         /* -- stage the K tile (keys past k_len read as 0 and are masked below) */
         barrier(CLK_LOCAL_MEM_FENCE);
+#if CPU_VEC /* transposed: k_s[dd * BLOCK_N + n] */
+        for (int n = 0; n < BLOCK_N; ++n) {
+            const long j = n0 + n;
+            long row = k_row0 + j;
+            if (ring && row >= ring) row -= ring;
+            const long base = k_off + kb * k_sb + row * k_ss + hk * k_sh;
+            for (int dd = 0; dd < HEAD_DIM; ++dd)
+                k_s[dd * BLOCK_N + n] = j < k_len ? LD(k, base + dd * (LOAD_VEC ? 1 : k_sd)) : 0;
+        }
+#else
         STAGE_K(k_s)
+#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* -- S = Q K^T on the micro-tile */
-        acc_t s[TM][TN];
+        acc_t s[TM][TN] ALIGN8;
+#if CPU_VEC /* CPU_SRB rows x BLOCK_N keys in vector accumulators (at most 16 vectors) */
+#define CPU_KB (BLOCK_N / CPU_VEC)
+#define CPU_SRB (CPU_KB >= 16 ? 1 : 16 / CPU_KB)
+        for (int r0 = 0; r0 < TM; r0 += CPU_SRB) {
+            cvec_t sa[CPU_SRB][CPU_KB];
+            _Pragma("unroll") for (int r = 0; r < CPU_SRB; ++r)
+                _Pragma("unroll") for (int c = 0; c < CPU_KB; ++c) sa[r][c] = 0;
+            for (int dd = 0; dd < HEAD_DIM; ++dd) {
+                cvec_t b[CPU_KB];
+                _Pragma("unroll") for (int c = 0; c < CPU_KB; ++c)
+                    b[c] = L8(k_s + dd * BLOCK_N + CPU_VEC * c);
+                _Pragma("unroll") for (int r = 0; r < CPU_SRB; ++r) {
+                    const float a = r0 + r < TM ? q_s[(r0 + r) * QS_LD + dd] : 0;
+                    _Pragma("unroll") for (int c = 0; c < CPU_KB; ++c) sa[r][c] += a * b[c];
+                }
+            }
+            /* scaled here; the row max too, which is final on a full tile without softcap or
+             * ALiBi (the per-score loop below then skips the row) */
+            _Pragma("unroll") for (int r = 0; r < CPU_SRB; ++r) {
+                if (r0 + r >= TM) break;
+                cvec_t mv = NEG_INF;
+                _Pragma("unroll") for (int c = 0; c < CPU_KB; ++c) {
+                    const cvec_t x = sa[r][c] * scale;
+                    P8(&s[r0 + r][CPU_VEC * c]) = x;
+                    mv = (x > mv || x != x) ? x : mv;
+                }
+                acc_t lanes[CPU_VEC] ALIGN8, m = NEG_INF;
+                P8(lanes) = mv;
+                for (int u = 0; u < CPU_VEC; ++u) m = nan_max(m, lanes[u]);
+                red_s[r0 + r] = m;
+            }
+        }
+#if HAS_SOFTCAP || HAS_ALIBI
+        const int cpu_fast = 0;
+#else
+        const int cpu_fast = full;
+#endif
+#else
         for (int r = 0; r < TM; ++r)
             for (int c = 0; c < TN; ++c) s[r][c] = 0;
-#if D_VEC == 4
+#endif
+#if CPU_VEC
+#elif D_VEC == 4
         for (int d4 = 0; d4 < HEAD_DIM / 4; ++d4) {
             acc4_t a[TM], b[TN];
             for (int r = 0; r < TM; ++r) a[r] = q_s4[(tm + THREADS_M * r) * (QS_LD / 4) + d4];
@@ -393,10 +507,17 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         /* -- scale, softcap, ALiBi, mask; invisible keys become -inf */
         acc_t mx[TM];
         for (int r = 0; r < TM; ++r) {
+#if CPU_VEC
+            if (cpu_fast) continue;
+#endif
             mx[r] = NEG_INF;
             for (int c = 0; c < TN; ++c) {
                 const long j = n0 + tn + THREADS_N * c;
+#if CPU_VEC
+                acc_t x = s[r][c]; /* scaled in the S pass */
+#else
                 acc_t x = s[r][c] * scale;
+#endif
 #if HAS_SOFTCAP
                 x = softcap * tanh(x / softcap);
 #endif
@@ -449,15 +570,40 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
             for (int u = 0; u < THREADS_N; ++u) mt = nan_max(mt, red_s[u * BLOCK_M + mr]);
 #endif
             const int empty = mt == NEG_INF; /* guard: exp(-inf - -inf) would be NaN */
+#if CPU_VEC /* an unchanged finite max (the common case) gives alpha = exp(0) = 1: no rescale */
+            const int same = m_i[r] - mt == 0;
+            if (!same) {
+                const acc_t alpha = empty ? (acc_t)1 : exp(m_i[r] - mt);
+                l_i[r] *= alpha;
+                for (int c = 0; c < DV_PER; ++c) acc[r][c] *= alpha;
+            }
+            m_i[r] = mt;
+#else
             const acc_t alpha = empty ? (acc_t)1 : exp(m_i[r] - mt);
             m_i[r] = mt;
             l_i[r] *= alpha;
             for (int c = 0; c < DV_PER; ++c) acc[r][c] *= alpha;
+#endif
+#if CPU_VEC /* a vector of exponentials at a time; the lanes' sums added in a fixed order */
+            cvec_t l8 = 0;
+            for (int c8 = 0; c8 < TN / CPU_VEC; ++c8) {
+                const cvec_t p = empty ? (cvec_t)0 : exp(P8(&s[r][CPU_VEC * c8]) - mt);
+                l8 += p;
+                L8(p_s + mr * PS_LD + CPU_VEC * c8) = p;
+            }
+#if CPU_VEC == 16
+            const float8 l4 = l8.lo + l8.hi;
+#else
+            const float8 l4 = l8;
+#endif
+            l_i[r] += ((l4.s0 + l4.s1) + (l4.s2 + l4.s3)) + ((l4.s4 + l4.s5) + (l4.s6 + l4.s7));
+#else
             for (int c = 0; c < TN; ++c) {
                 const acc_t p = empty ? (acc_t)0 : exp(s[r][c] - mt);
                 l_i[r] += p;
                 p_s[mr * PS_LD + tn + THREADS_N * c] = p;
             }
+#endif
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 

@@ -82,6 +82,26 @@ def test_softmax_nan_propagates_and_strides(attnlib_backend):
     assert np.isnan(attnlib.logsumexp(bad, backend=attnlib_backend)[2])
 
 
+def test_softmax_of_long_rows(attnlib_backend):
+    """Rows longer than a backend's blocks (thousands of elements): a maximum that grows in a
+    later block, a leading run of -inf, NaN late in a row and NaN among leading -inf."""
+    import attnlib
+
+    x = randn(rng_for("softmax long rows"), (6, 4999), "float32", scale=3.0)
+    x[1, 4990] = 40.0  # the maximum arrives at the end of the row
+    x[2, :2100] = -np.inf
+    x[3, 4500] = np.nan
+    x[4, :2100] = -np.inf
+    x[4, 7] = np.nan
+    sm = attnlib.softmax(x, backend=attnlib_backend)
+    lse = attnlib.logsumexp(x, backend=attnlib_backend)
+    good = [0, 1, 2, 5]
+    assert_rule(sm[good], reference_softmax(x[good]), None, "softmax")
+    assert_rule(lse[good], reference_logsumexp(x[good], -1), None, "logsumexp", slack=1e-4)
+    assert np.isnan(sm[[3, 4]]).all() and np.isnan(lse[[3, 4]]).all()
+    assert (sm[2, :2100] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_merge_equals_attention_over_concatenated_keys(attnlib_backend, dtype, layout):

@@ -48,6 +48,7 @@ class FwdConfig(KernelConfig):
     STAGE: int = 8
     CP_ASYNC: bool = False  # K/V tiles staged by NVIDIA's cp.async instead of registers
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
+    CPU_VEC: int = 0  # CPU devices: one work-item per block, register tiles of 8/16-wide vectors
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,19 @@ def local_bytes(bm: int, bn: int, tn: int, d: int, dv: int, acc_bytes: int,
             + kv_bytes * (bn * max(ld, dv_pad) + 4))
 
 
+#: the prefill tilings of CPU_VEC (float32 on CPU devices): one work-item per work-group; the
+#: taller block from 1024 packed query rows on (staging of K and V shared by more rows)
+CPU_VEC_TILES, CPU_VEC_TILES_TALL = (128, 64, 1, 1), (256, 64, 1, 1)
+
+
+def cpu_vec(facts: Any, tiles: tuple, d: int, dv: int, dtype: np.dtype) -> int:
+    """attn_fwd.cl's CPU_VEC: on a CPU device, float32, one work-item per work-group, the widest
+    of 16 and 8 that divides D, Dv and BLOCK_N; else 0 (off)."""
+    if not (facts.is_cpu and np.dtype(dtype) == np.float32 and tuple(tiles[2:]) == (1, 1)):
+        return 0
+    return next((w for w in (16, 8) if d % w == 0 and dv % w == 0 and tiles[1] % w == 0), 0)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -130,6 +144,9 @@ def choose_tiles(
             cands = [(bm, 64, 1, 64), (bm, 32, 1, 32), (bm, 16, 1, 16)]
     elif facts.is_cpu:  # PoCL: larger per-work-item tiles measured faster than many items
         cands = [(32, 32, 8, 4), (16, 16, 4, 4)]
+        if acc_bytes == 4 and kv_bytes == 4 and d % 8 == 0 and dv % 8 == 0:
+            # float32: the CPU_VEC kernel (see cpu_vec)
+            cands.insert(0, CPU_VEC_TILES_TALL if rows >= 1024 else CPU_VEC_TILES)
     else:
         cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8), (16, 16, 4, 4), (8, 8, 2, 4)]
         if d <= 64 and dv <= 64:  # H200 fp32 D=64: 24.6 TFLOP/s vs 18.5 (bench/RESULTS.md)
@@ -266,7 +283,8 @@ def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
-        CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate) for split in (False, True))
+        CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
+        CPU_VEC=cpu_vec(be.facts, tiles, d, dv, dtype)) for split in (False, True))
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
     wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
     i64, i32, f = np.int64, np.int32, acc.type
