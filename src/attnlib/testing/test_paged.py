@@ -429,12 +429,11 @@ def test_errors(attnlib_backend):
     q = randn(p.rng, (1, 1, HQ, D), p.dtype)
     c = p.cache
     for bad in (gone, 999, -1):
-        for fn in (lambda: c.append([bad], k, v), lambda: c.fork(bad),
-                   lambda: c.truncate(bad, 0), lambda: c.free(bad), lambda: c.lengths([bad]),
-                   lambda: c.block_table([a, bad]),
-                   lambda: attnlib.attention_with_paged_kvcache(q, c, [bad], k, v)):
+        for fn in (lambda x: c.append([x], k, v), c.fork, lambda x: c.truncate(x, 0), c.free,
+                   lambda x: c.lengths([x]), lambda x: c.block_table([a, x]),
+                   lambda x: attnlib.attention_with_paged_kvcache(q, c, [x], k, v)):
             with pytest.raises(ArgumentError):
-                fn()
+                fn(bad)
     k2, v2 = p.kv(2, 1)
     for fn in (lambda: c.append([a, a], k2, v2), lambda: c.lengths([b, b]),
                lambda: c.block_table([a, a])):
