@@ -236,15 +236,20 @@ def _paged_start(table, s, row, n, page_size, n_pages):
 @njit(cache=True, fastmath=FASTMATH)
 def _load_paged(src, st, table, s, row0, nrows, page_size, n_pages, h, dst, width):
     """dst[t*width + d] = logical row ``row0 + t`` of sequence ``s`` of the paged pool ``src``
-    (flat, element strides ``st``: page, slot, head), kv head ``h``."""
-    for t in range(nrows):
+    (flat, element strides ``st``: page, slot, head), kv head ``h``; one table lookup per page."""
+    t = 0
+    while t < nrows:
         r = row0 + t
-        page = _page_at(table, s, r // page_size, n_pages)
-        off = page * st[0] + (r % page_size) * st[1] + h * st[2]
-        row = src[off:off + width]
-        out = t * width
-        for d in range(width):
-            dst[out + d] = row[d]
+        slot = r % page_size
+        run = min(page_size - slot, nrows - t)  # rows left in this page
+        off = _page_at(table, s, r // page_size, n_pages) * st[0] + slot * st[1] + h * st[2]
+        for u in range(run):
+            row = src[off:off + width]  # slices: unit-stride copies the loop vectorises
+            out = dst[(t + u) * width:(t + u + 1) * width]
+            for d in range(width):
+                out[d] = row[d]
+            off += st[1]
+        t += run
 
 
 @njit(cache=True, fastmath=FASTMATH)
