@@ -144,12 +144,13 @@ def cache_write_slots(be: OpenCLBackend, buf: Any, src: Any, slot_mapping: np.nd
 
 
 def copy_pages(be: OpenCLBackend, buf: Any, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
-    """Copy whole pages within the pool (distinct source and destination pages: no overlap)."""
-    import pyopencl as cl
+    """Copy whole pages within the pool (distinct source and destination pages: no overlap),
+    through rope.cl's strided copy: a kernel's writes, which Oclgrind's uninitialised-value
+    checks follow (they do not follow clEnqueueCopyBuffer)."""
+    from . import _ops
 
     queue = be.queue_for(buf)
-    page = int(buf.strides[0])
-    base = int(buf.offset)
+    ps = int(buf.shape[1])
     for s, d in zip(np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist()):
-        cl.enqueue_copy(queue, buf.base_data, buf.base_data, src_offset=base + s * page,
-                        dst_offset=base + d * page, byte_count=page)
+        _ops._rope_copy(be, queue, buf[s:s + 1], buf, np.array([d], np.int64),
+                        np.zeros(1, np.int64), ps, None, None)
