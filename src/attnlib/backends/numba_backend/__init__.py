@@ -8,7 +8,11 @@ widened to float32 before the kernel and accumulate in float32; float64 stays fl
 tile gemms call MKL (sequential; its JIT kernels for full float32 tiles) when the ``mkl`` wheel
 is installed, else scipy's OpenBLAS (:mod:`._blas`).
 
-The other primitives (softmax, merge_states, rope, the KV cache) are small numba / numpy code.
+Paged calls (``AttnCall.block_table``) run the same kernel: a key tile whose pages follow each
+other in the pool is read in place, any other is gathered one page at a time into the thread's
+scratch tile (``_flash._load_paged``); fp16/bf16 pools widen only the pages in use.
+
+The other primitives (softmax, merge_states, rope, the KV caches) are small numba / numpy code.
 Compiled functions are cached on disk (``cache=True``): the first call in a fresh environment
 compiles for a few tens of seconds, later processes load the cache.
 """
