@@ -46,7 +46,8 @@ class PagedKVCache:
     """A paged key/value cache for many sequences (vLLM's PagedAttention, FlashInfer's paged
     KV cache): ``k_pages (num_pages, page_size, n_kv_heads, head_dim)`` and ``v_pages (...,
     head_dim_v)`` are allocated once on the backend's device (``queue=`` a
-    ``pyopencl.CommandQueue``: the OpenCL backend on it).
+    ``pyopencl.CommandQueue``: the OpenCL backend on it); their memory order is the backend's
+    (numba: each kv head's rows of a page contiguous, a strided view of that shape).
 
     ``new_sequence()`` returns an int id (never reused); ``append(sids, k, v)`` adds ``k (B,
     S_new, Hkv, D)`` per id, or packed ``(total, Hkv, D)`` with ``cu_seqlens=`` (int (B + 1,));
@@ -73,8 +74,8 @@ class PagedKVCache:
         self.dtype = _spec.parse_dtype(dtype)
         self.backend: Backend = pick_backend(backend, (), self.dtype, queue=queue)
         shape = (self.num_pages, self.page_size, self.n_kv_heads)
-        self.k_pages = self.backend.cache_alloc(shape + (self.head_dim,), self.dtype)
-        self.v_pages = self.backend.cache_alloc(shape + (self.head_dim_v,), self.dtype)
+        self.k_pages = self.backend.page_alloc(shape + (self.head_dim,), self.dtype)
+        self.v_pages = self.backend.page_alloc(shape + (self.head_dim_v,), self.dtype)
         self._refs = np.zeros(self.num_pages, np.int64)
         # a stack: pages are taken from its end, so a fresh cache hands out 0, 1, 2, ...
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))

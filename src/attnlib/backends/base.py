@@ -229,6 +229,11 @@ class Backend:
         raise NotImplementedError
 
     # ---- paged KV cache storage ---------------------------------------------------------------
+    def page_alloc(self, shape: tuple[int, int, int, int], dtype: np.dtype) -> Any:
+        """Allocate one page pool of shape ``(num_pages, page_size, Hkv, D)``, zeroed. Its
+        memory order is the backend's choice (the default: C order, as ``cache_alloc``)."""
+        return self.cache_alloc(shape, dtype)
+
     def cache_write_slots(
         self,
         buf: Any,

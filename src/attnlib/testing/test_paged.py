@@ -500,6 +500,11 @@ def test_paged_attention_host_tables(attnlib_backend):
                                                    table[:2], lens[:2], backend=attnlib_backend))
     for i, s in enumerate((a, b)):
         p.check_rows(s, qb[i], out[i], None)
+    if not be.owns(p.cache.k_pages):  # host pools of the vLLM layout, C order
+        kc, vc = (np.ascontiguousarray(x) for x in p.pools())
+        out = attnlib.paged_attention(qb, kc, vc, table[:2], lens[:2], backend=attnlib_backend)
+        for i, s in enumerate((a, b)):
+            p.check_rows(s, qb[i], out[i], None)
     wide = np.concatenate([table, np.full((3, 2), -1, np.int32)], axis=1)  # -1 past the end
     attnlib.paged_attention(dev(qb[:1]), p.cache.k_pages, p.cache.v_pages, wide[:1], lens[:1],
                             backend=attnlib_backend)

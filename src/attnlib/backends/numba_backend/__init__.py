@@ -499,6 +499,13 @@ class NumbaBackend(Backend):
     def cache_alloc(self, shape, dtype) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
 
+    def page_alloc(self, shape, dtype) -> np.ndarray:
+        """Head-major pages: memory ``(num_pages, Hkv, page_size, D)`` seen as ``(num_pages,
+        page_size, Hkv, D)``, so each kv head's rows of a page are one contiguous block (a
+        scattered page is one streaming read, not page_size rows a whole token apart)."""
+        p, ps, h, d = shape
+        return np.zeros((p, h, ps, d), dtype=dtype).transpose(0, 2, 1, 3)
+
     def cache_write_slots(self, buf, src, slot_mapping, positions, rope: RopeSpec | None) -> None:
         from . import _ops
 
