@@ -34,7 +34,7 @@ class _Append:
     k: object  # packed (T, Hkv, D)
     v: object
     new_len: np.ndarray  # per sequence, after the append
-    tables: list  # per sequence, its page list after the append
+    tables: list  # per sequence (first, pages): its page list from index first on, after it
     taken: list  # pages taken from the free stack (its last len(taken) entries)
     cow_src: np.ndarray  # shared partial pages copied ...
     cow_dst: np.ndarray  # ... into these fresh pages
@@ -190,18 +190,19 @@ class PagedKVCache:
         refs: dict[int, int] = {}  # reference counts this append changes
         n_free = len(self._free)
         taken = 0
-        tables, cow_src, new_len = [], [], np.zeros(n_seq, np.int64)
+        plans, cows, new_len = [], {}, np.zeros(n_seq, np.int64)
         for b, s in enumerate(ids.tolist()):
-            pages, length, n = list(self._pages[s]), self._len[s], int(n_new[b])
+            pages, length, n = self._pages[s], self._len[s], int(n_new[b])
             new_len[b] = length + n
+            first = length // ps  # the first page this append writes (the partial last one)
             if n and length % ps and refs.get(pages[-1], int(self._refs[pages[-1]])) > 1:
                 last = pages[-1]
                 refs[last] = refs.get(last, int(self._refs[last])) - 1
-                cow_src.append((b, last))
+                cows[b] = last
                 taken += 1
             extra = -(-(length + n) // ps) - len(pages)
             taken += extra
-            tables.append((pages, extra))
+            plans.append((first, extra))
         if taken > n_free:
             raise CacheOverflowError(
                 f"this append needs {taken} free pages (copies-on-write included) but "
@@ -210,24 +211,22 @@ class PagedKVCache:
         # pages come off the end of the free stack in pop order
         fresh = self._free[len(self._free) - taken:][::-1]
         it = iter(fresh)
-        src, dst = [], []
-        cows = dict(cow_src)
-        final = []
-        for b, (pages, extra) in enumerate(tables):
-            if b in cows:
-                page = next(it)
-                src.append(cows[b])
-                dst.append(page)
-                pages[-1] = page
-            pages.extend(next(it) for _ in range(extra))
-            final.append(pages)
-        slots, positions = [], []
+        src, dst, tails, slots, positions = [], [], [], [], []
         for b, s in enumerate(ids.tolist()):
-            pos = self._len[s] + np.arange(int(n_new[b]), dtype=np.int64)
-            table = np.asarray(final[b], np.int64)
-            slots.append(table[pos // ps] * ps + pos % ps if pos.size else pos)
-            positions.append(pos)
-        return _Append(ids, self._packed(k), self._packed(v), new_len, final, fresh,
+            first, extra = plans[b]
+            tail = self._pages[s][first:]  # the pages from `first` on, after the append
+            if b in cows:
+                tail[0] = next(it)
+                src.append(cows[b])
+                dst.append(tail[0])
+            tail.extend(next(it) for _ in range(extra))
+            tails.append((first, tail))
+            n = int(n_new[b])
+            if n:
+                pos = self._len[s] + np.arange(n, dtype=np.int64)
+                slots.append(np.asarray(tail, np.int64)[pos // ps - first] * ps + pos % ps)
+                positions.append(pos)
+        return _Append(ids, self._packed(k), self._packed(v), new_len, tails, fresh,
                        np.asarray(src, np.int64), np.asarray(dst, np.int64), _cat(slots),
                        _cat(positions))
 
@@ -255,7 +254,8 @@ class PagedKVCache:
         for p in w.cow_src.tolist():
             self._refs[p] -= 1  # never to 0: another sequence still holds it
         for b, s in enumerate(w.sids.tolist()):
-            self._pages[s] = w.tables[b]
+            first, tail = w.tables[b]
+            self._pages[s][first:] = tail
             self._len[s] = int(w.new_len[b])
 
 
