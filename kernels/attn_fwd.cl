@@ -19,6 +19,10 @@
  * dim (HEAD_DIM % 4 == 0); V_VEC=4 gives each work-item output columns in 4-wide chunks
  * interleaved across work-items, read as 4-vectors; LOAD_VEC=1 loads global rows with vload4
  * (unit stride along the head dims). P is always read 4 keys at a time (BLOCK_N % 4 == 0).
+ * PAGE_SIZE > 0: k and v are page pools (num_pages, PAGE_SIZE, Hkv, D) (batch stride = page
+ * stride) and logical key row r of sequence s lives in page block_table[s, r / PAGE_SIZE], slot
+ * r % PAGE_SIZE (vLLM / FlashInfer); page indices are clamped into [0, n_pages) and the table
+ * column into [0, tbl_w), so no table, however wrong, makes a work-item read outside the pool.
  * TREE_MAX=1 reduces the
  * per-tile row max over the THREADS_N items of a row in log2(THREADS_N) halving steps (wide decode
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
@@ -51,6 +55,26 @@
 #endif
 #ifndef TREE_MAX
 #define TREE_MAX 0
+#endif
+#ifndef PAGE_SIZE
+#define PAGE_SIZE 0
+#endif
+#if PAGE_SIZE
+#define PAGED_ARGS                                                                              \
+    , __global const int *block_table, long tbl_off, long tbl_s0, long tbl_s1, int tbl_w,       \
+        int n_pages
+/* the pool page of logical page p of the sequence whose table row starts at `base` */
+inline long paged_page(__global const int *t, long base, long s1, int w, int n_pages, long p) {
+    const long x = t[base + min(p, (long)(w - 1)) * s1];
+    return clamp(x, 0L, (long)(n_pages - 1));
+}
+/* element offset of logical key row ROW in a pool with page stride SB and slot stride SS */
+#define KV_ROW(ROW, SB, SS)                                                                     \
+    (paged_page(block_table, tbl_off + seq * tbl_s0, tbl_s1, tbl_w, n_pages,                    \
+                (ROW) / PAGE_SIZE) * (SB) + ((ROW) % PAGE_SIZE) * (SS))
+#else
+#define PAGED_ARGS
+#define KV_ROW(ROW, SB, SS) (kb * (SB) + (ROW) * (SS))
 #endif
 #ifndef CP_ASYNC
 #define CP_ASYNC 0
@@ -233,7 +257,7 @@ typedef float8 cvec_t;
         if (idx_ < BLOCK_N * (COLS4) && j_ < k_len && c_ < (VALID4)) {                          \
             long row_ = k_row0 + j_;                                                            \
             if (ring && row_ >= ring) row_ -= ring;                                             \
-            REGS[u_] = G_RAW4(SRC, S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);       \
+            REGS[u_] = G_RAW4(SRC, S_OFF + KV_ROW(row_, S_SB, S_SS) + hk * S_SH + 4 * c_);       \
         }                                                                                       \
     }
 #define STORE_REGS(DST4, REGS, PER, BASE, COLS4, DST_LD4)                                       \
@@ -274,7 +298,7 @@ typedef float8 cvec_t;
         if (j_ < k_len && c_ < (VALID4)) {                                                      \
             long row_ = k_row0 + j_;                                                            \
             if (ring && row_ >= ring) row_ -= ring;                                             \
-            CP_ASYNC_KV(d_, (SRC) + S_OFF + kb * S_SB + row_ * S_SS + hk * S_SH + 4 * c_);      \
+            CP_ASYNC_KV(d_, (SRC) + S_OFF + KV_ROW(row_, S_SB, S_SS) + hk * S_SH + 4 * c_);      \
         } else {                                                                                \
             *d_ = 0;                                                                            \
         }                                                                                       \
@@ -308,7 +332,7 @@ inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
         if (j < k_len && dd < (VALID)) {                                                       \
             long row = k_row0 + j;                                                             \
             if (ring && row >= ring) row -= ring;                                              \
-            x = G_RAW(src, (off) + kb * (sb) + row * (ss) + hk * (sh) + dd * (sd));            \
+            x = G_RAW(src, (off) + KV_ROW(row, sb, ss) + hk * (sh) + dd * (sd));                \
         }                                                                                      \
         (DST)[n * (LD_S) + dd] = x;                                                            \
     }
@@ -333,7 +357,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     acc_t scale, acc_t softcap, __global const float *alibi,
     __global const mask_t *mask, long m_off, long m_s0, long m_s1, long m_s2, long m_s3,
     __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows,
-    int group) {
+    int group PAGED_ARGS) {
     __local acc4_t q_s4[V4(BLOCK_M * QS_LD)] ALIGN8;
     __local kv4_t kv_s4[V4(KV_SIZE)] ALIGN8; /* V is staged over K once S is done */
     __local kv_t *k_s = (__local kv_t *)kv_s4, *v_s = k_s;
@@ -426,7 +450,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
             const long j = n0 + n;
             long row = k_row0 + j;
             if (ring && row >= ring) row -= ring;
-            const long base = k_off + kb * k_sb + row * k_ss + hk * k_sh;
+            const long base = k_off + KV_ROW(row, k_sb, k_ss) + hk * k_sh;
             for (int dd = 0; dd < HEAD_DIM; ++dd)
                 k_s[dd * BLOCK_N + n] = j < k_len ? LD(k, base + dd * (LOAD_VEC ? 1 : k_sd)) : 0;
         }

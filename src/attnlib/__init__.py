@@ -1,7 +1,8 @@
 """attnlib: exact attention that is fast on any hardware.
 
 FlashAttention-style tiled attention with an online softmax (no Sq x Sk matrix in memory), the
-online-softmax primitives, and a KV cache for decoding, behind one backend-agnostic API.
+online-softmax primitives, and KV caches (contiguous and paged) for decoding, behind one
+backend-agnostic API.
 """
 
 from ._api import (
@@ -27,6 +28,7 @@ from .errors import (
     UnsupportedError,
 )
 from .kv_cache import KVCache, attention_with_kvcache
+from .paged_cache import PagedKVCache, attention_with_paged_kvcache, paged_attention
 from .registry import (
     available_backends,
     get_backend,
@@ -46,6 +48,9 @@ __all__ = [
     "merge_states",
     "OnlineAttention",
     "KVCache",
+    "PagedKVCache",
+    "attention_with_paged_kvcache",
+    "paged_attention",
     "rope",
     "RoPE",
     "to_device",

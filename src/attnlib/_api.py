@@ -25,9 +25,41 @@ __all__ = [
 ]
 
 
-def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None) -> Backend:
+def _queue_backend(backend: Any, queue: Any) -> Backend:
+    """``queue=`` (SPEC section 4): the OpenCL backend on the caller's ``pyopencl.CommandQueue``
+    (``backend`` itself when it is an OpenCL backend instance on that queue); any other
+    explicit ``backend`` is an ArgumentError."""
+    if backend is not None and not isinstance(backend, (str, Backend)):
+        raise ArgumentError(
+            f"backend must be a name or a backend instance, got {type(backend).__name__}"
+        )
+    if isinstance(backend, Backend):
+        if backend.name == "opencl" and getattr(backend, "queue", None) is queue:
+            return backend
+        raise ArgumentError(
+            f"queue= was given with backend={backend!r}, which is not the OpenCL backend on "
+            "that queue; give one of them"
+        )
+    if isinstance(backend, str) and backend.strip() != "opencl":
+        raise ArgumentError(
+            f"queue= was given with backend={backend!r}; queue= means the OpenCL backend on "
+            "that queue, so give backend='opencl' or leave it out"
+        )
+    return registry.get_backend("opencl", queue=queue)
+
+
+def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None, *,
+                 queue: Any = None) -> Backend:
     """The backend for a call. Device arrays under ``"auto"`` choose the backend that owns them;
-    an explicit choice is never changed, and a mismatch is an error, not a silent copy."""
+    an explicit choice is never changed, and a mismatch is an error, not a silent copy.
+    ``queue`` (a ``pyopencl.CommandQueue``) is short for the OpenCL backend on that queue."""
+    if queue is not None:
+        be = _queue_backend(backend, queue)
+        if dtype is not None:
+            reason = be.supports_dtype(np.dtype(dtype))
+            if reason:
+                raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
+        return be
     choice = registry.current_choice(backend)
     device = [a for a in arrays if _spec.is_device_array(a)]
     if choice is None and device:

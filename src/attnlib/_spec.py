@@ -319,3 +319,118 @@ def add_batch_dim(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         return x[None]
     return x.reshape((1,) + tuple(x.shape))
+
+
+# ---- the paged KV cache (SPEC section 8) ---------------------------------------------------------
+def check_int_list(x: Any, name: str) -> np.ndarray:
+    """An int, a list/tuple of ints or a 1-D int array as int64 (B,) (ids, lengths)."""
+    if is_array(x):
+        a = host(x)
+        if a.dtype.kind not in "iu" or a.ndim != 1:
+            raise ArgumentError(f"{name} must be an int or ints (B,), got {a.dtype} {a.shape}")
+        return a.astype(np.int64)
+    if isinstance(x, (list, tuple)):
+        return np.array([check_int(i, f"{name}[{n}]") for n, i in enumerate(x)], np.int64)
+    return np.array([check_int(x, name)], np.int64)
+
+
+def check_sids(sids: Any, known: Any, name: str = "sids") -> np.ndarray:
+    """Sequence ids of a paged cache: each one live (in ``known``), none twice."""
+    ids = check_int_list(sids, name)
+    for i in ids.tolist():
+        if i not in known:
+            raise ArgumentError(
+                f"{name} holds {i}, which is not a live sequence of this cache (unknown or freed)"
+            )
+    if np.unique(ids).size != ids.size:
+        raise ArgumentError(f"{name}={ids.tolist()} names a sequence twice; ids must be distinct")
+    return ids
+
+
+def check_sid(sid: Any, known: Any, name: str = "sid") -> int:
+    """One live sequence id of a paged cache."""
+    sid = check_int(sid, name)
+    if sid not in known:
+        raise ArgumentError(
+            f"{name}={sid} is not a live sequence of this cache (unknown or freed)"
+        )
+    return sid
+
+
+def check_packed(x: Any, name: str, n_seq: int, cu: Any, cu_name: str, heads: int, dim: int,
+                 dtype: np.dtype, heads_name: str = "n_kv_heads",
+                 dim_name: str = "head_dim") -> np.ndarray:
+    """``x`` either ``(n_seq, S, heads, dim)`` (``cu`` None) or packed ``(total, heads, dim)``
+    split by ``cu`` (int (n_seq + 1,)); returns int64 (n_seq,) rows per sequence. dtype exact."""
+    check_array(x, name, ndim=4 if cu is None else 3)
+    if np.dtype(x.dtype) != dtype:
+        raise DTypeError(f"{name} has dtype {x.dtype}; this cache holds {dtype} (nothing is cast)")
+    if tuple(x.shape[-2:]) != (heads, dim):
+        lead = "(B, S, " if cu is None else "(total, "
+        raise ShapeError(
+            f"{name} has shape {tuple(x.shape)}; expected {lead}{heads_name}={heads}, "
+            f"{dim_name}={dim})"
+        )
+    if cu is None:
+        if x.shape[0] != n_seq:
+            raise ShapeError(f"{name} has batch {x.shape[0]} but {n_seq} sequence ids were given")
+        return np.full(n_seq, x.shape[1], np.int64)
+    c = check_seqlens(cu, cu_name, x.shape[0])
+    if c.shape[0] != n_seq + 1:
+        raise ArgumentError(
+            f"{cu_name} has {c.shape[0] - 1} sequences but {n_seq} sequence ids were given"
+        )
+    return np.diff(c)
+
+
+def check_query_rows(q_len: np.ndarray, k_len: np.ndarray, what: str) -> None:
+    """More query rows than a sequence holds is a ShapeError (SPEC sections 4 and 8)."""
+    short = k_len < q_len
+    if short.any():
+        i = int(np.flatnonzero(short)[0])
+        raise ShapeError(
+            f"q has {int(q_len[i])} rows for {what} {i} but it holds only {int(k_len[i])} "
+            "tokens; query rows must be <= each sequence's length"
+        )
+
+
+def check_page_table(block_table: Any, seq_lens: Any, n_seq: int, num_pages: int,
+                     page_size: int) -> tuple[Any, np.ndarray]:
+    """``paged_attention``'s caller-owned ``block_table`` (int32/int64 ``(B, max_pages)``) and
+    ``seq_lens`` (int ``(B,)``, read to the host). A host table is checked entry by entry: every
+    page a sequence needs must be in ``[0, num_pages)``. A device table is taken as given (the
+    kernels clamp page indices into the pool). Returns (table, int64 seq_lens)."""
+    check_array(block_table, "block_table", ndim=2)
+    if np.dtype(block_table.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise DTypeError(f"block_table has dtype {block_table.dtype}; expected int32 (or int64)")
+    if block_table.shape[0] != n_seq:
+        raise ShapeError(
+            f"block_table has shape {tuple(block_table.shape)}; expected ({n_seq}, max_pages)"
+        )
+    check_array(seq_lens, "seq_lens", ndim=1)
+    lens = host(seq_lens)
+    if lens.dtype.kind not in "iu":
+        raise DTypeError(f"seq_lens has dtype {lens.dtype}; expected int32")
+    if lens.shape != (n_seq,):
+        raise ShapeError(f"seq_lens has shape {lens.shape}; expected ({n_seq},)")
+    lens = lens.astype(np.int64)
+    cap = int(block_table.shape[1]) * page_size
+    bad = (lens < 0) | (lens > cap)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ArgumentError(
+            f"seq_lens[{i}] = {int(lens[i])}; expected 0 <= seq_lens <= max_pages * page_size "
+            f"= {cap}"
+        )
+    if isinstance(block_table, np.ndarray):
+        need = -(-lens // page_size)
+        used = np.arange(block_table.shape[1])[None, :] < need[:, None]
+        bad = used & ((block_table < 0) | (block_table >= num_pages))
+        if bad.any():
+            b, j = (int(x) for x in np.argwhere(bad)[0])
+            raise ArgumentError(
+                f"block_table[{b}, {j}] = {int(block_table[b, j])}, but sequence {b} holds "
+                f"{int(lens[b])} tokens and needs that page; expected a page in "
+                f"[0, {num_pages})"
+            )
+    return block_table, lens

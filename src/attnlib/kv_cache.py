@@ -344,7 +344,8 @@ def _frozen_fields_ok() -> bool:
 
 _CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len",
                 "q_pos0", "k_pos0", "causal_hi", "scale", "window_left", "window_right",
-                "softcap", "alibi", "mask_view", "mask_kind", "ring", "dense", "need_lse")
+                "softcap", "alibi", "mask_view", "mask_kind", "ring", "dense", "need_lse",
+                "block_table", "page_size")
 
 
 _COPY_CALL = _frozen_fields_ok()

@@ -177,6 +177,37 @@ def decode_append_on_device(be):
 
 
 @case
+def paged_cache_and_unchecked_table(be):
+    # a paged cache (packed prefill + decode, RoPE fused into the append, a fork whose next
+    # append copies a shared partial page), then paged_attention over a device block table
+    # holding garbage: every page index the kernel reads is clamped into the pool
+    rng = rng_for("og paged")
+    caches = [attnlib.PagedKVCache(6, 4, 1, 8, backend=name) for name in ("numpy", be)]
+    rope = attnlib.RoPE(theta=100.0)
+    sids = [[c.new_sequence() for _ in range(2)] for c in caches]
+    for lens in ((6, 3), (1, 1)):
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        q, k, v = (x[0] for x in qkv(rng, 1, int(cu[-1]), int(cu[-1]), 2, 1, 8))
+        want, got = (attnlib.attention_with_paged_kvcache(q, c, s, k, v, cu_seqlens_q=cu,
+                                                          rope=rope)
+                     for c, s in zip(caches, sids))
+        close(got, want, 1e-5)
+    _, k, v = qkv(rng, 1, 0, 1, 2, 1, 8)
+    for c, s in zip(caches, sids):
+        child = c.fork(s[0])
+        c.append([child], k, v)
+        s.append(child)
+    q = qkv(rng, 3, 1, 0, 2, 1, 8)[0]
+    want, got = (attnlib.attention_with_paged_kvcache(q, c, s) for c, s in zip(caches, sids))
+    close(got, want, 1e-5)
+    table = attnlib.to_device(np.array([[5, 1 << 30], [-7, -(1 << 31)]], np.int32), backend=be)
+    q = attnlib.to_device(qkv(rng, 2, 1, 0, 2, 1, 8)[0], backend=be)
+    out = attnlib.paged_attention(q, caches[1].k_pages, caches[1].v_pages, table,
+                                  np.array([8, 5], np.int32), backend=be)
+    assert np.isfinite(attnlib.to_numpy(out)).all()
+
+
+@case
 def softmax_and_logsumexp(be):
     for dtype in ("float32", "float16", "bfloat16", "float64"):
         rng = rng_for("og softmax", dtype)

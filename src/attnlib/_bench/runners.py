@@ -51,7 +51,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, Any]:
             "k": _rand(rng, (case.B, case.S, case.Hkv, case.D), d),
             "v": _rand(rng, (case.B, case.S, case.Hkv, case.D), d),
         }
-    if case.task == "decode":
+    if case.task in ("decode", "paged_decode"):
         return {
             "q": _rand(rng, (case.B, 1, case.H, case.D), d),
             "k": _rand(rng, (case.B, case.L, case.Hkv, case.D), d),
@@ -98,6 +98,13 @@ class AttnlibRunner:
             def fn() -> Any:
                 return attnlib.attention_with_kvcache(q, cache, backend=name)
 
+        elif case.task == "paged_decode":
+            cache, sids = _paged_cache(case, inputs, name)
+            q = dev(inputs["q"])
+
+            def fn() -> Any:
+                return attnlib.attention_with_paged_kvcache(q, cache, sids, backend=name)
+
         elif case.task == "softmax":
             x = dev(inputs["x"])
 
@@ -121,6 +128,26 @@ class AttnlibRunner:
             return y if self.backend.owns(y) else x
         except Exception:
             return x
+
+
+def _paged_cache(case: Case, inputs: dict[str, Any], name: str) -> tuple[Any, list]:
+    """A PagedKVCache holding the decode inputs, each sequence's pages taken from a shuffled
+    free list (not adjacent, not in order), as a serving engine's pool looks after a while."""
+    import attnlib
+
+    from .shapes import PAGED_PAGE_SIZE as ps
+
+    per = -(-case.L // ps)
+    cache = attnlib.PagedKVCache(case.B * per, ps, case.Hkv, case.D, dtype=case.dtype,
+                                 backend=name)
+    fill = [cache.new_sequence() for _ in range(case.B * per)]
+    one = np.zeros((len(fill), 1, case.Hkv, case.D), np_dtype(case.dtype))
+    cache.append(fill, one, one)
+    for i in np.random.default_rng(0).permutation(len(fill)):
+        cache.free(fill[i])
+    sids = [cache.new_sequence() for _ in range(case.B)]
+    cache.append(sids, inputs["k"], inputs["v"])
+    return cache, sids
 
 
 def _sync_any(result: Any) -> None:
@@ -189,7 +216,7 @@ class TorchRunner:
     def prepare(self, case: Case, inputs: dict[str, Any]) -> tuple[Callable[[], Any], Callable]:
         torch = self.torch
         F = torch.nn.functional
-        if case.task in ("prefill", "decode"):
+        if case.task in ("prefill", "decode", "paged_decode"):  # paged: contiguous SDPA
             q, k, v = (self.tensor(inputs[n], bhsd=True) for n in ("q", "k", "v"))
             # decode: one query at the end sees every key; torch's is_causal is top-left aligned,
             # so the causal flag only goes with Sq == Sk

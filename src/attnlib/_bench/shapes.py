@@ -30,6 +30,10 @@ __all__ = [
 ]
 
 TASKS = ("prefill", "decode", "softmax", "merge")
+#: decode over a PagedKVCache (pages of PAGE_SIZE tokens from a shuffled free list), the same
+#: counts as decode; asked for with ``--shape paged_decode=B,Hq,Hkv,L,D`` (not a default task)
+PAGED_PAGE_SIZE = 16
+DECODE_TASKS = ("decode", "paged_decode")
 
 
 def _itemsize(dtype: str) -> int:
@@ -60,7 +64,7 @@ class Case:
         if self.task == "prefill":
             return {"B": self.B, "H": self.H, "Hkv": self.Hkv, "S": self.S, "D": self.D,
                     "causal": self.causal}
-        if self.task == "decode":
+        if self.task in DECODE_TASKS:
             return {"B": self.B, "Hq": self.H, "Hkv": self.Hkv, "L": self.L, "D": self.D}
         if self.task == "softmax":
             return {"rows": self.rows, "cols": self.cols}
@@ -71,8 +75,9 @@ class Case:
             heads = f"H={self.H}" if self.Hkv == self.H else f"Hq={self.H} Hkv={self.Hkv}"
             c = " causal" if self.causal else ""
             return f"prefill B={self.B} {heads} S={self.S} D={self.D}{c} {self.dtype}"
-        if self.task == "decode":
-            return (f"decode B={self.B} Hq={self.H} Hkv={self.Hkv} L={self.L} D={self.D} "
+        if self.task in DECODE_TASKS:
+            name = self.task.replace("_", " ")
+            return (f"{name} B={self.B} Hq={self.H} Hkv={self.Hkv} L={self.L} D={self.D} "
                     f"{self.dtype}")
         if self.task == "softmax":
             return f"softmax {self.rows}x{self.cols} {self.dtype}"
@@ -91,7 +96,7 @@ class Case:
         if self.task == "prefill":
             pairs = self.S * (self.S + 1) / 2 if self.causal else float(self.S) * self.S
             return 4.0 * self.B * self.H * self.D * pairs
-        if self.task == "decode":
+        if self.task in DECODE_TASKS:
             return 4.0 * self.B * self.H * self.L * self.D
         if self.task == "softmax":
             return 5.0 * self.rows * self.cols
@@ -103,7 +108,7 @@ class Case:
             q_out = 2 * self.B * self.S * self.H * self.D
             kv = 2 * self.B * self.S * self.Hkv * self.D
             return float((q_out + kv) * it)
-        if self.task == "decode":
+        if self.task in DECODE_TASKS:
             return float(2 * self.B * self.L * self.Hkv * self.D * it)
         if self.task == "softmax":
             return float(2 * self.rows * self.cols * it)
@@ -115,7 +120,7 @@ class Case:
         it = self.itemsize
         if self.task == "prefill":
             return self.B * self.S * (self.H + 2 * self.Hkv) * self.D * it
-        if self.task == "decode":
+        if self.task in DECODE_TASKS:
             return 2 * self.B * self.L * self.Hkv * self.D * it
         if self.task == "softmax":
             return self.rows * self.cols * it
@@ -125,7 +130,7 @@ class Case:
         """The size of the full score matrix a naive softmax(QK^T)V would materialise (float32)."""
         if self.task == "prefill":
             return self.B * self.H * self.S * self.S * 4
-        if self.task == "decode":
+        if self.task in DECODE_TASKS:
             return self.B * self.H * self.L * 4
         return 0
 
@@ -139,7 +144,7 @@ class Case:
         """The next case down the ladder (about 4x less work), or None at the bottom."""
         if self.task == "prefill":
             return replace(self, S=self.S // 2) if self.S >= 256 else None
-        if self.task == "decode":
+        if self.task in DECODE_TASKS:
             if self.L >= 1024:
                 return replace(self, L=self.L // 4)
             return replace(self, B=self.B // 2) if self.B >= 2 else None
@@ -203,12 +208,13 @@ def default_ladders(
 _FIELDS = {
     "prefill": ("B", "H", "S", "D"),
     "decode": ("B", "H", "Hkv", "L", "D"),
+    "paged_decode": ("B", "H", "Hkv", "L", "D"),
     "softmax": ("rows", "cols"),
     "merge": ("n", "B", "S", "H", "D"),
 }
 SHAPE_HELP = (
     "TASK=DIMS, repeatable: prefill=B,H,S,D[,causal] (or B,Hq,Hkv,S,D[,causal]), "
-    "decode=B,Hq,Hkv,L,D, softmax=ROWS,COLS, merge=N,B,S,H,D"
+    "decode=B,Hq,Hkv,L,D, paged_decode=B,Hq,Hkv,L,D, softmax=ROWS,COLS, merge=N,B,S,H,D"
 )
 
 
@@ -235,6 +241,6 @@ def parse_shape(text: str, dtype: str) -> Case:
         raise ValueError(f"--shape {text!r}: sizes must be >= 1")
     if task == "prefill":
         vals.setdefault("Hkv", vals["H"])
-    if task in ("prefill", "decode") and vals["H"] % vals["Hkv"]:
+    if task in ("prefill", *DECODE_TASKS) and vals["H"] % vals["Hkv"]:
         raise ValueError(f"--shape {text!r}: Hq must be a multiple of Hkv")
     return Case(task=task, dtype=dtype, causal=causal, **vals)

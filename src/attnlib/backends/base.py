@@ -35,6 +35,16 @@ share one dtype out of float16, float32, float64, ml_dtypes.bfloat16. Query head
 its own array type (numpy in -> numpy out). Query rows that belong to no sequence are never
 produced by the front door (every row of q belongs to exactly one sequence).
 
+Paged keys and values (``block_table`` is not None): ``k`` and ``v`` are page pools
+``(num_pages, page_size, Hkv, D)`` / ``(..., Dv)`` and ``k_batch`` is unused (zeros). Key ``j`` of
+sequence ``s`` has the logical row ``r = k_row0[s] + j`` and lives at
+``k[block_table[s, r // page_size], r % page_size, hk, :]`` (vLLM's and FlashInfer's layout;
+``ring`` is 0). ``block_table`` is ``(n_seq, max_pages)`` int32 or int64: a numpy array, or on
+OpenCL possibly a device array the caller owns. Host tables reach a backend checked (every page a
+sequence needs is in ``[0, num_pages)``); a device table is taken as given, so a backend clamps
+every page index it reads into ``[0, num_pages)``: whatever the table holds, no kernel reads or
+writes outside the pool.
+
 The mask, when present, is only used by dense calls, where sequence ``s`` is batch ``s``
 (``q_batch[s] == s``) and local indices ``i, j`` index it: ``mask_view[s, h, i, j]``.
 ``mask_view`` is a numpy array already broadcast to ``(n_seq, Hq, Sq_arr, k_len)`` (zero strides
@@ -93,6 +103,8 @@ class AttnCall:
     ring: int = 0
     dense: bool = False  # q_batch == k_batch == arange(n_seq), rows start at 0, no ring
     need_lse: bool = True
+    block_table: Any = None  # (n_seq, max_pages) int32/int64: paged k, v (see the docstring)
+    page_size: int = 0
 
     @property
     def n_seq(self) -> int:
@@ -214,6 +226,32 @@ class Backend:
         position ``start_pos[b] + s`` when ``rope`` is given; fuse it where the backend can).
         ``rows``, ``start_pos``: int64 numpy (B,). Already validated: nothing can fail half-way
         for a user reason."""
+        raise NotImplementedError
+
+    # ---- paged KV cache storage ---------------------------------------------------------------
+    def page_alloc(self, shape: tuple[int, int, int, int], dtype: np.dtype) -> Any:
+        """Allocate one page pool of shape ``(num_pages, page_size, Hkv, D)``, zeroed. Its
+        memory order is the backend's choice (the default: C order, as ``cache_alloc``)."""
+        return self.cache_alloc(shape, dtype)
+
+    def cache_write_slots(
+        self,
+        buf: Any,
+        src: Any,
+        slot_mapping: np.ndarray,
+        positions: np.ndarray,
+        rope: RopeSpec | None,
+    ) -> None:
+        """Write the packed tokens ``src (T, Hkv, D)`` (any strides, buf's dtype) into the page
+        pool ``buf (num_pages, page_size, Hkv, D)``: token ``t`` goes to flat slot
+        ``slot_mapping[t]`` (``page * page_size + slot``, vLLM's ``slot_mapping``), rotated at
+        absolute position ``positions[t]`` when ``rope`` is given (fused where the backend can).
+        ``slot_mapping``, ``positions``: int64 numpy (T,), validated, distinct slots."""
+        raise NotImplementedError
+
+    def copy_pages(self, buf: Any, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+        """``buf[dst_pages[i]] = buf[src_pages[i]]`` for every i (copy-on-write of shared pages;
+        int64 numpy arrays, validated, no page both a source and a destination)."""
         raise NotImplementedError
 
     def cache_read(self, buf: Any) -> np.ndarray:

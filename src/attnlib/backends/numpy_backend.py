@@ -67,13 +67,16 @@ class NumpyBackend(Backend):
             if call.ring:
                 rows %= call.ring
             kb = int(call.k_batch[s])
+            k_seq, v_seq = k, v
+            if call.block_table is not None:
+                k_seq, v_seq, rows, kb = _paged_rows(call, s, rows)
             qpos = int(call.q_pos0[s]) + np.arange(n_q)
             kpos = int(call.k_pos0[s]) + np.arange(n_k)
             for h in range(hq):
                 hk = h // group
                 qs = _f64(q[qb, q0:q0 + n_q, h, :])
-                ks = _f64(k[kb][rows, hk, :])
-                vs = _f64(v[kb][rows, hk, :])
+                ks = _f64(k_seq[kb][rows, hk, :])
+                vs = _f64(v_seq[kb][rows, hk, :])
                 step = _rows_per_chunk(n_k)
                 for i0 in range(0, n_q, step):
                     i1 = min(n_q, i0 + step)
@@ -177,6 +180,31 @@ class NumpyBackend(Backend):
             if rope is not None:
                 chunk = self.rope(chunk[None], pos[None], rope)[0]
             buf[int(rows[b]), pos % cap] = chunk
+
+    def cache_write_slots(self, buf, src, slot_mapping, positions, rope: RopeSpec | None) -> None:
+        chunk = np.asarray(src)
+        if rope is not None:
+            chunk = self.rope(chunk[None], np.asarray(positions, np.int64)[None], rope)[0]
+        ps = buf.shape[1]
+        buf[slot_mapping // ps, slot_mapping % ps] = chunk
+
+    def copy_pages(self, buf, src_pages, dst_pages) -> None:
+        buf[dst_pages] = buf[src_pages]
+
+
+def _paged_rows(call: AttnCall, s: int, rows: np.ndarray):
+    """Sequence ``s``'s keys of a paged call as (k, v, rows, batch): the pools seen as one
+    batch of ``num_pages * page_size`` rows, and the flat row of each logical row (page
+    indices clamped into the pool, as every backend does for a table it did not check)."""
+    ps = call.page_size
+    n_pages = call.k.shape[0]
+    table = np.asarray(call.block_table)[s]
+    pages = np.clip(table[np.minimum(rows // ps, table.shape[0] - 1)].astype(np.int64), 0,
+                    n_pages - 1)
+    flat = pages * ps + rows % ps
+    k = np.asarray(call.k).reshape((1, n_pages * ps) + tuple(call.k.shape[2:]))
+    v = np.asarray(call.v).reshape((1, n_pages * ps) + tuple(call.v.shape[2:]))
+    return k, v, flat, 0
 
 
 def rope_reference(x: np.ndarray, positions: np.ndarray, spec: RopeSpec) -> np.ndarray:

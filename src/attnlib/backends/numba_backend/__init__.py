@@ -8,7 +8,11 @@ widened to float32 before the kernel and accumulate in float32; float64 stays fl
 tile gemms call MKL (sequential; its JIT kernels for full float32 tiles) when the ``mkl`` wheel
 is installed, else scipy's OpenBLAS (:mod:`._blas`).
 
-The other primitives (softmax, merge_states, rope, the KV cache) are small numba / numpy code.
+Paged calls (``AttnCall.block_table``) run the same kernel: a key tile whose pages follow each
+other in the pool is read in place, any other is gathered one page at a time into the thread's
+scratch tile (``_flash._load_paged``); fp16/bf16 pools widen only the pages in use.
+
+The other primitives (softmax, merge_states, rope, the KV caches) are small numba / numpy code.
 Compiled functions are cached on disk (``cache=True``): the first call in a fresh environment
 compiles for a few tens of seconds, later processes load the cache.
 """
@@ -174,6 +178,32 @@ def _narrow_keys(call: AttnCall) -> AttnCall:
                    k_batch=inv.astype(np.int64), ring=call.ring if wrapped else 0)
 
 
+def _narrow_pages(call: AttnCall) -> AttnCall:
+    """A paged call over only the pages its sequences read, when k and v are converted anyway
+    (float16/bfloat16 are widened to float32): the pages in use are gathered (page indices
+    clamped into the pool as the kernel does) and the table renumbered to them."""
+    ps = call.page_size
+    table = np.asarray(call.block_table).astype(np.int64)
+    n_pages = int(call.k.shape[0])
+    need = -(-(call.k_row0 + call.k_len) // ps)  # pages each sequence reads
+    used = np.arange(table.shape[1])[None, :] < need[:, None]
+    table = np.where(used, np.clip(table, 0, n_pages - 1), 0)
+    pages = np.unique(table[used]) if used.any() else np.zeros(1, np.int64)
+    return replace(call, k=np.asarray(call.k)[pages], v=np.asarray(call.v)[pages],
+                   block_table=np.searchsorted(pages, table).astype(np.int64))
+
+
+def _paging(call: AttnCall, k: np.ndarray) -> tuple:
+    """The kernel's (table, page_size, n_pages) arguments: an empty table when not paged."""
+    if call.block_table is None:
+        return (_empty_table, 0, 0)
+    table = np.ascontiguousarray(np.asarray(call.block_table), dtype=np.int64)
+    if table.shape[1] == 0:
+        table = np.zeros((table.shape[0], 1), np.int64)
+    return (table, int(call.page_size), int(k.shape[0]))
+
+
+_empty_table = np.zeros((0, 0), np.int64)
 _empties: dict[tuple[str, int], np.ndarray] = {}
 
 
@@ -401,7 +431,7 @@ class NumbaBackend(Backend):
         dtype = call.dtype
         cdt = _ops.compute_dtype(dtype)
         if dtype != cdt:
-            call = _narrow_keys(call)
+            call = _narrow_pages(call) if call.block_table is not None else _narrow_keys(call)
         q, qf, qst = _flat(call.q, cdt)
         k, kf, kst = _flat(call.k, cdt)
         v, vf, vst = _flat(call.v, cdt)
@@ -439,7 +469,7 @@ class NumbaBackend(Backend):
             with _launch_lock, (_blas_single_thread() if limit else contextlib.nullcontext()):
                 pre = (qf, kf, vf, qst, kst, vst, seq, dealt, g, float(call.scale), wl, wr,
                        softcap, alibi, mask, int(call.ring), block_m, block_n)
-                post = (out, lse, part_o, part_ml, gemm_fn, jit)
+                post = (out, lse, part_o, part_ml, gemm_fn, jit) + _paging(call, k)
                 _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads, size,
                            cdt)
                 if n_slots:
@@ -468,6 +498,25 @@ class NumbaBackend(Backend):
     # ---- KV cache -----------------------------------------------------------------------------
     def cache_alloc(self, shape, dtype) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
+
+    def page_alloc(self, shape, dtype) -> np.ndarray:
+        """Head-major pages: memory ``(num_pages, Hkv, page_size, D)`` seen as ``(num_pages,
+        page_size, Hkv, D)``, so each kv head's rows of a page are one contiguous block (a
+        scattered page is one streaming read, not page_size rows a whole token apart)."""
+        p, ps, h, d = shape
+        return np.zeros((p, h, ps, d), dtype=dtype).transpose(0, 2, 1, 3)
+
+    def cache_write_slots(self, buf, src, slot_mapping, positions, rope: RopeSpec | None) -> None:
+        from . import _ops
+
+        chunk = np.asarray(src)
+        if rope is not None:
+            chunk = _ops.rope(chunk[None], np.asarray(positions, np.int64)[None], rope)[0]
+        ps = buf.shape[1]
+        buf[slot_mapping // ps, slot_mapping % ps] = chunk
+
+    def copy_pages(self, buf, src_pages, dst_pages) -> None:
+        buf[dst_pages] = buf[src_pages]
 
     def cache_write(self, buf, src, rows, start_pos, rope: RopeSpec | None) -> None:
         from . import _ops

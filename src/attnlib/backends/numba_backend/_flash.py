@@ -212,6 +212,46 @@ def _load_rows(src, st, b, row0, nrows, ring, h, dst, width):
             dst[out + d] = row[d]
 
 
+@njit(cache=True, inline="always")
+def _page_at(table, s, p, n_pages):
+    """Pool page of logical page ``p`` of sequence ``s``, clamped into the pool (a device or
+    caller table is not trusted: no read outside the pool, whatever it holds)."""
+    x = table[s, min(p, table.shape[1] - 1)]
+    return min(max(x, 0), n_pages - 1)
+
+
+@njit(cache=True)
+def _paged_start(table, s, row, n, page_size, n_pages):
+    """The pool row (``page * page_size + slot``) where logical rows ``[row, row + n)`` of
+    sequence ``s`` start when their pages follow each other in the pool (the tile is then read
+    in place), else -1 (the tile is gathered)."""
+    p0 = row // page_size
+    first = _page_at(table, s, p0, n_pages)
+    for p in range(p0 + 1, (row + n - 1) // page_size + 1):
+        if _page_at(table, s, p, n_pages) != first + p - p0:
+            return -1
+    return first * page_size + row % page_size
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _load_paged(src, st, table, s, row0, nrows, page_size, n_pages, h, dst, width):
+    """dst[t*width + d] = logical row ``row0 + t`` of sequence ``s`` of the paged pool ``src``
+    (flat, element strides ``st``: page, slot, head), kv head ``h``; one table lookup per page."""
+    t = 0
+    while t < nrows:
+        r = row0 + t
+        slot = r % page_size
+        run = min(page_size - slot, nrows - t)  # rows left in this page
+        off = _page_at(table, s, r // page_size, n_pages) * st[0] + slot * st[1] + h * st[2]
+        for u in range(run):
+            row = src[off:off + width]  # slices: unit-stride copies the loop vectorises
+            out = dst[(t + u) * width:(t + u + 1) * width]
+            for d in range(width):
+                out[d] = row[d]
+            off += st[1]
+        t += run
+
+
 @njit(cache=True, fastmath=FASTMATH)
 def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap, alibi, mask,
                    full, unit):
@@ -278,7 +318,8 @@ def _all_finite(x):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
-                  block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit, work):
+                  block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit, table,
+                  page_size, n_pages, work):
     """Run every task; see the module docstring.
 
     ``q``, ``k``, ``v``: flat (1-D) query, key and value arrays; ``qst`` / ``kst`` / ``vst``
@@ -298,6 +339,11 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     (dynamic scheduling: a thread that another process delays takes fewer) and counts finished
     ones in ``done[0]``, which the caller waits for (never for a thread that found no task).
     ``alibi`` (n_seq, Hq) or (0, 0); ``mask`` additive (n_seq, Hq, Sq, Sk) view or (0, 0, 0, 0).
+    ``table`` int64 (n_seq, max_pages) and ``page_size`` > 0: k and v are page pools (flat,
+    strides along page, slot, head) and logical key row ``r`` of sequence ``s`` is slot
+    ``r % page_size`` of page ``table[s, r // page_size]`` (clamped into ``[0, n_pages)``); a
+    tile whose pages follow each other in the pool is read in place, any other is gathered into
+    the scratch tile first. ``page_size`` 0: not paged (``table`` (0, 0)).
     ``work``: this thread's scratch, 1-D of the compute dtype, at least
     ``work_layout(block_m, block_n, D, Dv)[-1]`` elements, 64-byte aligned; no other thread
     uses it during the call.
@@ -337,6 +383,9 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     qt_addr = np.int64(qt.ctypes.data)  # BLAS operands by address (int64, not uint64)
     st_addr = np.int64(st.ctypes.data)
     ot_addr = np.int64(ot.ctypes.data)
+    paged = page_size > 0
+    # consecutive pages are consecutive rows only when the pool's page stride is page_size rows
+    pool_flat = paged and kst[0] == page_size * k_ld and vst[0] == page_size * v_ld
     while True:
         t = _fetch_add(counter, 1)
         if t >= n_tasks:
@@ -379,7 +428,19 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             if ring > 0 and row >= ring:
                 row -= ring
             copied = ring > 0 and row + n > ring  # the tile wraps: copy it
-            if copied:
+            if paged:
+                prow = _paged_start(table, s, row, n, page_size, n_pages) if pool_flat else -1
+                copied = prow < 0
+                if copied:
+                    _load_paged(k, kst, table, s, row, n, page_size, n_pages, kvh, kt, d_qk)
+                    _load_paged(v, vst, table, s, row, n, page_size, n_pages, kvh, vt, d_v)
+                    k_addr, k_lead = np.int64(kt.ctypes.data), d_qk
+                    v_addr, v_lead = np.int64(vt.ctypes.data), d_v
+                else:
+                    k_addr = k_base + (prow * k_ld + kvh * kst[2]) * isz
+                    v_addr = v_base + (prow * v_ld + kvh * vst[2]) * isz
+                    k_lead, v_lead = k_ld, v_ld
+            elif copied:
                 _load_rows(k, kst, kb, row, n, ring, kvh, kt, d_qk)
                 _load_rows(v, vst, kb, row, n, ring, kvh, vt, d_v)
                 k_addr, k_lead = np.int64(kt.ctypes.data), d_qk
@@ -405,7 +466,9 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             clean = full
             if not full:
                 # a non-finite v in a partly hidden tile needs the -inf marks after exp
-                if not copied:
+                if not copied and paged:
+                    _load_paged(v, vst, table, s, row, n, page_size, n_pages, kvh, vt, d_v)
+                elif not copied:
                     _load_rows(v, vst, kb, row, n, ring, kvh, vt, d_v)
                 clean = _all_finite(vt[: n * d_v].reshape((n, d_v)))
                 if not clean:

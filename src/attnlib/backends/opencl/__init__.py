@@ -214,6 +214,10 @@ class OpenCLBackend(Backend):
     # ---- primitives ---------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[Any, Any]:
         with device_errors("attention"):
+            if call.block_table is not None:
+                from . import _paged
+
+                return _paged.attention(self, call)
             return _attention.attention(self, call)
 
     def softmax(self, x: Any, axis: int, log: bool) -> Any:
@@ -249,6 +253,19 @@ class OpenCLBackend(Backend):
                     rope: RopeSpec | None) -> None:
         with device_errors("the KV-cache append"):
             _ops.cache_write(self, buf, src, rows, start_pos, rope)
+
+    def cache_write_slots(self, buf: Any, src: Any, slot_mapping: np.ndarray,
+                          positions: np.ndarray, rope: RopeSpec | None) -> None:
+        from . import _paged
+
+        with device_errors("the paged KV-cache append"):
+            _paged.cache_write_slots(self, buf, src, slot_mapping, positions, rope)
+
+    def copy_pages(self, buf: Any, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+        from . import _paged
+
+        with device_errors("the paged KV-cache page copy"):
+            _paged.copy_pages(self, buf, src_pages, dst_pages)
 
     def cache_read(self, buf: Any) -> np.ndarray:
         return buf.get()

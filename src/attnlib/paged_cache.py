@@ -1,0 +1,416 @@
+"""PagedKVCache: keys and values in a pool of fixed-size pages (SPEC section 8).
+
+The pool ``k_pages (num_pages, page_size, Hkv, D)`` / ``v_pages (..., Dv)`` lives on the backend's
+device; the bookkeeping lives on the host: per live sequence its page list (its block table row)
+and length, per page a reference count, and a stack of free pages. Token ``t`` of a sequence lives
+in slot ``t % page_size`` of page ``pages[t // page_size]`` (vLLM's and FlashInfer's layout), and
+a sequence of length ``L`` holds exactly ``ceil(L / page_size)`` pages.
+
+``fork`` shares pages (reference counts, no copy). An append that writes into a shared partial
+last page first copies that page (copy-on-write); full pages are never written again, shared or
+not. Every method validates its whole call (ids, shapes, dtypes, and the pages the whole batch
+needs, copies-on-write included) before it touches anything, so a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from . import _spec, registry
+from ._api import _device_contiguous, check_rope, pick_backend
+from .backends.base import AttnCall, Backend, RopeSpec
+from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
+
+__all__ = ["PagedKVCache", "attention_with_paged_kvcache", "paged_attention"]
+
+
+@dataclass(frozen=True)
+class _Append:
+    """A validated append: nothing of it has touched the cache yet."""
+
+    sids: np.ndarray
+    k: object  # packed (T, Hkv, D)
+    v: object
+    new_len: np.ndarray  # per sequence, after the append
+    tables: list  # per sequence (first, pages): its page list from index first on, after it
+    taken: list  # pages taken from the free stack (its last len(taken) entries)
+    cow_src: np.ndarray  # shared partial pages copied ...
+    cow_dst: np.ndarray  # ... into these fresh pages
+    slots: np.ndarray  # int64 (T,): flat slot page * page_size + slot of each new token
+    positions: np.ndarray  # int64 (T,): absolute position of each new token
+
+
+class PagedKVCache:
+    """A paged key/value cache for many sequences (vLLM's PagedAttention, FlashInfer's paged
+    KV cache): ``k_pages (num_pages, page_size, n_kv_heads, head_dim)`` and ``v_pages (...,
+    head_dim_v)`` are allocated once on the backend's device (``queue=`` a
+    ``pyopencl.CommandQueue``: the OpenCL backend on it); their memory order is the backend's
+    (numba: each kv head's rows of a page contiguous, a strided view of that shape).
+
+    ``new_sequence()`` returns an int id (never reused); ``append(sids, k, v)`` adds ``k (B,
+    S_new, Hkv, D)`` per id, or packed ``(total, Hkv, D)`` with ``cu_seqlens=`` (int (B + 1,));
+    ``fork(sid)`` starts a sequence sharing every page of ``sid`` (no copy; a shared partial last
+    page is copied on the next append to it); ``truncate(sid, length)`` keeps the first
+    ``length`` tokens and releases pages no longer used; ``free(sid)`` releases all of its
+    pages. A page returns to the pool when no sequence holds it. ``block_table(sids)`` is the
+    int32 ``(B, max_pages)`` table (vLLM's ``block_tables``; -1 past each sequence's last page).
+
+    Errors: an append needing more pages than are free is a ``CacheOverflowError``; an unknown or
+    freed id, a duplicate id in one call, a length beyond a sequence's length are
+    ``ArgumentError``; k / v of another dtype are a ``DTypeError``. A refused call changes
+    nothing, in any sequence.
+    """
+
+    def __init__(self, num_pages, page_size, n_kv_heads, head_dim, *, head_dim_v=None,
+                 dtype="float32", backend=None, queue=None):
+        self.num_pages = _spec.check_int(num_pages, "num_pages", minimum=1)
+        self.page_size = _spec.check_int(page_size, "page_size", minimum=1)
+        self.n_kv_heads = _spec.check_int(n_kv_heads, "n_kv_heads", minimum=1)
+        self.head_dim = _spec.check_int(head_dim, "head_dim", minimum=1)
+        self.head_dim_v = (self.head_dim if head_dim_v is None
+                           else _spec.check_int(head_dim_v, "head_dim_v", minimum=1))
+        self.dtype = _spec.parse_dtype(dtype)
+        self.backend: Backend = pick_backend(backend, (), self.dtype, queue=queue)
+        shape = (self.num_pages, self.page_size, self.n_kv_heads)
+        self.k_pages = self.backend.page_alloc(shape + (self.head_dim,), self.dtype)
+        self.v_pages = self.backend.page_alloc(shape + (self.head_dim_v,), self.dtype)
+        self._refs = np.zeros(self.num_pages, np.int64)
+        # a stack: pages are taken from its end, so a fresh cache hands out 0, 1, 2, ...
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+        self._len: dict[int, int] = {}
+        self._next_id = 0
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
+                f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"head_dim_v={self.head_dim_v}, dtype={self.dtype}, "
+                f"backend={self.backend.name!r})")
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """``num_pages`` minus the distinct pages live sequences hold (nothing is reserved)."""
+        return len(self._free)
+
+    def new_sequence(self) -> int:
+        """A new sequence id: it holds 0 tokens and no page."""
+        sid = self._next_id
+        self._next_id += 1
+        self._pages[sid] = []
+        self._len[sid] = 0
+        return sid
+
+    def fork(self, sid) -> int:
+        """A new sequence sharing every page of ``sid`` (reference counted; no data copied)."""
+        s = _spec.check_sid(sid, self._pages)
+        child = self.new_sequence()
+        self._pages[child] = list(self._pages[s])
+        self._len[child] = self._len[s]
+        for p in self._pages[s]:
+            self._refs[p] += 1
+        return child
+
+    def truncate(self, sid, length) -> None:
+        """Keep the first ``length`` tokens of ``sid`` (rollback, as in speculative decoding);
+        pages it no longer needs are released (freed when no other sequence holds them)."""
+        s = _spec.check_sid(sid, self._pages)
+        length = _spec.check_int(length, "length", minimum=0)
+        if length > self._len[s]:
+            raise ArgumentError(
+                f"length={length} is beyond sequence {s}'s length {self._len[s]}; truncate only "
+                "shortens"
+            )
+        keep = -(-length // self.page_size)
+        self._release(self._pages[s][keep:])
+        del self._pages[s][keep:]
+        self._len[s] = length
+
+    def free(self, sid) -> None:
+        """Forget ``sid``; its pages go back to the pool when no other sequence holds them."""
+        s = _spec.check_sid(sid, self._pages)
+        self._release(self._pages.pop(s))
+        del self._len[s]
+
+    def lengths(self, sids) -> np.ndarray:
+        """Tokens held per sequence: int64 ``(B,)``."""
+        ids = _spec.check_sids(sids, self._pages)
+        return np.array([self._len[i] for i in ids.tolist()], np.int64)
+
+    def block_table(self, sids) -> np.ndarray:
+        """int32 ``(B, max_pages)``, ``max_pages`` the most pages any of them holds; -1 past
+        each sequence's last page."""
+        ids = _spec.check_sids(sids, self._pages)
+        return self._table(ids.tolist())
+
+    def append(self, sids, k, v, *, cu_seqlens=None) -> None:
+        """Append ``k (B, S_new, Hkv, D)``, ``v (B, S_new, Hkv, Dv)`` to the B sequences
+        ``sids``, or packed ``k (total, Hkv, D)`` split by ``cu_seqlens`` (int32 ``(B + 1,)``,
+        as in ``attention_varlen``). A shared partial last page is copied first (copy-on-write).
+        """
+        ids = _spec.check_sids(sids, self._pages)
+        self._commit(self._plan(ids, k, v, cu_seqlens, "cu_seqlens"), None)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _table(self, ids: list[int]) -> np.ndarray:
+        width = max((len(self._pages[i]) for i in ids), default=0)
+        table = np.full((len(ids), width), -1, np.int32)
+        for row, i in enumerate(ids):
+            table[row, :len(self._pages[i])] = self._pages[i]
+        return table
+
+    def _release(self, pages: list[int]) -> None:
+        for p in reversed(pages):  # the sequence's first page ends on top of the stack
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def _plan(self, ids: np.ndarray, k, v, cu, cu_name: str) -> _Append:
+        """Check an append whole (shapes, dtypes, and the pages the batch needs, copies-on-write
+        included) and decide every page and slot, touching nothing."""
+        n_seq = ids.shape[0]
+        if (k is None) != (v is None):
+            raise ArgumentError("k and v must be given together (or both left out)")
+        n_new = _spec.check_packed(k, "k", n_seq, cu, cu_name, self.n_kv_heads, self.head_dim,
+                                   self.dtype)
+        n_v = _spec.check_packed(v, "v", n_seq, cu, cu_name, self.n_kv_heads, self.head_dim_v,
+                                 self.dtype, dim_name="head_dim_v")
+        if tuple(k.shape[:-2]) != tuple(v.shape[:-2]) or not np.array_equal(n_new, n_v):
+            raise ShapeError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they "
+                             "must agree in every dim but the last")
+        if _spec.is_device_array(k) != _spec.is_device_array(v) or (
+                _spec.is_device_array(k) and not self.backend.owns(k)):
+            raise ArgumentError(
+                f"k and v must both be numpy arrays or both arrays of the cache's backend "
+                f"{self.backend.name!r}, got {type(k).__name__} and {type(v).__name__}"
+            )
+        ps = self.page_size
+        refs: dict[int, int] = {}  # reference counts this append changes
+        n_free = len(self._free)
+        taken = 0
+        plans, cows, new_len = [], {}, np.zeros(n_seq, np.int64)
+        for b, s in enumerate(ids.tolist()):
+            pages, length, n = self._pages[s], self._len[s], int(n_new[b])
+            new_len[b] = length + n
+            first = length // ps  # the first page this append writes (the partial last one)
+            if n and length % ps and refs.get(pages[-1], int(self._refs[pages[-1]])) > 1:
+                last = pages[-1]
+                refs[last] = refs.get(last, int(self._refs[last])) - 1
+                cows[b] = last
+                taken += 1
+            extra = -(-(length + n) // ps) - len(pages)
+            taken += extra
+            plans.append((first, extra))
+        if taken > n_free:
+            raise CacheOverflowError(
+                f"this append needs {taken} free pages (copies-on-write included) but "
+                f"{n_free} of {self.num_pages} are free; the cache is unchanged"
+            )
+        # pages come off the end of the free stack in pop order
+        fresh = self._free[len(self._free) - taken:][::-1]
+        it = iter(fresh)
+        src, dst, tails, slots, positions = [], [], [], [], []
+        for b, s in enumerate(ids.tolist()):
+            first, extra = plans[b]
+            tail = self._pages[s][first:]  # the pages from `first` on, after the append
+            if b in cows:
+                tail[0] = next(it)
+                src.append(cows[b])
+                dst.append(tail[0])
+            tail.extend(next(it) for _ in range(extra))
+            tails.append((first, tail))
+            n = int(n_new[b])
+            if n:
+                pos = self._len[s] + np.arange(n, dtype=np.int64)
+                slots.append(np.asarray(tail, np.int64)[pos // ps - first] * ps + pos % ps)
+                positions.append(pos)
+        return _Append(ids, self._packed(k), self._packed(v), new_len, tails, fresh,
+                       np.asarray(src, np.int64), np.asarray(dst, np.int64), _cat(slots),
+                       _cat(positions))
+
+    def _packed(self, x):
+        """k or v as packed ``(T, H, D)`` (a batched ``(B, S, H, D)`` is flattened)."""
+        if len(x.shape) == 3:
+            return x
+        b, s, h, d = x.shape
+        if not isinstance(x, np.ndarray) and not x.flags.c_contiguous:
+            x = _device_contiguous(x, self.backend)
+        return x.reshape((b * s, h, d))
+
+    def _commit(self, w: _Append, rope: RopeSpec | None) -> None:
+        be = self.backend
+        if w.cow_src.size:  # copies first: a later write of this call may go into a source
+            be.copy_pages(self.k_pages, w.cow_src, w.cow_dst)
+            be.copy_pages(self.v_pages, w.cow_src, w.cow_dst)
+        if w.slots.size:
+            be.cache_write_slots(self.k_pages, w.k, w.slots, w.positions, rope)
+            be.cache_write_slots(self.v_pages, w.v, w.slots, w.positions, None)
+        if w.taken:
+            del self._free[len(self._free) - len(w.taken):]
+        for p in w.taken:
+            self._refs[p] = 1
+        for p in w.cow_src.tolist():
+            self._refs[p] -= 1  # never to 0: another sequence still holds it
+        for b, s in enumerate(w.sids.tolist()):
+            first, tail = w.tables[b]
+            self._pages[s][first:] = tail
+            self._len[s] = int(w.new_len[b])
+
+
+def _cat(parts: list) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _queries(q, cu_seqlens_q, n_seq: int, hq_name: str = "q"):
+    """q ``(B, Sq, Hq, D)`` or packed ``(total_q, Hq, D)`` with ``cu_seqlens_q``: (q as 4-D,
+    q_batch, q_row0, q_len)."""
+    if cu_seqlens_q is None:
+        _spec.check_array(q, "q", ndim=4)
+        if q.shape[0] != n_seq:
+            raise ShapeError(f"q has batch {q.shape[0]} but there are {n_seq} sequences")
+        return (q, np.arange(n_seq, dtype=np.int64), np.zeros(n_seq, np.int64),
+                np.full(n_seq, q.shape[1], np.int64))
+    _spec.check_array(q, "q", ndim=3)
+    c = _spec.check_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    if c.shape[0] != n_seq + 1:
+        raise ArgumentError(
+            f"cu_seqlens_q has {c.shape[0] - 1} sequences but there are {n_seq}"
+        )
+    return (_spec.add_batch_dim(q), np.zeros(n_seq, np.int64), c[:-1].copy(), np.diff(c))
+
+
+def _options(d: int, hq: int, n_seq: int, causal, scale, window, softcap, alibi_slopes):
+    causal = _spec.check_causal(causal, allow_top_left=False)
+    left, right = _spec.check_window(window)
+    return dict(causal_hi=None if causal is None else np.zeros(n_seq, np.int64),
+                scale=_spec.check_scale(scale, d), window_left=left, window_right=right,
+                softcap=_spec.check_softcap(softcap),
+                alibi=_spec.check_alibi(alibi_slopes, n_seq, hq))
+
+
+def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):
+    q = call.q
+    if q.shape[1] == 0 or q.shape[0] == 0 or call.n_seq == 0:
+        acc = np.float64 if call.dtype == np.float64 else np.float32
+        out = np.zeros(tuple(q.shape[:3]) + (call.head_dim_v,), call.dtype)
+        lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
+    else:
+        out, lse = be.attention(call)
+    if packed:
+        out = out[0]
+        lse = None if lse is None else lse[0]
+    return (out, lse) if return_lse else out
+
+
+def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q=None, rope=None,
+                                 causal=True, scale=None, window=None, softcap=None,
+                                 alibi_slopes=None, return_lse=False, backend=None):
+    """Append ``k``, ``v`` (if given) to each sequence ``sids`` of ``cache``, then attend ``q``
+    over its tokens (SPEC section 8, with the rules of ``attention_with_kvcache``; FlashInfer's
+    ``BatchPrefillWithPagedKVCacheWrapper`` / vLLM's paged attention in one call).
+
+    ``q (B, Sq, Hq, D)`` with ``k (B, S_new, Hkv, D)``, or packed ``q (total_q, Hq, D)`` with
+    ``cu_seqlens_q`` (int32 ``(B + 1,)``), ``k (total_q, Hkv, D)`` split by the same
+    ``cu_seqlens_q``: prefill chunks of some sequences and decode steps of others in one call.
+    Query row ``i`` of sequence ``b`` sits at position ``len_b - Sq_b + i`` (``len_b`` after the
+    append); causal is bottom-right; ``rope=attnlib.RoPE(...)`` rotates q and the new k at their
+    positions (fused into the write where the backend can). Returns ``out`` shaped like q with
+    ``Dv``, and with ``return_lse`` the LSE ``(B, Hq, Sq)`` or, packed, ``(Hq, total_q)``.
+    Every check runs before the cache is touched: a refused call changes nothing.
+    """
+    if not isinstance(cache, PagedKVCache):
+        raise ArgumentError(f"cache must be an attnlib.PagedKVCache, got {type(cache).__name__}")
+    be = cache.backend
+    if backend is not None and registry.get_backend(backend) is not be:
+        raise ArgumentError(
+            f"backend={backend!r} differs from the cache's backend {be.name!r}; attention over a "
+            "cache runs where the cache lives"
+        )
+    return_lse = _spec.check_bool(return_lse, "return_lse")
+    ids = _spec.check_sids(sids, cache._pages)
+    n_seq = ids.shape[0]
+    q4, q_batch, q_row0, q_len = _queries(q, cu_seqlens_q, n_seq)
+    if np.dtype(q.dtype) != cache.dtype:
+        raise DTypeError(f"q has dtype {q.dtype}; this cache holds {cache.dtype}")
+    hq, d = q4.shape[2], q4.shape[3]
+    if d != cache.head_dim:
+        raise ShapeError(f"q has head dim {d}; this cache holds head_dim={cache.head_dim}")
+    if hq < 1 or hq % cache.n_kv_heads:
+        raise ShapeError(f"q has {hq} heads; need a multiple of n_kv_heads={cache.n_kv_heads}")
+    if _spec.is_device_array(q) and not be.owns(q):
+        raise ArgumentError(
+            f"q is a {type(q).__module__}.{type(q).__name__} array, which the cache's backend "
+            f"{be.name!r} cannot read"
+        )
+    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes)
+    rope_spec = check_rope(rope, d)
+    if (k is None) != (v is None):
+        raise ArgumentError("k and v must be given together (or both left out)")
+    write = None
+    if k is None:
+        new_len = cache.lengths(ids)
+    else:
+        write = cache._plan(ids, k, v, cu_seqlens_q, "cu_seqlens_q")
+        new_len = write.new_len
+    _spec.check_query_rows(q_len, new_len, "sequence")
+    # -- everything is checked: only now touch the cache
+    if write is not None:
+        cache._commit(write, rope_spec)
+    table = cache._table(ids.tolist())
+    zeros = np.zeros(n_seq, np.int64)
+    call = AttnCall(q=q4, k=cache.k_pages, v=cache.v_pages, q_batch=q_batch, q_row0=q_row0,
+                    q_len=q_len, k_batch=zeros, k_row0=zeros.copy(), k_len=new_len.copy(),
+                    q_pos0=new_len - q_len, k_pos0=zeros.copy(), need_lse=return_lse,
+                    block_table=table, page_size=cache.page_size, **opts)
+    if rope_spec is not None and q4.shape[1] and q4.shape[0]:
+        positions = np.zeros(q4.shape[:2], np.int64)
+        for s in range(n_seq):
+            r0, n = int(q_row0[s]), int(q_len[s])
+            positions[q_batch[s], r0:r0 + n] = new_len[s] - n + np.arange(n)
+        call = replace(call, q=be.rope(q4, positions, rope_spec))
+    return _finish(be, call, cu_seqlens_q is not None, return_lse)
+
+
+def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=None, causal=True,
+                    scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False,
+                    backend=None):
+    """Attention over a caller-owned page pool (the stateless form, for engines that manage
+    pages themselves; vLLM's and FlashAttention's ``block_table`` / ``seq_lens`` names).
+
+    ``k_pages (num_pages, page_size, Hkv, D)``, ``v_pages (..., Dv)``; sequence ``b`` holds
+    ``seq_lens[b]`` tokens, token ``t`` in slot ``t % page_size`` of page
+    ``block_table[b, t // page_size]`` (int32 ``(B, max_pages)``). ``q`` is ``(B, Sq, Hq, D)``
+    or packed ``(total_q, Hq, D)`` with ``cu_seqlens_q``; query row ``i`` of sequence ``b`` sits
+    at position ``seq_lens[b] - Sq_b + i`` and causal is bottom-right, as in
+    ``attention_with_paged_kvcache``. A numpy ``block_table`` is checked entry by entry (a -1 or
+    an out-of-range page where a sequence needs one: ``ArgumentError``); a device table is taken
+    as given, and no kernel reads outside the pool whatever it holds (page indices are clamped;
+    the result for a sequence with such entries is unspecified).
+    """
+    return_lse = _spec.check_bool(return_lse, "return_lse")
+    _spec.check_array(k_pages, "k_pages", ndim=4)
+    _spec.check_array(v_pages, "v_pages", ndim=4)
+    n_seq = int(block_table.shape[0]) if _spec.is_array(block_table) and \
+        len(block_table.shape) == 2 else -1
+    if n_seq < 0:
+        _spec.check_array(block_table, "block_table", ndim=2)
+    q4, q_batch, q_row0, q_len = _queries(q, cu_seqlens_q, n_seq)
+    dtype = _spec.check_qkv(q4, k_pages, v_pages, ndim=4)
+    _spec.check_heads(q4.shape, k_pages.shape, v_pages.shape, ("q", "k_pages", "v_pages"))
+    num_pages, page_size = int(k_pages.shape[0]), int(k_pages.shape[1])
+    if page_size < 1 or num_pages < 1:
+        raise ShapeError(f"k_pages has shape {tuple(k_pages.shape)}; expected at least one "
+                         "page of at least one slot")
+    table, lens = _spec.check_page_table(block_table, seq_lens, n_seq, num_pages, page_size)
+    _spec.check_query_rows(q_len, lens, "sequence")
+    hq, d = q4.shape[2], q4.shape[3]
+    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes)
+    be = pick_backend(backend, (q, k_pages, v_pages, table), dtype)
+    zeros = np.zeros(n_seq, np.int64)
+    call = AttnCall(q=q4, k=k_pages, v=v_pages, q_batch=q_batch, q_row0=q_row0, q_len=q_len,
+                    k_batch=zeros, k_row0=zeros.copy(), k_len=lens, q_pos0=lens - q_len,
+                    k_pos0=zeros.copy(), need_lse=return_lse, block_table=table,
+                    page_size=page_size, **opts)
+    return _finish(be, call, cu_seqlens_q is not None, return_lse)
