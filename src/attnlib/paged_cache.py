@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import _spec, registry
+from . import _cascade, _spec, registry
 from ._api import _device_contiguous, check_rope, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
@@ -297,7 +297,7 @@ def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):
         out = np.zeros(tuple(q.shape[:3]) + (call.head_dim_v,), call.dtype)
         lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
     else:
-        out, lse = be.attention(call)
+        out, lse = _cascade.attention(be, call)
     if packed:
         out = out[0]
         lse = None if lse is None else lse[0]

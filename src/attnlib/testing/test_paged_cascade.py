@@ -1,0 +1,194 @@
+"""Paged calls over sequences forked from shared prompts: the shared full pages are read once per
+group (cascade: the group's rows over the prefix together, each sequence over its own pages,
+merged). Each call is checked against the float64 reference on each sequence's tokens and against
+the same call with the cascade disabled, and the groups the cascade took are checked too (so a
+test cannot pass because the cascade silently did not run).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from attnlib.testing._helpers import DTYPES, randn, unsupported_ok
+from attnlib.testing.test_paged import Paged
+from attnlib.testing.tolerance import as_f64
+
+# how far the cascade may differ from the plain call (both meet the accuracy rule on their own;
+# this is a few units in the last place of the output dtype)
+_OUT_TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+@pytest.fixture
+def cascade_spy(monkeypatch):
+    """The cascade on for any shared prefix (one page and up), recording the groups it takes;
+    ``off()`` / ``on()`` switch it."""
+    from attnlib import _cascade
+
+    seen: list = []
+    real = _cascade.groups_of
+
+    def spy(call, min_tokens):
+        groups = real(call, min_tokens)
+        seen.append(groups)
+        return groups
+
+    monkeypatch.setattr(_cascade, "groups_of", spy)
+    monkeypatch.setattr(_cascade, "MIN_PREFIX_TOKENS", 1)
+    return SimpleNamespace(
+        seen=seen,
+        off=lambda: monkeypatch.setattr(_cascade, "MIN_PREFIX_TOKENS", None),
+        on=lambda: monkeypatch.setattr(_cascade, "MIN_PREFIX_TOKENS", 1))
+
+
+def _groups(sids, groups):
+    """{frozenset of sequence ids: shared pages} from the cascade's (members, pages) groups."""
+    return {frozenset(sids[i] for i in m.tolist()): n for m, n in groups}
+
+
+def _both(p, spy, sids, q_lens, *, packed=True, stateless=False, **kw):
+    """One query call (no new tokens) with the cascade on, then off: every sequence's rows
+    against the reference, on against off. Returns the groups the cascade took."""
+    import attnlib
+
+    n = len(sids)
+    if packed:
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        q = randn(p.rng, (int(cu[-1]), p.hq, p.d), p.dtype)
+        rows = [slice(cu[b], cu[b + 1]) for b in range(n)]
+        extra = dict(cu_seqlens_q=cu)
+    else:
+        q = randn(p.rng, (n, q_lens[0], p.hq, p.d), p.dtype)
+        rows = list(range(n))
+        extra = {}
+
+    def run():
+        if stateless:
+            table = p.cache.block_table(sids)
+            lens = p.cache.lengths(sids).astype(np.int32)
+            return attnlib.paged_attention(q, p.cache.k_pages, p.cache.v_pages, table, lens,
+                                           return_lse=True, backend=p.backend, **extra, **kw)
+        return attnlib.attention_with_paged_kvcache(q, p.cache, sids, return_lse=True,
+                                                    backend=p.backend, **extra, **kw)
+
+    spy.seen.clear()
+    out, lse = (attnlib.to_numpy(x) for x in run())
+    groups = spy.seen[-1]
+    spy.off()
+    plain, plain_lse = (attnlib.to_numpy(x) for x in run())
+    spy.on()
+    tol = _OUT_TOL[p.dtype.name]
+    np.testing.assert_allclose(as_f64(out), as_f64(plain), rtol=tol, atol=tol)
+    lse_tol = 1e-12 if p.dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(lse, plain_lse, rtol=lse_tol, atol=lse_tol)
+    for b, s in enumerate(sids):
+        at = rows[b]
+        got_lse = lse[:, at] if packed else lse[at]
+        p.check_rows(s, q[at], out[at], got_lse, **kw)
+    return _groups(sids, groups)
+
+
+def _forest(p):
+    """Two forked prompts, a prompt forked with nothing of its own, an unrelated sequence
+    (page size 4):
+
+    - ``a`` 13 tokens (3 full pages + 2 slots), forks ``c1 c2 c3`` then 1, 6, 9 tokens of their
+      own each (the shared partial page is copied on write): 3 shared full pages;
+    - ``b`` 9 tokens, fork ``d1`` + 3 tokens: 2 shared full pages;
+    - ``e`` 8 tokens and its fork ``e1``, nothing else: both are exactly the 2-page prefix;
+    - ``u`` 10 tokens of its own.
+    """
+    a, b, e, u = p.new(4)
+    p.append([a, b, e, u], [13, 9, 8, 10])
+    c1, c2, c3, d1, e1 = p.fork(a), p.fork(a), p.fork(a), p.fork(b), p.fork(e)
+    p.append([c1, c2, c3, d1], [1, 6, 9, 3])
+    return SimpleNamespace(a=a, b=b, e=e, u=u, c1=c1, c2=c2, c3=c3, d1=d1, e1=e1)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forked_groups(attnlib_backend, dtype, cascade_spy):
+    if unsupported_ok(attnlib_backend, dtype):
+        return
+    p = Paged(attnlib_backend, 48, 4, dv=11, dtype=dtype)
+    f = _forest(p)
+    sids = [f.a, f.c1, f.u, f.c2, f.b, f.d1, f.c3, f.e, f.e1]
+    want = {frozenset([f.a, f.c1, f.c2, f.c3]): 3, frozenset([f.b, f.d1]): 2,
+            frozenset([f.e, f.e1]): 2}
+    wide = p.dtype in (np.float32, np.float64)  # 16-bit dtypes run the plain call
+    if not wide:
+        want = {}
+    # decode rows and multi-row chunks (c2: 2 rows, u: 3 rows), packed
+    assert _both(p, cascade_spy, sids, [1, 1, 3, 2, 1, 1, 1, 1, 1]) == want
+    # batched decode step
+    assert _both(p, cascade_spy, sids, [1] * len(sids), packed=False) == want
+    # appended chunks past the prefix, then a decode step, through the appending path
+    cascade_spy.seen.clear()
+    p.attend([f.c1, f.c3, f.d1, f.u], [3, 1, 2, 1], [3, 1, 2, 1])
+    assert _groups([f.c1, f.c3, f.d1, f.u], cascade_spy.seen[-1]) == (
+        {frozenset([f.c1, f.c3]): 3} if wide else {})
+    cascade_spy.seen.clear()
+    p.attend([f.a, f.c1, f.c2, f.c3], [1] * 4, [1] * 4, packed=False)
+    assert _groups([f.a, f.c1, f.c2, f.c3], cascade_spy.seen[-1]) == (
+        {frozenset([f.a, f.c1, f.c2, f.c3]): 3} if wide else {})
+
+
+@pytest.mark.parametrize("opts", [
+    dict(softcap=2.5, scale=0.3),
+    dict(causal=False),
+    dict(window=(40, 0)),
+], ids=["softcap", "noncausal", "wide-window"])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1)], ids=["gqa", "mqa"])
+def test_options_that_keep_the_cascade(attnlib_backend, opts, heads, cascade_spy):
+    hq, hkv = heads
+    p = Paged(attnlib_backend, 48, 4, hq=hq, hkv=hkv, dv=7)
+    f = _forest(p)
+    sids = [f.c2, f.a, f.u, f.c1, f.e1, f.e]
+    want = {frozenset([f.a, f.c1, f.c2]): 3, frozenset([f.e, f.e1]): 2}
+    assert _both(p, cascade_spy, sids, [2, 1, 1, 1, 1, 1], **opts) == want
+    assert _both(p, cascade_spy, sids, [1] * len(sids), stateless=True, **opts) == want
+
+
+def test_where_the_cascade_must_not_apply(attnlib_backend, cascade_spy):
+    """ALiBi (a position-dependent bias), a window that cuts the prefix for some row, a chunk
+    whose first rows sit inside the prefix: those sequences run the plain call, still exact."""
+    p = Paged(attnlib_backend, 48, 4, dv=9)
+    f = _forest(p)
+    sids = [f.a, f.c1, f.c2, f.c3, f.b, f.d1]
+    slopes = (p.rng.random(p.hq) * 0.5).astype(np.float32)
+    assert _both(p, cascade_spy, sids, [1] * 6, alibi_slopes=slopes) == {}
+    # window (13, 0): c3 (22 tokens) and c2 (19) do not see token 0 from their last row; a (13)
+    # and c1 (14) do, b and d1 too
+    assert _both(p, cascade_spy, sids, [1] * 6, window=(13, 0)) == {
+        frozenset([f.a, f.c1]): 3, frozenset([f.b, f.d1]): 2}
+    assert _both(p, cascade_spy, sids, [1] * 6, window=(3, 0)) == {}
+    # c2's chunk of 9 rows starts at position 10, inside the 12-token prefix: c2 leaves the group
+    assert _both(p, cascade_spy, sids, [1, 1, 9, 1, 1, 1]) == {
+        frozenset([f.a, f.c1, f.c3]): 3, frozenset([f.b, f.d1]): 2}
+
+
+def test_shared_prefix_threshold(attnlib_backend, cascade_spy):
+    """Below the threshold (in tokens) no group is taken; the result is the same."""
+    from attnlib import _cascade
+
+    p = Paged(attnlib_backend, 48, 4)
+    f = _forest(p)
+    sids = [f.a, f.c1, f.b, f.d1]
+    _cascade.MIN_PREFIX_TOKENS = 12
+    try:
+        assert _both(p, cascade_spy, sids, [1] * 4) == {frozenset([f.a, f.c1]): 3}
+    finally:
+        _cascade.MIN_PREFIX_TOKENS = 1
+    # a device query (or table) runs the plain call
+    import attnlib
+
+    be = attnlib.get_backend(attnlib_backend)
+    if be.owns(p.cache.k_pages):
+        q = be.to_device(randn(p.rng, (4, 1, p.hq, p.d), p.dtype))
+        cascade_spy.seen.clear()
+        out = attnlib.to_numpy(attnlib.attention_with_paged_kvcache(q, p.cache, sids,
+                                                                    backend=attnlib_backend))
+        assert cascade_spy.seen[-1] == []
+        for b, s in enumerate(sids):
+            p.check_rows(s, attnlib.to_numpy(q)[b], out[b], None)
