@@ -64,12 +64,16 @@ def _both(p, spy, sids, q_lens, *, packed=True, stateless=False, **kw):
         rows = list(range(n))
         extra = {}
 
+    be = attnlib.get_backend(p.backend)
+    device = stateless and be.owns(p.cache.k_pages)  # paged_attention: q where the pool is
+
     def run():
         if stateless:
             table = p.cache.block_table(sids)
             lens = p.cache.lengths(sids).astype(np.int32)
-            return attnlib.paged_attention(q, p.cache.k_pages, p.cache.v_pages, table, lens,
-                                           return_lse=True, backend=p.backend, **extra, **kw)
+            return attnlib.paged_attention(be.to_device(q) if device else q, p.cache.k_pages,
+                                           p.cache.v_pages, table, lens, return_lse=True,
+                                           backend=p.backend, **extra, **kw)
         return attnlib.attention_with_paged_kvcache(q, p.cache, sids, return_lse=True,
                                                     backend=p.backend, **extra, **kw)
 
@@ -141,13 +145,18 @@ def test_forked_groups(attnlib_backend, dtype, cascade_spy):
 ], ids=["softcap", "noncausal", "wide-window"])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 1)], ids=["gqa", "mqa"])
 def test_options_that_keep_the_cascade(attnlib_backend, opts, heads, cascade_spy):
+    import attnlib
+
     hq, hkv = heads
     p = Paged(attnlib_backend, 48, 4, hq=hq, hkv=hkv, dv=7)
     f = _forest(p)
     sids = [f.c2, f.a, f.u, f.c1, f.e1, f.e]
     want = {frozenset([f.a, f.c1, f.c2]): 3, frozenset([f.e, f.e1]): 2}
     assert _both(p, cascade_spy, sids, [2, 1, 1, 1, 1, 1], **opts) == want
-    assert _both(p, cascade_spy, sids, [1] * len(sids), stateless=True, **opts) == want
+    # a device query (paged_attention over a device pool) runs the plain call
+    device = attnlib.get_backend(attnlib_backend).owns(p.cache.k_pages)
+    assert _both(p, cascade_spy, sids, [1] * len(sids), stateless=True, **opts) == (
+        {} if device else want)
 
 
 def test_where_the_cascade_must_not_apply(attnlib_backend, cascade_spy):
