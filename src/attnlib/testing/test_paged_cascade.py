@@ -7,12 +7,16 @@ test cannot pass because the cascade silently did not run).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlib.testing._helpers import DTYPES, randn, unsupported_ok
+from attnlib.testing.strategies import SETTINGS
 from attnlib.testing.test_paged import Paged
 from attnlib.testing.tolerance import as_f64
 
@@ -21,26 +25,35 @@ from attnlib.testing.tolerance import as_f64
 _OUT_TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 
 
-@pytest.fixture
-def cascade_spy(monkeypatch):
+@contextmanager
+def _spying():
     """The cascade on for any shared prefix (one page and up), recording the groups it takes;
-    ``off()`` / ``on()`` switch it."""
+    ``off()`` / ``on()`` switch it. Everything is restored on exit."""
     from attnlib import _cascade
 
     seen: list = []
-    real = _cascade.groups_of
+    real, threshold = _cascade.groups_of, _cascade.MIN_PREFIX_TOKENS
 
     def spy(call, min_tokens):
         groups = real(call, min_tokens)
         seen.append(groups)
         return groups
 
-    monkeypatch.setattr(_cascade, "groups_of", spy)
-    monkeypatch.setattr(_cascade, "MIN_PREFIX_TOKENS", 1)
-    return SimpleNamespace(
-        seen=seen,
-        off=lambda: monkeypatch.setattr(_cascade, "MIN_PREFIX_TOKENS", None),
-        on=lambda: monkeypatch.setattr(_cascade, "MIN_PREFIX_TOKENS", 1))
+    def switch(value):
+        _cascade.MIN_PREFIX_TOKENS = value
+
+    _cascade.groups_of = spy
+    switch(1)
+    try:
+        yield SimpleNamespace(seen=seen, off=lambda: switch(None), on=lambda: switch(1))
+    finally:
+        _cascade.groups_of, _cascade.MIN_PREFIX_TOKENS = real, threshold
+
+
+@pytest.fixture
+def cascade_spy():
+    with _spying() as spy:
+        yield spy
 
 
 def _groups(sids, groups):
@@ -201,3 +214,49 @@ def test_shared_prefix_threshold(attnlib_backend, cascade_spy):
         assert cascade_spy.seen[-1] == []
         for b, s in enumerate(sids):
             p.check_rows(s, attnlib.to_numpy(q)[b], out[b], None)
+
+
+
+@settings(**SETTINGS)
+@given(data=st.data())
+def test_random_forks(attnlib_backend, data):
+    """A prompt of random length forked a random number of times, random tokens of each fork's
+    own (0 included: a fork that is exactly the prompt), an unrelated sequence, random query
+    rows and options, in random order: the cascade takes exactly the members whose rows all see
+    the prompt's full pages, and the result is the reference's and the plain call's."""
+    draw = data.draw
+    dtype = draw(st.sampled_from(["float32", "float64"]))
+    if unsupported_ok(attnlib_backend, dtype):
+        dtype = "float32"
+    ps = draw(st.sampled_from([1, 3, 4, 16]))
+    prompt = draw(st.integers(ps, 40))
+    n_forks = draw(st.integers(1, 4))
+    own = draw(st.lists(st.integers(0, 9), min_size=n_forks + 1, max_size=n_forks + 1))
+    hq, hkv = draw(st.sampled_from([(2, 1), (4, 2), (3, 3)]))
+    opts = draw(st.sampled_from([{}, dict(softcap=2.0, scale=0.2), dict(causal=False),
+                                 dict(window=(60, 0)), dict(window=(20, 2)),
+                                 dict(causal=False, window=(30, 3))]))
+    p = Paged(attnlib_backend, prompt + sum(own) + 13, ps, hq=hq, hkv=hkv, d=8, dv=5, dtype=dtype,
+              seed=draw(st.integers(0, 2**31)))
+    (a,) = p.new(1)
+    p.append([a], [prompt])
+    family = [a] + [p.fork(a) for _ in range(n_forks)]
+    grow = [(s, n) for s, n in zip(family, own) if n]
+    if grow:
+        p.append([s for s, _ in grow], [n for _, n in grow])
+    (u,) = p.new(1)
+    p.append([u], [draw(st.integers(1, 12))])
+    sids = draw(st.permutations(family + [u]))
+    q_lens = [draw(st.integers(1, min(3, len(p.k[s])))) for s in sids]
+    n_keys = prompt // ps * ps
+    wl, wr = opts.get("window", (None, None))
+    members = []
+    for s, n in zip(sids, q_lens):
+        first_q, last_q = len(p.k[s]) - n, len(p.k[s]) - 1
+        ok = s != u and (not opts.get("causal", True) or n_keys - 1 <= first_q)
+        ok = ok and (wl is None or last_q <= wl) and (wr is None or n_keys - 1 - first_q <= wr)
+        if ok:
+            members.append(s)
+    want = {frozenset(members): prompt // ps} if len(members) >= 2 else {}
+    with _spying() as spy:
+        assert _both(p, spy, sids, q_lens, **opts) == want
