@@ -7,6 +7,11 @@ compare. ``pages``: ``"in-order"`` (a fresh cache: each sequence's pages follow 
 pool) or ``"scattered"`` (pages taken from a shuffled free list, none adjacent), the case a
 serving engine meets after sequences have come and gone.
 
+``test_paged_shared_prompt``: 32 sequences forked from one prompt, each with tokens of its own,
+one decode step each; ``"cascade"`` reads the prompt's shared pages once for all 32 (the default
+path), ``"per-sequence"`` is the same call with the cascade disabled (the prompt read once per
+sequence). Bytes there are the tokens attended (the per-sequence read), so the GB/s is effective.
+
     pytest bench/test_bench_paged.py --benchmark-only --bench-backends numba
 """
 
@@ -31,17 +36,18 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("paged_backend", _backends(metafunc.config))
 
 
-def _paged_cache(backend, lens, scattered, rng):
-    """A PagedKVCache holding ``lens`` random tokens per sequence (one sequence id each)."""
+def _paged_cache(backend, lens, scattered, rng, spare_pages=0):
+    """A PagedKVCache holding ``lens`` random tokens per sequence (one sequence id each), with
+    ``spare_pages`` free pages besides."""
     import attnlib
 
     need = sum(-(-n // PAGE) for n in lens)
-    cache = attnlib.PagedKVCache(need, PAGE, HKV, D, backend=backend)
+    cache = attnlib.PagedKVCache(need + spare_pages, PAGE, HKV, D, backend=backend)
     if scattered:  # every page to a one-token sequence, freed in random order
-        fill = [cache.new_sequence() for _ in range(need)]
-        one = rng.standard_normal((need, 1, HKV, D)).astype(np.float32)
+        fill = [cache.new_sequence() for _ in range(need + spare_pages)]
+        one = rng.standard_normal((need + spare_pages, 1, HKV, D)).astype(np.float32)
         cache.append(fill, one, one)
-        for i in rng.permutation(need):
+        for i in rng.permutation(need + spare_pages):
             cache.free(fill[i])
     sids = [cache.new_sequence() for _ in lens]
     for s, n in zip(sids, lens):
@@ -104,3 +110,36 @@ def test_paged_mixed_batch(benchmark, paged_backend):
     step()
     benchmark.pedantic(step, rounds=10, iterations=1, warmup_rounds=1)
     _record(benchmark, 2 * sum(lens) * HKV * D * 4)
+
+
+@pytest.mark.parametrize("path", ["cascade", "per-sequence"])
+def test_paged_shared_prompt(benchmark, paged_backend, path):
+    """32 sequences forked from one 8192-token prompt, 256 tokens of their own each, one decode
+    step each (batched q), the cache not changed between rounds."""
+    import attnlib
+    from attnlib import _cascade
+
+    n_seq, prompt, own = 32, 8192, 256
+    benchmark.group = (f"paged shared prompt B={n_seq} prompt={prompt} own={own} Hq={HQ} "
+                       f"Hkv={HKV} D={D} page={PAGE}")
+    rng = np.random.default_rng(2)
+    cache, (root,) = _paged_cache(paged_backend, [prompt], True, rng,
+                                  spare_pages=n_seq * -(-own // PAGE))
+    sids = [cache.fork(root) for _ in range(n_seq)]
+    cache.free(root)
+    k = rng.standard_normal((n_seq, own, HKV, D)).astype(np.float32)
+    cache.append(sids, k, k)
+    q = rng.standard_normal((n_seq, 1, HQ, D)).astype(np.float32)
+
+    def step():
+        return attnlib.attention_with_paged_kvcache(q, cache, sids)
+
+    threshold = _cascade.MIN_PREFIX_TOKENS
+    _cascade.MIN_PREFIX_TOKENS = threshold if path == "cascade" else None
+    try:
+        step()
+        benchmark.pedantic(step, rounds=5 if path == "cascade" else 3, iterations=1,
+                           warmup_rounds=1)
+    finally:
+        _cascade.MIN_PREFIX_TOKENS = threshold
+    _record(benchmark, 2 * n_seq * (prompt + own) * HKV * D * 4)

@@ -4,8 +4,9 @@ Sequences forked from one prompt hold the same leading full pages in their block
 per sequence, those pages are read once per sequence; here they are read once per group: the
 query rows of every sequence of the group attend over the shared pages together (one sequence of
 many rows, non-causal), each sequence attends over its own remaining pages with the call's rules,
-and the two partial states are merged with the backend's ``merge_states`` (in float32, float64
-for float64). The result is the plain call's, ``out`` and ``lse``, within the accuracy rule.
+and the two partial states are merged with the reference ``merge_states`` (numpy, in float64:
+host arrays of a few rows per sequence). The result is the plain call's, ``out`` and ``lse``,
+within the accuracy rule.
 
 It applies only where it is exact: every query row of a sequence in a group sees every shared
 key with no position-dependent term, i.e. no ALiBi, causal rows at or past the prefix's last
@@ -25,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from . import registry
 from .backends.base import AttnCall, Backend
 
 #: the shortest shared prefix, in tokens, that the cascade takes on (at least one full page);
@@ -66,13 +68,13 @@ def attention(be: Backend, call: AttnCall):
                       causal_hi=None, scale=call.scale, softcap=call.softcap, need_lse=True,
                       block_table=table, page_size=ps)
     p_out, p_lse = be.attention(prefix)
-    acc = np.float64 if call.dtype == np.float64 else np.float32
+    # the two partial states of each group row, merged on the host (the cascade runs only for
+    # host queries) with the reference merge, in float64
     b_idx, r_idx = rows // sq_arr, rows % sq_arr
-    own_out = np.ascontiguousarray(np.asarray(out)[b_idx, r_idx][None], acc)
-    own_lse = np.ascontiguousarray(np.asarray(lse)[b_idx, :, r_idx].T[None], acc)
-    m_out, m_lse = be.merge_states(
-        [np.ascontiguousarray(np.asarray(p_out), acc), own_out],
-        [np.ascontiguousarray(np.asarray(p_lse), acc), own_lse])
+    own_out = np.asarray(out)[b_idx, r_idx][None]
+    own_lse = np.asarray(lse)[b_idx, :, r_idx].T[None]
+    m_out, m_lse = registry.get_backend("numpy").merge_states(
+        [np.asarray(p_out, own_out.dtype), own_out], [np.asarray(p_lse), own_lse])
     out, lse = np.array(out), np.array(lse)
     out[b_idx, r_idx] = np.asarray(m_out)[0].astype(call.dtype)
     lse[b_idx, :, r_idx] = np.asarray(m_lse)[0].T
