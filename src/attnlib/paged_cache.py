@@ -319,6 +319,10 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     positions (fused into the write where the backend can). Returns ``out`` shaped like q with
     ``Dv``, and with ``return_lse`` the LSE ``(B, Hq, Sq)`` or, packed, ``(Hq, total_q)``.
     Every check runs before the cache is touched: a refused call changes nothing.
+
+    Sequences of the call that hold the same leading full pages (forks of one prompt) read them
+    once for all of them where that is exact (cascade: float32 / float64, host queries, no ALiBi,
+    every row seeing the whole shared prefix; see ``attnlib._cascade``); the result is the same.
     """
     if not isinstance(cache, PagedKVCache):
         raise ArgumentError(f"cache must be an attnlib.PagedKVCache, got {type(cache).__name__}")
@@ -387,7 +391,9 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     ``attention_with_paged_kvcache``. A numpy ``block_table`` is checked entry by entry (a -1 or
     an out-of-range page where a sequence needs one: ``ArgumentError``); a device table is taken
     as given, and no kernel reads outside the pool whatever it holds (page indices are clamped;
-    the result for a sequence with such entries is unspecified).
+    the result for a sequence with such entries is unspecified). With a host table and a host
+    ``q``, shared leading full pages are read once per group of sequences, as in
+    ``attention_with_paged_kvcache``.
     """
     return_lse = _spec.check_bool(return_lse, "return_lse")
     _spec.check_array(k_pages, "k_pages", ndim=4)
