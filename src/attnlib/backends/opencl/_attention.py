@@ -168,8 +168,8 @@ def cp_async_mode(be: OpenCLBackend, views: list, vec_staging: bool,
                   dtype: np.dtype) -> tuple[bool, bool]:
     """(CP_ASYNC, CP_ASYNC_EMULATE): whether K/V tiles are staged with NVIDIA's cp.async (sm_80+,
     16- or 32-bit storage, vector staging, K/V offsets and strides in whole 4-element chunks so
-    every copy is aligned) instead of through registers. On the H200 (bench/RESULTS.md, third
-    session) it beat registers by 11-13% on decode from 8192 tokens at B=8 and at 131072."""
+    every copy is aligned) instead of through registers: faster on the H200 for decode from long
+    caches (bench/RESULTS.md)."""
     if not vec_staging or dtype == np.float64:
         return False, False
     if CP_ASYNC_FORCE is not None and not _has_cp_async(be):

@@ -41,14 +41,12 @@ EXTRA_HEAD_DIMS = (32, 96, 256)
 #: packed query rows (q_len * group) of one sequence the kernel takes: one m16 tile
 MAX_ROWS = 16
 #: (BLOCK_N, WARPS, STAGES) per head dim. D=128: 128-key tiles, 4 warps of 32 keys, 2 buffers
-#: (144 KB of local memory, 221 registers), the fastest of H200 run 5 (bench/RESULTS.md, third
-#: session) with the fused merge: 23.1 / 81.7 / 143.7 us at B=1/8192, B=8/8192, B=1/131072
-#: (32 q / 8 kv heads, fp16; (64,4,3): 23.8 / - / 149.2). D=64 and the rest: not swept.
+#: (144 KB of local memory, 221 registers), the fastest on the H200 with the fused merge
+#: (bench/RESULTS.md). D=64 and the rest: not swept.
 DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
                    32: (64, 4, 4), 96: (48, 3, 4), 256: (64, 4, 2)}
-#: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch). H200
-#: run 5: 25.1 -> 23.8 us at B=1/8192 (default tiling then), 87.2 -> 81.7 at B=8, 146.7 -> 143.7
-#: at 131072; every check case correct with it
+#: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch; faster
+#: on the H200, bench/RESULTS.md)
 FUSED_MERGE = True
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2

@@ -14,18 +14,16 @@ float16/bfloat16 run ``mma.sync.m16n8k16`` with float32 accumulators. float32 ru
 (``-DIS_TF32=1``, kernels/attn_fwd_mma_tf32.h): every operand of Q K^T and P V is split as
 hi + lo in tf32 (``cvt.rna``), and each product takes three ``mma.sync.m16n8k8`` tf32
 (lo*hi + hi*lo + hi*hi) with float32 accumulators, at about a third of the tf32 tensor-core
-rate. For float32-class accuracy (the SPEC's rule against float64) the tensor cores only sum
-short runs from zero (S: one 8-wide k-step, O: one key tile) that are added to S and O in float32
-with round-to-nearest: a chain of mma accumulations (which truncate) over all of D or all keys
-took S's error to several times that of the float32 reference at scores of tens (emulated:
-err/tol 2.25 at scale 1, D=128, against 0.48 now). The backend option ``use_mma=False`` (or
-:data:`F32_ON` = False, float32 only) keeps float32 on the portable float32 FMA kernel.
+rate. For float32-class accuracy (the contract's rule against float64) the tensor cores only
+sum short runs from zero (S: one 8-wide k-step, O: one key tile) that are added to S and O in
+float32 with round-to-nearest: a chain of mma accumulations (which truncate) over all of D or all
+keys takes S's error to several times that of the float32 reference at scores of tens. The
+backend option ``use_mma=False`` (or :data:`F32_ON` = False, float32 only) keeps float32 on the
+portable float32 FMA kernel.
 
 Hidden keys contribute nothing even when their k or v hold inf/NaN (SPEC): keys hidden from every
 row of a work-group are never read; in tiles that hide keys from only some rows, the kernel zeroes
-non-finite v values for the tensor-core product and adds them back to the rows that see them
-(``-DHIDDEN_NONFINITE=0`` drops that handling). On an H200 the version without it was measured;
-the handling itself was checked through the emulated kernel only (bench/RESULTS.md).
+non-finite v values for the tensor-core product and adds them back to the rows that see them.
 """
 
 from __future__ import annotations
@@ -53,36 +51,24 @@ HEAD_DIMS = (64, 128)
 #: (bench/RESULTS.md); 4 warps x 32 rows, 2 work-groups per SM (registers: 246-255 per thread)
 DEFAULT_CONFIGS = {64: (128, 64, 4, 1), 128: (128, 64, 4, 0)}
 #: float32 (3xTF32), same fields; Q_IN_REGS 0: Q in local memory, split every tile, 1: its tf32
-#: hi and lo in registers, 2: hi in registers, lo in local memory. The fastest of the H200
-#: sweeps (kernel time; bench/RESULTS.md, third session): D=64 (run 3, commit 20edf73) 41.7 / 33.4
-#: TFLOP/s (causal), 1.23 / 1.15x PyTorch's efficient fp32; D=128 (run 4, commit 85d5197, two
-#: m-tiles per warp, TF32_SPLIT=1) 51.3-52.1 / 37.2-40.5, 1.15 / 0.93-0.95x (with (128,32,8,0):
-#: 34.4 / 29.6). Local memory 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and 203 KiB.
+#: hi and lo in registers, 2: hi in registers, lo in local memory. The fastest of the H200 sweeps
+#: (bench/RESULTS.md); D=128 runs two m-tiles per warp. Local memory
+#: 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and 203 KiB.
 DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
 #: grid order (kernel -DHEADS_INNER): False: (tile, head) on dimensions 0, 1, so only each
 #: head's row of the grid runs heaviest tile first; True: one dimension, tile * n_heads + head,
-#: every head of the heaviest tile first (longest-first over the whole grid; a model of the
-#: causal tail wave predicted 1.86 -> 1.53 ms at (4,16,2048,128) on the H200)
+#: every head of the heaviest tile first (longest-first over the whole grid: a shorter causal
+#: tail wave)
 HEADS_INNER = False
 #: Causal calls run HEADS_INNER and -DWARP_SKIP=1 (a warp skips key tiles none of its rows sees),
-#: float32 only at the head dims listed here. H200 (bench/RESULTS.md, third session): float32
-#: D=128 causal (run 5) 1.866 -> 1.498 ms at (4,16,2048) and 6.786 -> 5.338 at (1,16,8192),
-#: 1.13 / 1.18x PyTorch's efficient; fp16/bf16 causal (run 7) +5% to +20% (1,16,8192,128:
-#: 251 -> 301 TFLOP/s), outputs bit-identical; not causal they lost up to 10% (D=64) and stay
-#: off. float32 D=64 was not measured with them.
+#: float32 only at the head dims listed here: faster on the H200 for causal calls, slower for
+#: the others (bench/RESULTS.md); outputs bit-identical.
 F32_SCHEDULED = (128,)
 #: Kernel options of the 16-bit kernel per (head dim, causal), added when ``run`` is not given
-#: ``extra_options``: the fastest of H200 run 3 of the fourth session (``bench/gpu/cand16.py``,
-#: fp16, kernel events, TFLOP/s at (1,16,8192,128) / (1,32,16384,128) / (4,16,2048,128), and
-#: (4,16,2048,64); outputs bit-identical to the default build but for SOFTMAX_PIPE's few ulps):
-#: D=128 not causal LDSM_BYTES (ldmatrix at per-thread byte addresses + constants)
-#: 306.7 / 310.6 / 291.8 -> 333.8 / 325.6 / 317.7; D=128 causal KV_SPLIT_STAGES (FA2's one-K,
-#: one-V-buffer schedule) 301.6 / 312.6 / 256.4 -> 309.1 / 320.5 / 265.2; D=64 causal
-#: SOFTMAX_PIPE + LDSM_BYTES (the next half tile's S issued with this one's softmax; it refuses
-#: WARP_SKIP) 231.0 -> 254.5. Run 5 (same script, fp16): D=128 causal LDSM_BYTES +
-#: KV_SPLIT_STAGES together (no spill, where each alone spills or gains less) 298.6 / 314.3 /
-#: 255.1 -> 323.3 / 346.7 / 276.7; D=64 not causal KV_SPLIT_STAGES 290.7 -> 297.7 (+2%, as in
-#: run 3; bit-identical); D=128 not causal LDSM_BYTES 335.5 / 328.3 / 316.1 again.
+#: ``extra_options``: the fastest on the H200 (bench/RESULTS.md; outputs bit-identical to the
+#: plain build but for SOFTMAX_PIPE's few ulps). LDSM_BYTES: ldmatrix at per-thread byte
+#: addresses plus constants; KV_SPLIT_STAGES: FA2's one-K, one-V-buffer schedule; SOFTMAX_PIPE:
+#: the next half tile's S issued with this one's softmax (it refuses WARP_SKIP).
 DEFAULT_OPTIONS_16 = {
     (128, False): ("-DLDSM_BYTES=1",),
     (128, True): ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
@@ -91,20 +77,12 @@ DEFAULT_OPTIONS_16 = {
 }
 #: Hopper (compute capability 9.0): float16/bfloat16 run kernels/attn_fwd_wgmma.cl (warpgroup
 #: MMA through the PTX rewrite of _nvidia_wgmma) when True; (WGS, BLOCK_N) per head dim
-#: (BLOCK_M = 64 WGS query rows, 128 WGS threads), the serial schedule on the 128-byte-swizzle
-#: layouts, with the two warpgroups' products in ping-pong at D >= 128 (the kernel's defaults).
-#: H200, sixth session, run 8 (bench/RESULTS.md; kernel events, the same run as PyTorch):
-#: fp16/bf16 D=128 430-492 TFLOP/s against this module's mma.sync kernel 276-347 and PyTorch's
-#: flash 221-351 (1.33-1.70x flash; cuDNN 367-640); D=64 (2, 64) 294-352 against 252-300 and
-#: flash 195-236. The no-swizzle layout of the fifth session ran at 74-83% of
-#: mma.sync: its ablations showed the K/V reloads, not the softmax, holding it (bank conflicts of
-#: the GEMMs' shared-memory reads behind the loads' barrier). ATTNLIB_NV_WGMMA=0 (before import)
-#: turns it off, e.g. to compare with the mma.sync kernel.
+#: (BLOCK_M = 64 WGS query rows, 128 WGS threads), the 128-byte-swizzle layouts, the two
+#: warpgroups' products in ping-pong at D >= 128 (bench/RESULTS.md compares it with the mma.sync
+#: kernel and PyTorch). ATTNLIB_NV_WGMMA=0 (before import) turns it off, e.g. to compare with the
+#: mma.sync kernel.
 WGMMA_ON = os.environ.get("ATTNLIB_NV_WGMMA", "1") != "0"
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
-#: -D options the dispatch adds to every wgmma build (e.g. -DWG_OVERLAP=1, the overlapped
-#: schedule); the environment variable ATTNLIB_NV_WGMMA_OPTS (space-separated) sets them
-WGMMA_OPTIONS = tuple(os.environ.get("ATTNLIB_NV_WGMMA_OPTS", "").split())
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
@@ -238,8 +216,8 @@ def _tables_on_device(ctx: Any, call: AttnCall, block_m: int,
                       block_n: int) -> tuple[Any, Any, int]:
     """(sequence table, tile table, number of tiles) on the device for ``call``, remembered by
     the values :func:`_tables` reads: repeated calls of one shape (the common case) skip its ~20
-    small numpy operations and two uploads per call (a large part of the 0.4-1 ms the H200's
-    host spent per prefill call, bench/RESULTS.md). The buffers are never written after they
+    small numpy operations and two uploads per call (a large part of the host's cost of a
+    prefill call, bench/RESULTS.md). The buffers are never written after they
     are made, so calls and queues of the context share them."""
     fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
               call.q_pos0, call.k_pos0, call.causal_hi)
@@ -430,7 +408,7 @@ def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None =
         causal = call.causal_hi is not None
         hi = causal if heads_inner is None else heads_inner
         emulated = () if use_ptx is None or use_ptx else ("-DUSE_PTX=0",)
-        extra = WGMMA_OPTIONS if extra_options is None else tuple(extra_options)
+        extra = () if extra_options is None else tuple(extra_options)
         opts = wgmma_options(call, wgs, block_n, hi) + emulated + extra
         return Launch("attn_fwd_wgmma", opts,
                       lambda: _nvidia_wgmma.get_program(ctx, device, opts, block_n,

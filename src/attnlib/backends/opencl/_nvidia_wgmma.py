@@ -2,7 +2,7 @@
 from OpenCL through a PTX rewrite at build time.
 
 NVIDIA's OpenCL C compiler targets ``sm_90`` and refuses ``wgmma`` (it needs ``sm_90a``), but the
-driver takes PTX text as a program binary (``../shared/gpu/README.md``). So
+driver takes PTX text as a program binary. So
 ``kernels/attn_fwd_wgmma.cl`` is built from OpenCL C with *markers*: inline-asm PTX comments such
 as ``// @WGSS f16 {%f1, ..., %f32}, %rd4, %rd5, %r9;`` that carry the registers the compiler gave
 the operands. :func:`rewrite_ptx` turns each marker into the instruction it names, retargets the
