@@ -4,12 +4,12 @@ streaming chunks and the (ring) KV cache, plus split-KV (flash-decoding) with a 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import _config
 from ...errors import UnsupportedError
 from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
@@ -160,8 +160,7 @@ def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | Non
 
 #: ATTNLIB_OPENCL_CP_ASYNC=0/1 forces the K/V staging (A/B runs, tests): on devices without
 #: cp.async, 1 builds with CP_ASYNC_EMULATE (plain copies, the same tile walk)
-CP_ASYNC_FORCE: bool | None = (os.environ["ATTNLIB_OPENCL_CP_ASYNC"] not in ("", "0")
-                               if os.environ.get("ATTNLIB_OPENCL_CP_ASYNC") else None)
+CP_ASYNC_FORCE: bool | None = _config.opencl_cp_async()
 
 
 def cp_async_mode(be: OpenCLBackend, views: list, vec_staging: bool,

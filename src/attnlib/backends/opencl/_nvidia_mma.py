@@ -28,7 +28,6 @@ non-finite v values for the tensor-core product and adds them back to the rows t
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections import OrderedDict
@@ -37,6 +36,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ... import _config
 from ..base import AttnCall
 from . import _pool
 from ._arrays import is_cl_array
@@ -81,7 +81,7 @@ DEFAULT_OPTIONS_16 = {
 #: warpgroups' products in ping-pong at D >= 128 (bench/RESULTS.md compares it with the mma.sync
 #: kernel and PyTorch). ATTNLIB_NV_WGMMA=0 (before import) turns it off, e.g. to compare with the
 #: mma.sync kernel.
-WGMMA_ON = os.environ.get("ATTNLIB_NV_WGMMA", "1") != "0"
+WGMMA_ON = _config.nv_wgmma()
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
 SEQ_FIELDS = 9
 _BIG = 1 << 40  # an unbounded side of the visible key range

@@ -12,7 +12,6 @@ keyed by source, options and driver; on top of that one in-memory memo per
 from __future__ import annotations
 
 import functools
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ... import _config
 from ...errors import BackendUnavailableError, KernelBuildError
 
 _SIMULATOR_PLATFORMS = ("oclgrind",)
@@ -60,12 +60,13 @@ def choose_context() -> Any:
     """A context on the device the SPEC's rule picks (PYOPENCL_CTX first)."""
     import pyopencl as cl
 
-    if os.environ.get("PYOPENCL_CTX"):
+    wanted = _config.pyopencl_ctx()
+    if wanted:
         try:
             return cl.create_some_context(interactive=False)
         except Exception as exc:
             raise BackendUnavailableError(
-                f"opencl: PYOPENCL_CTX={os.environ['PYOPENCL_CTX']!r} selects no usable device "
+                f"opencl: PYOPENCL_CTX={wanted!r} selects no usable device "
                 f"({exc}); unset it to let attnlib choose"
             ) from exc
     devices = [d for d in list_devices() if not is_simulator(d)]
