@@ -156,8 +156,8 @@ class Backend:
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x)
 
-    def supports_dtype(self, dtype: np.dtype) -> str | None:
-        """None if the dtype can run here, else the reason (becomes an UnsupportedError)."""
+    def unsupported_dtype_reason(self, dtype: np.dtype) -> str | None:
+        """Why ``dtype`` cannot run here (the message of an UnsupportedError); None when it can."""
         return None
 
     # ---- primitives ---------------------------------------------------------------------------

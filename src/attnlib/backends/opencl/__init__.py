@@ -17,9 +17,9 @@ Options (``attnlib.get_backend("opencl", **options)``):
   per product, float32 accumulation (float32-class accuracy by the SPEC's rule);
   ``use_mma=False`` keeps float32 (and float16/bfloat16) on the portable FMA kernels.
 
-Raises :class:`~attnlib.errors.UnsupportedError` (through ``supports_dtype``) for float64 on a
-device without ``cl_khr_fp64`` and :class:`~attnlib.errors.KernelBuildError` when a kernel fails
-to compile (the message holds the options and the build log).
+Raises :class:`~attnlib.errors.UnsupportedError` (through ``unsupported_dtype_reason``) for
+float64 on a device without ``cl_khr_fp64`` and :class:`~attnlib.errors.KernelBuildError` when a
+kernel fails to compile (the message holds the options and the build log).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class OpenCLBackend(Backend):
     def to_numpy(self, x: Any) -> np.ndarray:
         return x.get() if is_cl_array(x) else np.asarray(x)
 
-    def supports_dtype(self, dtype: np.dtype) -> str | None:
+    def unsupported_dtype_reason(self, dtype: np.dtype) -> str | None:
         if np.dtype(dtype) == np.float64 and not self.facts.fp64:
             return (
                 f"opencl: float64 needs cl_khr_fp64, which device {self.facts.name!r} lacks; "
