@@ -216,6 +216,25 @@ class Backend:
         for a user reason."""
         raise NotImplementedError
 
+    def cache_append(
+        self,
+        k_buf: Any,
+        v_buf: Any,
+        k: Any,
+        v: Any,
+        q: Any,
+        rows: np.ndarray,
+        start: np.ndarray,
+        rope: RopeSpec | None,
+    ) -> Any:
+        """One decode step's append in fewer launches, where the backend has a way: ``k`` and
+        ``v`` written as two :meth:`cache_write` calls would (k rotated with ``rope``), and the
+        query returned, rotated at positions ``start[b] + s`` with ``rope`` (q has as many rows
+        as the new tokens then), else ``q`` itself. None when the backend does not take the
+        call: then nothing was written and the caller makes the primitive calls. The default
+        takes none."""
+        return None
+
     def cache_read(self, buf: Any) -> np.ndarray:
         """The whole buffer as a numpy array (tests and debugging)."""
         return self.to_numpy(buf)

@@ -250,5 +250,10 @@ class OpenCLBackend(Backend):
         with device_errors("the KV-cache append"):
             _ops.cache_write(self, buf, src, rows, start_pos, rope)
 
+    def cache_append(self, k_buf: Any, v_buf: Any, k: Any, v: Any, q: Any, rows: np.ndarray,
+                     start: np.ndarray, rope: RopeSpec | None) -> Any:
+        with device_errors("the KV-cache append"):
+            return _ops.fused_append(self, k_buf, v_buf, k, v, q, rows, start, rope)
+
     def cache_read(self, buf: Any) -> np.ndarray:
         return buf.get()

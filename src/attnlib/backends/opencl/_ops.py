@@ -2,8 +2,8 @@
 
 A decode step's append (k and v written; with RoPE, q and the new k rotated at their positions
 first) runs as one launch of rope.cl's ``rope_append`` through an ``_AppendPlan``
-(:func:`fused_append`, registered with ``attnlib.kv_cache`` for its repeat entries); the
-(cos, sin) values come from a device table of consecutive positions (``_CosSin``) made once and
+(:func:`fused_append`: the backend's ``cache_append``, which the KV cache's repeat entries call);
+the (cos, sin) values come from a device table of consecutive positions (``_CosSin``) made once and
 widened when a position falls outside it, so a step uploads nothing but its 12-byte (row, slot,
 table row) entry per sequence."""
 
@@ -434,28 +434,3 @@ def fused_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any
         be.launch(queue.context, queue, "rope.cl", plan.opts, "rope_append", plan.gsize, None,
                   args, varying=varying, owner=plan)
     return out
-
-
-def _fused_guarded(be: OpenCLBackend, *args: Any) -> Any:
-    """fused_append under the backend's device_errors (MemoryError for a full device), as
-    the primitives it replaces run (the package defines it after importing this module)."""
-    errors = _DEVICE_ERRORS[0] if _DEVICE_ERRORS else None
-    if errors is None:
-        from . import device_errors
-
-        _DEVICE_ERRORS.append(device_errors)
-        errors = device_errors
-    with errors("the KV-cache append"):
-        return fused_append(be, *args)
-
-
-_DEVICE_ERRORS: list = []
-
-
-def _register() -> None:
-    from ... import kv_cache
-
-    kv_cache.FUSED_APPEND[f"{__package__}.OpenCLBackend"] = _fused_guarded
-
-
-_register()
