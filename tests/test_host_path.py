@@ -1,6 +1,6 @@
 """The repeat-call (decode) host path of the OpenCL backend: KVCache repeat entries
-(kv_cache._FastEntry), fast plans (backends/opencl/_fastpath), in-place device tables and kernel
-arguments set only when they changed (_runtime.KernelSlot).
+(kv_cache._FastEntry), the plan cache (backends/opencl/_plan_cache), in-place device tables and
+kernel arguments set only when they changed (_runtime.KernelSlot).
 
 A cached plan must never serve a call whose geometry, strides, dtypes, options, lengths or
 buffers differ: every test warms a key, changes one thing and checks the answer against the
@@ -98,9 +98,9 @@ def _counting_setup(be, seed):
     """The counting tests' cache (float32, 9 of 40 rows filled; no plan or table of another
     test's geometry left over, which could already hold this test's table bytes and save a
     rewrite) and one decode step's q, k, v on the device."""
-    from attnlib.backends.opencl import _attention, _ops
+    from attnlib.backends.opencl import _dispatch, _ops
 
-    _attention._plans.clear()
+    _dispatch.forget_plans()
     _ops._append_plans.clear()
     rng = rng_for(seed)
     b, cap, hq, hkv, d = 1, 40, 4, 2, 16
@@ -268,16 +268,16 @@ def emulated_nvidia(monkeypatch):
     """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0). The
     prefill plans are the mma.sync kernel's: the warpgroup-MMA program needs NVIDIA's compiler
     (a build here would fail and put this device on the fallback list for the whole session)."""
-    from attnlib.backends.opencl import _attention, _nvidia_decode, _nvidia_mma
+    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
 
     monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
     monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
     monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
     monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
-    _attention._plans.clear()
+    _dispatch.forget_plans()
     yield _nvidia_decode
-    _attention._plans.clear()
+    _dispatch.forget_plans()
 
 
 def _native_tensor_cores() -> bool:
@@ -398,7 +398,7 @@ def test_emulated_tensor_core_prefill_repeat_calls(emulated_nvidia):
     rng = rng_for("host path prefill")
     q, k, v = (randn(rng, s, "float16") for s in ((1, 21, 4, 64), (1, 37, 2, 64), (1, 37, 2, 64)))
     dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
-    before = len(_nvidia_mma._kernels)
+    before = len(_nvidia_mma.kernels)
     prev = None
     for kw in ({}, {}, {"causal": True}, {"causal": True}, {"softcap": 2.0}):
         got = attnlib.to_numpy(attnlib.attention(dq, dk, dv, **kw)).astype(np.float64)
@@ -407,7 +407,7 @@ def test_emulated_tensor_core_prefill_repeat_calls(emulated_nvidia):
         if prev is not None and kw != prev[0]:
             assert np.abs(got - prev[1]).max() > 4 * TOL["float16"]
         prev = (kw, got)
-    assert len(_nvidia_mma._kernels) > before, "the tensor-core prefill kernel did not run"
+    assert len(_nvidia_mma.kernels) > before, "the tensor-core prefill kernel did not run"
     k2 = randn(rng, k.shape, "float16")
     got = attnlib.attention(dq, attnlib.to_device(k2, backend=be), dv, causal=True)
     want = attnlib.attention(q, k2, v, backend="numpy", causal=True)

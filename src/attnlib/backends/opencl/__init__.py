@@ -31,10 +31,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..base import AttnCall, Backend, RopeSpec
-from . import _attention, _ops
+from . import _dispatch, _ops, _runtime
 from ._arrays import is_cl_array
 from ._runtime import KernelConfig, ProgramCache, choose_context, has_gpu, is_simulator
-from ._runtime import launch as _runtime_launch
 
 __all__ = ["OpenCLBackend"]
 
@@ -207,14 +206,14 @@ class OpenCLBackend(Backend):
         """Enqueue ``kernel`` of ``filename`` built with ``cfg`` (or its ``options()``, already
         made); returns its event. ``kw``: ``varying`` / ``owner`` of ``_runtime.launch``."""
         opts = cfg if isinstance(cfg, tuple) else cfg.options()
-        return _runtime_launch(self._kernels, (ctx.int_ptr, filename, opts, kernel),
+        return _runtime.launch(self._kernels, (ctx.int_ptr, filename, opts, kernel),
                                lambda: self._programs.get(ctx, filename, opts), kernel, queue,
                                gsize, lsize, args, **kw)
 
     # ---- primitives ---------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[Any, Any]:
         with device_errors("attention"):
-            return _attention.attention(self, call)
+            return _dispatch.attention(self, call)
 
     def softmax(self, x: Any, axis: int, log: bool) -> Any:
         with device_errors("softmax"):

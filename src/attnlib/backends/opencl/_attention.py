@@ -15,13 +15,11 @@ from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
 from ._runtime import KernelConfig
 
-_fast: dict = {}  # the fast plans of _fastpath, dropped with _plans
-
 if TYPE_CHECKING:
     from ..base import AttnCall
     from . import OpenCLBackend
 
-_INT_MAX = 2**31 - 1
+INT_MAX = 2**31 - 1
 _UNBOUNDED = 1 << 40  # a window side that is None
 #: packed query rows (q_len * group) up to which a call takes the decode tiling
 DECODE_ROWS = 8
@@ -189,14 +187,14 @@ def _has_cp_async(be: OpenCLBackend) -> bool:
     return cc is not None and cc[0] >= 8
 
 
-def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
+def descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
     """The kernel's int32 table: 9 fields per sequence, then (sequence, first packed row) per
     work-group column; and the number of those columns. Small tables (every decode step) are
     built from Python ints, which costs ~3 us where numpy's operations on tiny arrays cost ~15."""
     n_seq = call.n_seq
     n_blocks = -(-rows // bm)
     n_groups = int(n_blocks.sum())
-    chi = np.full(n_seq, _INT_MAX) if call.causal_hi is None else call.causal_hi
+    chi = np.full(n_seq, INT_MAX) if call.causal_hi is None else call.causal_hi
     fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
               call.q_pos0, call.k_pos0, chi)
     if 9 * n_seq + 2 * n_groups <= 1024:
@@ -213,7 +211,7 @@ def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, 
 
 
 @dataclass
-class _Plan:
+class PortablePlan:
     """What a call's geometry fixes: tiling, kernel configs (no split / split) and the kernel's
     argument list with the per-call slots (q, k, v buffers, descriptor, mask, alibi, outputs)
     left to fill. Decode steps repeat one geometry; the plan is made once for it."""
@@ -223,22 +221,14 @@ class _Plan:
     args: list
 
 
-class _PlanDict(dict):
-    """The plans by geometry; clearing it (tests, benches that change a module setting) drops
-    the fast plans made from them too."""
-
-    def clear(self) -> None:
-        super().clear()
-        _fast.clear()
+#: the plans by geometry (``_dispatch.forget_plans`` empties this and the repeat-call cache)
+plans: dict[tuple, PortablePlan] = {}
+PLANS_MAX = 512
+# argument slots the call fills (see make_plan's argument order)
+ARG_Q, ARG_K, ARG_V, ARG_DESC, ARG_ALIBI, ARG_MASK, ARG_DST = 0, 6, 12, 18, 25, 26, 32
 
 
-_plans: dict[tuple, _Plan] = _PlanDict()
-_PLANS_MAX = 512
-# argument slots the call fills (see _make_plan's argument order)
-_Q, _K, _V, _DESC, _ALIBI, _MASK, _DST = 0, 6, 12, 18, 25, 26, 32
-
-
-def _plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
+def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
               mask_kind: int) -> tuple:
     return (id(be), queue.int_ptr, call.dtype, call.q.shape, call.n_kv_heads,
             call.head_dim_v, max_rows, call.n_seq, call.ring, call.scale, call.softcap,
@@ -246,8 +236,8 @@ def _plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_ro
             *((vw.offset, vw.strides) for vw in views))
 
 
-def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
-               mask_kind: int) -> _Plan:
+def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
+               mask_kind: int) -> PortablePlan:
     dtype = call.dtype
     acc = acc_dtype(dtype)
     bq, sq_arr, hq, d = call.q.shape
@@ -271,38 +261,25 @@ def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
     i64, i32, f = np.int64, np.int32, acc.type
     n_out_rows = bq * sq_arr * hq
     args: list[Any] = []
-    for view in views:  # slots _Q, _K, _V: buffer, offset, then the four strides
+    for view in views:  # slots ARG_Q, ARG_K, ARG_V: buffer, offset, then the four strides
         args += [None, i64(view.offset), *(i64(s) for s in view.strides)]
     args += [None, i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
              f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
     args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
-    assert len(args) == _DST + 6
-    return _Plan(tiles, cfgs, args)
+    assert len(args) == ARG_DST + 6
+    return PortablePlan(tiles, cfgs, args)
 
 
-def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
-    res = _fastpath.run(be, call)
-    if res is not None:
-        return res
-    queue = be.queue_for(call.q, call.k, call.v)
+def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
+        max_rows: int) -> tuple[Any, Any]:
+    """``call`` on the portable kernel (``rows``: packed query rows per sequence, ``max_rows``
+    their maximum); numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out."""
     ctx = queue.context
     dtype = call.dtype
     acc = acc_dtype(dtype)
     bq, sq_arr, hq, d = call.q.shape
     hkv, dv = call.n_kv_heads, call.head_dim_v
     n_seq = call.n_seq
-    rows = call.q_len.astype(np.int64, copy=False) * (hq // hkv)
-    max_rows = int(rows.max()) if n_seq else 0
-    if be.use_mma and max_rows > DECODE_ROWS:
-        from . import _nvidia_mma  # NVIDIA tensor cores (sm_80+): fp16/bf16, float32 as 3xTF32
-
-        if _nvidia_mma.applicable(be.device, call):
-            return _nvidia_mma.run(ctx, queue, be.device, call)
-    if be.use_mma and max_rows <= 16:
-        from . import _nvidia_decode  # NVIDIA tensor cores (sm_80+), fp16/bf16 decode
-
-        if _nvidia_decode.applicable(be.device, call):
-            return _nvidia_decode.run(be, queue, call)
     out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
     host = not is_cl_array(call.q)
     # the LSE is written either way; without need_lse it goes to pooled scratch and the call
@@ -318,41 +295,41 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
 
     mask_kind = 0 if call.mask_view is None else (1 if call.mask_kind == "bool" else 2)
     views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
-    key = _plan_key(be, queue, call, views, max_rows, mask_kind)
-    plan = _plans.get(key)
+    key = plan_key(be, queue, call, views, max_rows, mask_kind)
+    plan = plans.get(key)
     if plan is None:
-        plan = _make_plan(be, call, views, max_rows, mask_kind)
-        if len(_plans) >= _PLANS_MAX:
-            _plans.clear()
-        _plans[key] = plan
+        plan = make_plan(be, call, views, max_rows, mask_kind)
+        if len(plans) >= PLANS_MAX:
+            plans.clear()
+        plans[key] = plan
     bm, bn, tmh, tnh = plan.tiles
-    desc, n_groups = _descriptor(call, rows, bm)
+    desc, n_groups = descriptor(call, rows, bm)
     if n_groups == 0:
         return (out.get(), lse.get()) if host else (out, lse)
     key_tiles = -(-int(call.k_len.max()) // bn)
     splits = choose_splits(be.facts, n_groups * hkv, key_tiles, be.num_splits)
 
     args = plan.args.copy()
-    for slot, view in zip((_Q, _K, _V), views):
+    for slot, view in zip((ARG_Q, ARG_K, ARG_V), views):
         args[slot] = view.buf
-    args[_DESC] = _pool.upload(queue, desc, out)
-    args[_ALIBI] = dummy_buffer(ctx)
+    args[ARG_DESC] = _pool.upload(queue, desc, out)
+    args[ARG_ALIBI] = dummy_buffer(ctx)
     if call.alibi is not None:
-        args[_ALIBI] = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
-    args[_MASK] = dummy_buffer(ctx)
+        args[ARG_ALIBI] = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
+    args[ARG_MASK] = dummy_buffer(ctx)
     if mask_kind:
         mv = call.mask_view
         base = mv[tuple(slice(0, 1) if s == 0 else slice(None) for s in mv.strides)]
         base = base.astype(np.uint8 if mask_kind == 1 else acc)
         mdev = upload(ctx, base)
         strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
-        args[_MASK:_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
+        args[ARG_MASK:ARG_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
     if splits > 1:
         part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
         part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
-        args[_DST:_DST + 2] = [part_o, part_l]
+        args[ARG_DST:ARG_DST + 2] = [part_o, part_l]
     else:
-        args[_DST:_DST + 2] = [out.data, lse_buf]
+        args[ARG_DST:ARG_DST + 2] = [out.data, lse_buf]
     nt = tmh * tnh
     be.launch(ctx, queue, "attn_fwd.cl", plan.cfgs[splits > 1], "attn_fwd",
               (n_groups * nt, hkv, splits), (nt, 1, 1), args)
@@ -365,5 +342,3 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         return out.get(), lse.get()
     return out, lse
 
-
-from . import _fastpath  # noqa: E402  (it imports this module's helpers)

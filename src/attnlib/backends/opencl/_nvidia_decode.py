@@ -55,11 +55,11 @@ MIN_TILES_PER_SPLIT = 2
 EMULATE_PTX = False
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
 SM_LOCAL_BYTES = 227 * 1024
-_DTYPES = (np.dtype(np.float16), _nvidia_mma._BF16)
+_DTYPES = (np.dtype(np.float16), _nvidia_mma.BF16)
 _F32 = np.dtype(np.float32)
 
 _lock = threading.Lock()
-_kernels: dict[tuple, Any] = {}
+kernels: dict[tuple, Any] = {}
 _counter_bufs: dict[tuple, Any] = {}
 
 
@@ -79,7 +79,7 @@ def applicable(device: Any, call: AttnCall, head_dims: tuple = HEAD_DIMS) -> boo
         return False
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
         return False
-    return all(_nvidia_mma._array_ok(x) for x in (call.q, call.k, call.v))
+    return all(_nvidia_mma.array_ok(x) for x in (call.q, call.k, call.v))
 
 
 def local_bytes(head_dim: int, config: tuple) -> int:
@@ -95,7 +95,7 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
     block_n, warps, stages = config
     return (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_N={block_n}", f"-DWARPS={warps}",
-        f"-DSTAGES={stages}", f"-DIS_BF16={int(np.dtype(dtype) == _nvidia_mma._BF16)}",
+        f"-DSTAGES={stages}", f"-DIS_BF16={int(np.dtype(dtype) == _nvidia_mma.BF16)}",
         f"-DSOFTCAP={int(softcap)}", f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}",
         f"-DSPLIT={int(split)}", f"-DUSE_PTX={int(use_ptx)}", f"-DFUSED_MERGE={int(fused)}",
     )
@@ -105,7 +105,7 @@ def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
                    fused: bool | None = None) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel with ``splits`` key splits, and whether the splits
     are merged in the kernel (``fused``, default FUSED_MERGE, where the buffers hold them): the one
-    place for :func:`run` and the repeat-call plans of ``_fastnv``."""
+    place for :func:`run` and the repeat-call plans of ``_nvidia_plans``."""
     d = call.head_dim
     fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
         d, config, splits)
@@ -141,7 +141,7 @@ def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
     return best
 
 
-def _counters(ctx: Any, queue: Any, n: int) -> Any:
+def counters(ctx: Any, queue: Any, n: int) -> Any:
     """A zeroed uint buffer of >= n counters per queue (the kernels leave it zeroed; launches
     of one in-order queue never overlap)."""
     import pyopencl as cl
@@ -184,7 +184,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     lse = _pool.empty(queue, lse_shape, np.float32)
     # one work-group column per sequence with query rows (the prefill kernel's tables with a
     # 16-row block: first rows all 0, heaviest sequences first)
-    seq_buf, tile_buf, n_cols = _nvidia_mma._tables_on_device(ctx, call, MAX_ROWS, block_n)
+    seq_buf, tile_buf, n_cols = _nvidia_mma.tables_on_device(ctx, call, MAX_ROWS, block_n)
     if n_cols and hq:
         if splits is None:
             splits = be.num_splits
@@ -203,11 +203,11 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
                    part_o, part_l]
         else:
             dst = [out.base_data, lse.base_data, alibi_buf, alibi_buf]
-        counters = _counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
+        counter_buf = counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
         threads = 32 * warps
-        args = [*bufs, *dst, tile_buf, seq_buf, alibi_buf, counters, *geometry,
+        args = [*bufs, *dst, tile_buf, seq_buf, alibi_buf, counter_buf, *geometry,
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows), *scalars]
-        evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
+        evt = launch(kernels, (ctx.int_ptr, device.int_ptr, opts),
                      lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl"),
                      "attn_decode_mma", queue,
                      (n_cols * threads, hkv, splits), (threads, 1, 1), args)
@@ -225,6 +225,6 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     return _nvidia_mma.results(queue, out, lse, is_dev)
 
 
-#: the dispatch's fast plans (_fastnv) launch this kernel themselves; a bench that wraps ``run``
+#: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``
 #: (bench/gpu/probe.py records its events) makes them hand the call to ``run`` instead
 run._attnlib_original = True  # type: ignore[attr-defined]

@@ -84,21 +84,21 @@ DEFAULT_OPTIONS_16 = {
 WGMMA_ON = _config.nv_wgmma()
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
 SEQ_FIELDS = 9
-_BIG = 1 << 40  # an unbounded side of the visible key range
+BIG = 1 << 40  # an unbounded side of the visible key range
 _LOG2E = 1.4426950408889634
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 #: float32 through 3xTF32 on sm_80+ (False: float32 stays on the portable kernel)
 F32_ON = True
 #: tests only: the dispatch's repeat-call path (``fast_step``) builds the emulated kernel
 #: (USE_PTX=0), so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
-_DTYPES = (np.dtype(np.float16), _BF16, _F32)
+_DTYPES = (np.dtype(np.float16), BF16, _F32)
 
 _lock = threading.Lock()
 _programs: dict[tuple, Any] = {}
-_kernels: dict[tuple, Any] = {}  # kernel objects, see _runtime.launch
-#: device tables, by the values they are made from (see _tables_on_device); the last _MEMO_MAX
+kernels: dict[tuple, Any] = {}  # kernel objects, see _runtime.launch
+#: device tables, by the values they are made from (see tables_on_device); the last _MEMO_MAX
 _memo: OrderedDict[tuple, Any] = OrderedDict()
 _MEMO_MAX = 256
 
@@ -129,7 +129,7 @@ def _query_cc(device: Any) -> tuple[int, int] | None:
         return None
 
 
-def _array_ok(x: Any) -> bool:
+def array_ok(x: Any) -> bool:
     """Device arrays are read in place: unit last stride, 16-byte aligned rows and start."""
     if not is_cl_array(x):
         return True
@@ -153,7 +153,7 @@ def applicable(device: Any, call: AttnCall) -> bool:
         return False
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
         return False
-    return all(_array_ok(x) for x in (call.q, call.k, call.v))
+    return all(array_ok(x) for x in (call.q, call.k, call.v))
 
 
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
@@ -163,7 +163,7 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
     return (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
         f"-DWARPS={warps}", f"-DQ_IN_REGS={int(q_in_regs)}",
-        f"-DIS_BF16={int(np.dtype(dtype) == _BF16)}",
+        f"-DIS_BF16={int(np.dtype(dtype) == BF16)}",
         f"-DIS_TF32={int(np.dtype(dtype) == _F32)}", f"-DSOFTCAP={int(softcap)}",
         f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}", f"-DUSE_PTX={int(use_ptx)}",
     ) + (("-DHEADS_INNER=1",) if heads_inner else ())
@@ -212,10 +212,10 @@ def _device_copy(ctx: Any, host: np.ndarray) -> Any:
     return cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
 
 
-def _tables_on_device(ctx: Any, call: AttnCall, block_m: int,
+def tables_on_device(ctx: Any, call: AttnCall, block_m: int,
                       block_n: int) -> tuple[Any, Any, int]:
     """(sequence table, tile table, number of tiles) on the device for ``call``, remembered by
-    the values :func:`_tables` reads: repeated calls of one shape (the common case) skip its ~20
+    the values :func:`tables` reads: repeated calls of one shape (the common case) skip its ~20
     small numpy operations and two uploads per call (a large part of the host's cost of a
     prefill call, bench/RESULTS.md). The buffers are never written after they
     are made, so calls and queues of the context share them."""
@@ -225,13 +225,13 @@ def _tables_on_device(ctx: Any, call: AttnCall, block_m: int,
            *(None if f is None else np.asarray(f, np.int64).tobytes() for f in fields))
 
     def make() -> tuple[Any, Any, int]:
-        seqs, tiles = _tables(call, block_m, block_n)
+        seqs, tiles = tables(call, block_m, block_n)
         return _device_copy(ctx, seqs), _device_copy(ctx, tiles), tiles.shape[0]
 
     return _memoised(key, make)
 
 
-def _tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
+def tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-sequence fields for the kernel and the work list of (sequence, first row) tiles,
     heaviest first (causal blocks near the diagonal see more keys and should start early)."""
     n = call.n_seq
@@ -239,8 +239,8 @@ def _tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.
     seqs[:, 0], seqs[:, 1], seqs[:, 2] = call.q_batch, call.q_row0, call.q_len
     seqs[:, 3], seqs[:, 4], seqs[:, 5] = call.k_batch, call.k_row0, call.k_len
     seqs[:, 6] = np.asarray(call.q_pos0, np.int64) - np.asarray(call.k_pos0, np.int64)
-    seqs[:, 7] = -call.window_left if call.window_left is not None else -_BIG
-    hi = np.full(n, _BIG, np.int64)
+    seqs[:, 7] = -call.window_left if call.window_left is not None else -BIG
+    hi = np.full(n, BIG, np.int64)
     if call.causal_hi is not None:
         hi = np.minimum(hi, np.asarray(call.causal_hi, np.int64))
     if call.window_right is not None:
@@ -317,7 +317,7 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
                    heads_inner: bool | None = None) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel and its grid order (see :func:`run` for the
     arguments): the one place that picks DEFAULT_OPTIONS_16 and the causal scheduling, for
-    :func:`run` and the repeat-call plans of ``_fastnv``."""
+    :func:`run` and the repeat-call plans of ``_nvidia_plans``."""
     d, dtype = call.head_dim, call.dtype
     causal = call.causal_hi is not None
     scheduled = causal and (dtype != _F32 or d in F32_SCHEDULED)
@@ -386,7 +386,7 @@ class Launch:
 def wgmma_options(call: AttnCall, wgs: int, block_n: int,
                   heads_inner: bool) -> tuple[str, ...]:
     return (f"-DHEAD_DIM={call.head_dim}", f"-DWGS={wgs}", f"-DBLOCK_N={block_n}",
-            f"-DIS_BF16={int(call.dtype == _BF16)}", f"-DSOFTCAP={int(call.softcap is not None)}",
+            f"-DIS_BF16={int(call.dtype == BF16)}", f"-DSOFTCAP={int(call.softcap is not None)}",
             f"-DALIBI={int(call.alibi is not None)}", f"-DSCALE_POS={int(call.scale > 0)}",
             f"-DHEADS_INNER={int(heads_inner)}")
 
@@ -449,7 +449,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     is_dev = is_cl_array(call.q)
     out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
 
-    seq_buf, tile_buf, n_tiles = _tables_on_device(ctx, call, plan.block_m, plan.block_n)
+    seq_buf, tile_buf, n_tiles = tables_on_device(ctx, call, plan.block_m, plan.block_n)
     out = _pool.empty(queue, out_shape, dtype)
     lse = _pool.empty(queue, lse_shape, np.float32)
     if n_tiles and hq:
@@ -457,7 +457,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         i32 = np.int32
         args = [*bufs, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf, *geometry,
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), *scalars]
-        evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, plan.opts), plan.make, plan.name,
+        evt = launch(kernels, (ctx.int_ptr, device.int_ptr, plan.opts), plan.make, plan.name,
                      queue, plan.grid(n_tiles, hq), (plan.threads, 1), args, wait_for=wait_for)
         out.add_event(evt)
         lse.add_event(evt)
@@ -466,6 +466,6 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     return results(queue, out, lse, is_dev)
 
 
-#: the dispatch's fast plans (_fastnv) launch this kernel themselves; a bench that wraps ``run``
+#: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``
 #: (bench/gpu/probe.py records its events) makes them hand the call to ``run`` instead
 run._attnlib_original = True  # type: ignore[attr-defined]

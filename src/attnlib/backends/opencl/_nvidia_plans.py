@@ -1,4 +1,4 @@
-"""Repeat calls (see _fastpath) on the NVIDIA tensor-core kernels: what a fast plan fixes for the
+"""Repeat calls (see _plan_cache) on the NVIDIA tensor-core kernels: what a plan fixes for the
 decode kernel (``_nvidia_decode``) and the prefill kernel (``_nvidia_mma``), with exactly the
 tables, splits, options, grid and arguments their ``run`` makes with its defaults."""
 
@@ -21,7 +21,7 @@ _F32 = np.dtype(np.float32)
 
 # ---- the decode kernel -------------------------------------------------------------------------
 class _DecodeCommon:
-    """Per fast plan: the device tables (rewritten in place when the values change), the
+    """Per plan: the device tables (rewritten in place when the values change), the
     geometry and scalar arguments, the ALiBi stand-in buffer, the kernel flavour."""
 
     __slots__ = ("seq_table", "tile_table", "alibi_buf", "geometry", "scalars", "use_ptx",
@@ -40,7 +40,7 @@ class _DecodeCommon:
 
 
 class _DecodeSub:
-    """Per (fast plan, splits, work-group columns): options, grid, arguments but q, k, v and the
+    """Per (plan, splits, work-group columns): options, grid, arguments but q, k, v and the
     destinations (the KernelSlot owner: a launch of this sub sets only those)."""
 
     __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits")
@@ -52,7 +52,7 @@ class _DecodeSub:
         bq, sq_arr, hq, _ = call.q.shape
         hkv = call.k.shape[2]
         opts, fused = nd.kernel_options(call, config, splits, common.use_ptx)
-        counters = nd._counters(ctx, queue, n_cols * hkv) if fused else common.alibi_buf
+        counters = nd.counters(ctx, queue, n_cols * hkv) if fused else common.alibi_buf
         threads = 32 * config[1]
         i64, i32 = np.int64, np.int32
         self.args = [None] * 7 + [
@@ -101,7 +101,7 @@ class _DecodeStep:
         with launch_lock:
             common.seq_table.put(queue, self.seqs)
             common.tile_table.put(queue, self.tiles)
-            evts = [nd.launch(nd._kernels, sub.key, sub.make, "attn_decode_mma", queue,
+            evts = [nd.launch(nd.kernels, sub.key, sub.make, "attn_decode_mma", queue,
                               sub.grid, sub.local, args, varying=_DECODE_VARYING, owner=sub)]
         if splits > 1 and not fused:
             evts.append(A.launch_merge(fp.be, queue, part_o, n_out_rows * d, part_l,
@@ -118,27 +118,27 @@ class _DecodeStep:
 
 def decode_step(fp: Any, call: AttnCall, vals: np.ndarray,
                 col: list | None) -> _DecodeStep | None:
-    """The step of a fast plan (``_fastpath``) for per-sequence values ``vals`` (rows: q_batch,
+    """The step of a plan (``_plan_cache``) for per-sequence values ``vals`` (rows: q_batch,
     q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0[, causal_hi]); the same tables,
     splits and kernel as :func:`run` with its defaults."""
     common = fp.subs.get("decode")
     if common is None:
         common = fp.subs["decode"] = _DecodeCommon(fp, call)
     block_n = common.config[0]
-    if fp.n == 1:  # mma._tables for one sequence, from Python ints
+    if fp.n == 1:  # mma.tables for one sequence, from Python ints
         qb, qr0, ql, kb, kr0, kl, qp0, kp0 = col[:8]
-        hi = mma._BIG
+        hi = mma.BIG
         if len(col) == 9:
             hi = min(hi, col[8])
         if call.window_right is not None:
             hi = min(hi, call.window_right)
-        lo = -call.window_left if call.window_left is not None else -mma._BIG
+        lo = -call.window_left if call.window_left is not None else -mma.BIG
         seqs = np.array([[qb, qr0, ql, kb, kr0, kl, qp0 - kp0, lo, hi]], np.int64)
         n_cols = -(-ql // nd.MAX_ROWS)
         tiles = np.zeros((n_cols, 2), np.int32)
         max_k = kl
     else:
-        seqs, tiles = mma._tables(call, nd.MAX_ROWS, block_n)
+        seqs, tiles = mma.tables(call, nd.MAX_ROWS, block_n)
         n_cols, max_k = tiles.shape[0], int(vals[5].max())
     if n_cols == 0:
         return None
@@ -158,7 +158,7 @@ def decode_step(fp: Any, call: AttnCall, vals: np.ndarray,
 
 # ---- the prefill kernel ------------------------------------------------------------------------
 class _MmaCommon:
-    """Per fast plan: kernel options, block sizes, grid order, and every argument but q, k, v,
+    """Per plan: kernel options, block sizes, grid order, and every argument but q, k, v,
     the outputs and the two tables (the defaults of :func:`run`: config, PTX, grid order)."""
 
     __slots__ = ("block_m", "block_n", "threads", "heads_inner", "key", "make", "args", "name")
@@ -202,7 +202,7 @@ class _MmaStep:
         args = common.args.copy()
         args[0:7] = [q.base_data, call.k.base_data, call.v.base_data, out.base_data, lse_buf,
                      self.tile_buf, self.seq_buf]
-        evt = mma.launch(mma._kernels, common.key, common.make, common.name, queue,
+        evt = mma.launch(mma.kernels, common.key, common.make, common.name, queue,
                          self.grid, (common.threads, 1), args, varying=_MMA_VARYING,
                          owner=common)
         if evt is not None:
@@ -213,12 +213,12 @@ class _MmaStep:
 
 
 def mma_step(fp: Any, call: AttnCall, vals: np.ndarray) -> _MmaStep | None:
-    """The step of a fast plan (``_fastpath``) for its current per-sequence values: the tables
+    """The step of a plan (``_plan_cache``) for its current per-sequence values: the tables
     of :func:`run` (memoised by value, as there) and the grid they give."""
     common = fp.subs.get("mma")
     if common is None:
         common = fp.subs["mma"] = _MmaCommon(fp, call)
-    seq_buf, tile_buf, n_tiles = mma._tables_on_device(fp.ctx, call, common.block_m,
+    seq_buf, tile_buf, n_tiles = mma.tables_on_device(fp.ctx, call, common.block_m,
                                                        common.block_n)
     if n_tiles == 0:
         return None
