@@ -33,7 +33,7 @@ import numpy as np
 from ..base import AttnCall, Backend, RopeSpec
 from . import _dispatch, _ops, _runtime
 from ._arrays import is_cl_array
-from ._runtime import KernelConfig, ProgramCache, choose_context, has_gpu, is_simulator
+from ._runtime import KernelConfig, choose_context, has_gpu, is_simulator
 
 __all__ = ["OpenCLBackend"]
 
@@ -132,8 +132,6 @@ class OpenCLBackend(Backend):
         self.tiles = tuple(int(t) for t in tiles) if tiles is not None else None
         self.num_splits = num_splits
         self.use_mma = bool(use_mma)
-        self._programs = ProgramCache()
-        self._kernels: dict[tuple, Any] = {}
 
     # ---- availability -------------------------------------------------------------------------
     @classmethod
@@ -206,8 +204,8 @@ class OpenCLBackend(Backend):
         """Enqueue ``kernel`` of ``filename`` built with ``cfg`` (or its ``options()``, already
         made); returns its event. ``kw``: ``varying`` / ``owner`` of ``_runtime.launch``."""
         opts = cfg if isinstance(cfg, tuple) else cfg.options()
-        return _runtime.launch(self._kernels, (ctx.int_ptr, filename, opts, kernel),
-                               lambda: self._programs.get(ctx, filename, opts), kernel, queue,
+        return _runtime.launch((ctx.int_ptr, filename, kernel, opts),
+                               lambda: _runtime.program(ctx, filename, opts), kernel, queue,
                                gsize, lsize, args, **kw)
 
     # ---- primitives ---------------------------------------------------------------------------

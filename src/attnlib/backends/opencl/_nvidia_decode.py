@@ -59,7 +59,6 @@ _DTYPES = (np.dtype(np.float16), _nvidia_mma.BF16)
 _F32 = np.dtype(np.float32)
 
 _lock = threading.Lock()
-kernels: dict[tuple, Any] = {}
 _counter_bufs: dict[tuple, Any] = {}
 
 
@@ -141,6 +140,11 @@ def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
     return best
 
 
+def kernel_key(ctx: Any, device: Any, opts: tuple[str, ...]) -> tuple:
+    """The key of the decode kernel's object built with ``opts`` (``_runtime.launch``)."""
+    return (ctx.int_ptr, device.int_ptr, "attn_decode_mma", opts)
+
+
 def counters(ctx: Any, queue: Any, n: int) -> Any:
     """A zeroed uint buffer of >= n counters per queue (the kernels leave it zeroed; launches
     of one in-order queue never overlap)."""
@@ -207,7 +211,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         threads = 32 * warps
         args = [*bufs, *dst, tile_buf, seq_buf, alibi_buf, counter_buf, *geometry,
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows), *scalars]
-        evt = launch(kernels, (ctx.int_ptr, device.int_ptr, opts),
+        evt = launch(kernel_key(ctx, device, opts),
                      lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl"),
                      "attn_decode_mma", queue,
                      (n_cols * threads, hkv, splits), (threads, 1, 1), args)

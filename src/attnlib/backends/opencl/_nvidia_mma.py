@@ -40,7 +40,7 @@ from ... import _config
 from ..base import AttnCall
 from . import _pool
 from ._arrays import is_cl_array
-from ._runtime import KernelBuildError, build_program, kernel_source, launch
+from ._runtime import KernelBuildError, launch, program
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
            "default_config", "build_options", "kernel_options"]
@@ -96,8 +96,6 @@ EMULATE_PTX = False
 _DTYPES = (np.dtype(np.float16), BF16, _F32)
 
 _lock = threading.Lock()
-_programs: dict[tuple, Any] = {}
-kernels: dict[tuple, Any] = {}  # kernel objects, see _runtime.launch
 #: device tables, by the values they are made from (see tables_on_device); the last _MEMO_MAX
 _memo: OrderedDict[tuple, Any] = OrderedDict()
 _MEMO_MAX = 256
@@ -177,16 +175,9 @@ def default_config(dtype: Any, head_dim: int) -> tuple:
 
 def get_program(ctx: Any, device: Any, options: tuple[str, ...],
                 filename: str = "attn_fwd_mma.cl") -> Any:
-    """Build (once per context, device, file and options) and return the program of one of the
-    tensor-core kernels (this one, or attn_decode_mma.cl for _nvidia_decode), headers inlined,
-    with NVIDIA's default OpenCL C version (no -cl-std)."""
-    key = (ctx.int_ptr, device.int_ptr, filename, options)
-    with _lock:
-        prg = _programs.get(key)
-        if prg is None:
-            prg = _programs[key] = build_program(ctx, filename, kernel_source(filename),
-                                                 options, std=None, devices=[device])
-    return prg
+    """The program of one of the tensor-core kernels (this one, or attn_decode_mma.cl for
+    _nvidia_decode) for ``device``, with NVIDIA's default OpenCL C version (no -cl-std)."""
+    return program(ctx, filename, options, device=device, std=None)
 
 
 def _memoised(key: tuple, make: Any) -> Any:
@@ -378,6 +369,10 @@ class Launch:
         self.name, self.opts, self.make, self.threads = name, opts, make, threads
         self.block_m, self.block_n, self.heads_inner = block_m, block_n, heads_inner
 
+    def key(self, ctx: Any, device: Any) -> tuple:
+        """The key of the kernel object (``_runtime.launch``)."""
+        return (ctx.int_ptr, device.int_ptr, self.name, self.opts)
+
     def grid(self, n_tiles: int, hq: int) -> tuple[int, int]:
         t = self.threads
         return (n_tiles * hq * t, 1) if self.heads_inner else (n_tiles * t, hq)
@@ -457,8 +452,8 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         i32 = np.int32
         args = [*bufs, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf, *geometry,
                 i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), *scalars]
-        evt = launch(kernels, (ctx.int_ptr, device.int_ptr, plan.opts), plan.make, plan.name,
-                     queue, plan.grid(n_tiles, hq), (plan.threads, 1), args, wait_for=wait_for)
+        evt = launch(plan.key(ctx, device), plan.make, plan.name, queue,
+                     plan.grid(n_tiles, hq), (plan.threads, 1), args, wait_for=wait_for)
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:

@@ -59,7 +59,7 @@ class _DecodeSub:
             common.tile_table.buf, common.seq_table.buf, common.alibi_buf, counters,
             *common.geometry, i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
             i64(bq * sq_arr * hq), *common.scalars]
-        self.key = (ctx.int_ptr, device.int_ptr, opts)
+        self.key = nd.kernel_key(ctx, device, opts)
         self.make = lambda: mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
         self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
         self.fused, self.splits = fused, splits
@@ -101,7 +101,7 @@ class _DecodeStep:
         with launch_lock:
             common.seq_table.put(queue, self.seqs)
             common.tile_table.put(queue, self.tiles)
-            evts = [nd.launch(nd.kernels, sub.key, sub.make, "attn_decode_mma", queue,
+            evts = [nd.launch(sub.key, sub.make, "attn_decode_mma", queue,
                               sub.grid, sub.local, args, varying=_DECODE_VARYING, owner=sub)]
         if splits > 1 and not fused:
             evts.append(A.launch_merge(fp.be, queue, part_o, n_out_rows * d, part_l,
@@ -168,13 +168,13 @@ class _MmaCommon:
         use_ptx = mma.compute_capability(device) is not None and not mma.EMULATE_PTX
         plan = mma.usable_plan(ctx, device, call, use_ptx=use_ptx)
         self.block_m, self.block_n, self.threads = plan.block_m, plan.block_n, plan.threads
-        self.heads_inner, self.name, opts = plan.heads_inner, plan.name, plan.opts
+        self.heads_inner, self.name = plan.heads_inner, plan.name
         alibi_buf, _, geometry, scalars = mma.kernel_inputs(ctx, call)
         _, sq_arr, hq, _ = call.q.shape
         i32 = np.int32
         self.args = [None] * 7 + [alibi_buf, *geometry, i32(sq_arr), i32(hq),
                                   i32(hq // call.k.shape[2]), i32(call.ring), *scalars]
-        self.key = (ctx.int_ptr, device.int_ptr, opts)
+        self.key = plan.key(ctx, device)
         self.make = plan.make
 
 
@@ -202,7 +202,7 @@ class _MmaStep:
         args = common.args.copy()
         args[0:7] = [q.base_data, call.k.base_data, call.v.base_data, out.base_data, lse_buf,
                      self.tile_buf, self.seq_buf]
-        evt = mma.launch(mma.kernels, common.key, common.make, common.name, queue,
+        evt = mma.launch(common.key, common.make, common.name, queue,
                          self.grid, (common.threads, 1), args, varying=_MMA_VARYING,
                          owner=common)
         if evt is not None:
