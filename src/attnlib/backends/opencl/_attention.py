@@ -219,6 +219,36 @@ class PortablePlan:
     tiles: tuple[int, int, int, int]
     cfgs: tuple[Any, Any]
     args: list
+    opts: tuple[tuple[str, ...], tuple[str, ...]]  # the build options of cfgs
+
+    def enqueue(self, be: OpenCLBackend, queue: Any, call: AttnCall, args: list, out: Any,
+                lse: Any, n_groups: int, splits: int, owner: Any = None) -> None:
+        """Launch over ``n_groups`` work-group columns with ``splits`` key splits: ``args`` is a
+        copy of :attr:`args` with the call's slots (q, k, v, descriptor, ALiBi, mask) set, and
+        ``out`` / ``lse`` the destination buffers; split partial states go to pooled scratch
+        and merge.cl. ``owner``: the repeat-call plan (one object per split mode) whose launches
+        set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here."""
+        dtype = call.dtype
+        acc = acc_dtype(dtype)
+        bq, sq_arr, hq, _ = call.q.shape
+        hkv, dv = call.k.shape[2], call.v.shape[3]
+        n_out_rows = bq * sq_arr * hq
+        split = splits > 1
+        if split:
+            part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
+            part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
+            args[ARG_DST], args[ARG_DST + 1] = part_o, part_l
+        else:
+            args[ARG_DST], args[ARG_DST + 1] = out, lse
+        nt = self.tiles[2] * self.tiles[3]
+        be.launch(queue.context, queue, "attn_fwd.cl", self.opts[split], "attn_fwd",
+                  (n_groups * nt, hkv, splits), (nt, 1, 1), args,
+                  varying=REPEAT_VARYING if owner is not None else None,
+                  owner=None if owner is None else owner[split])
+        if split:
+            launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
+                         (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
+                         out, lse, store_kind(acc), store_kind(dtype), int(acc == np.float64))
 
 
 #: the plans by geometry (``_dispatch.forget_plans`` empties this and the repeat-call cache)
@@ -226,6 +256,8 @@ plans: dict[tuple, PortablePlan] = {}
 PLANS_MAX = 512
 # argument slots the call fills (see make_plan's argument order)
 ARG_Q, ARG_K, ARG_V, ARG_DESC, ARG_ALIBI, ARG_MASK, ARG_DST = 0, 6, 12, 18, 25, 26, 32
+#: the slots a repeat call's launch changes (the plan cache holds the rest fixed)
+REPEAT_VARYING = (ARG_Q, ARG_K, ARG_V, ARG_DST, ARG_DST + 1)
 
 
 def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
@@ -267,7 +299,7 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
              f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
     args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
     assert len(args) == ARG_DST + 6
-    return PortablePlan(tiles, cfgs, args)
+    return PortablePlan(tiles, cfgs, args, tuple(c.options() for c in cfgs))
 
 
 def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
@@ -302,7 +334,7 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
         if len(plans) >= PLANS_MAX:
             plans.clear()
         plans[key] = plan
-    bm, bn, tmh, tnh = plan.tiles
+    bm, bn = plan.tiles[0], plan.tiles[1]
     desc, n_groups = descriptor(call, rows, bm)
     if n_groups == 0:
         return (out.get(), lse.get()) if host else (out, lse)
@@ -324,20 +356,7 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
         mdev = upload(ctx, base)
         strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
         args[ARG_MASK:ARG_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
-    if splits > 1:
-        part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
-        part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
-        args[ARG_DST:ARG_DST + 2] = [part_o, part_l]
-    else:
-        args[ARG_DST:ARG_DST + 2] = [out.data, lse_buf]
-    nt = tmh * tnh
-    be.launch(ctx, queue, "attn_fwd.cl", plan.cfgs[splits > 1], "attn_fwd",
-              (n_groups * nt, hkv, splits), (nt, 1, 1), args)
-
-    if splits > 1:
-        launch_merge(be, queue, part_o, n_out_rows * dv, part_l, (n_out_rows, sq_arr * hq, hq, 1),
-                     splits, sq_arr, hq, dv, n_out_rows, out.data, lse_buf, store_kind(acc),
-                     store_kind(dtype), int(acc == np.float64))
+    plan.enqueue(be, queue, call, args, out.data, lse_buf, n_groups, splits)
     if host:
         return out.get(), lse.get()
     return out, lse

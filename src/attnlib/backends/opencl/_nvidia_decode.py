@@ -160,6 +160,63 @@ def counters(ctx: Any, queue: Any, n: int) -> Any:
     return buf
 
 
+#: the decode kernel's per-call argument slots: q, k, v, out, lse, partial outputs, partial LSEs
+CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6)
+
+
+class DecodePlan:
+    """A decode launch for one (splits, work-group columns) without its per-call arguments:
+    options, kernel key, grid, and the arguments the call's geometry fixes after the
+    :data:`CALL_SLOTS` (the tables ``tile_buf`` and ``seq_buf``, ALiBi, the fused merge's
+    counters, offsets and strides, sizes, scalars). :func:`run` and the repeat-call plans
+    (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
+
+    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare")
+
+    def __init__(self, queue: Any, device: Any, call: AttnCall, config: tuple, splits: int,
+                 n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any, seq_buf: Any,
+                 alibi_buf: Any, geometry: list, scalars: list) -> None:
+        ctx = queue.context
+        bq, sq_arr, hq, _ = call.q.shape
+        hkv = call.k.shape[2]
+        opts, fused = kernel_options(call, config, splits, use_ptx, fused)
+        counter_buf = counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
+        threads = 32 * config[1]
+        i64, i32 = np.int64, np.int32
+        self.args = [None] * len(CALL_SLOTS) + [
+            tile_buf, seq_buf, alibi_buf, counter_buf, *geometry, i32(sq_arr), i32(hq),
+            i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars]
+        self.key = kernel_key(ctx, device, opts)
+        self.make = lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
+        self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
+        self.fused, self.splits, self.spare = fused, splits, alibi_buf
+
+    def enqueue(self, be: Any, queue: Any, call: AttnCall, q: Any, k: Any, v: Any, out: Any,
+                lse: Any, owner: Any = None) -> list:
+        """The launch (then merge.cl's when the splits are not merged by the kernel) into the
+        buffers ``out`` and ``lse``; their events. ``owner``: the repeat-call plan whose
+        launches set only the call slots."""
+        bq, sq_arr, hq, d = call.q.shape
+        n_out_rows = bq * sq_arr * hq
+        splits, fused, spare = self.splits, self.fused, self.spare
+        args = self.args.copy()
+        args[0], args[1], args[2] = q, k, v
+        if splits > 1:
+            part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
+            part_l = _pool.scratch(queue, splits * n_out_rows * 4)
+            args[3:7] = [out if fused else spare, lse if fused else spare, part_o, part_l]
+        else:
+            args[3:7] = [out, lse, spare, spare]
+        evts = [launch(self.key, self.make, "attn_decode_mma", queue, self.grid, self.local,
+                       args, varying=CALL_SLOTS if owner is not None else None, owner=owner)]
+        if splits > 1 and not fused:
+            evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
+                                     (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
+                                     n_out_rows, out, lse, store_kind(_F32),
+                                     store_kind(call.dtype), 0))
+        return evts
+
+
 def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         splits: int | None = None, use_ptx: bool | None = None, fused: bool | None = None,
         events: list | None = None) -> tuple[Any, Any]:
@@ -176,7 +233,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     ctx, device = queue.context, be.device
     d = call.head_dim
     config = tuple(config or DEFAULT_CONFIGS[d])
-    block_n, warps = config[0], config[1]
+    block_n = config[0]
     if use_ptx is None:
         use_ptx = _nvidia_mma.compute_capability(device) is not None
     dtype = call.dtype
@@ -196,31 +253,10 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
             key_tiles = -(-int(np.max(call.k_len)) // block_n)
             splits = choose_splits(be.facts.compute_units, n_cols * hkv, key_tiles, d, config)
         splits = max(1, int(splits))
-        opts, fused = kernel_options(call, config, splits, use_ptx, fused)
         alibi_buf, bufs, geometry, scalars = _nvidia_mma.kernel_inputs(ctx, call)
-        i64, i32 = np.int64, np.int32
-        n_out_rows = bq * sq_arr * hq
-        if splits > 1:
-            part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
-            part_l = _pool.scratch(queue, splits * n_out_rows * 4)
-            dst = [out.base_data if fused else alibi_buf, lse.base_data if fused else alibi_buf,
-                   part_o, part_l]
-        else:
-            dst = [out.base_data, lse.base_data, alibi_buf, alibi_buf]
-        counter_buf = counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
-        threads = 32 * warps
-        args = [*bufs, *dst, tile_buf, seq_buf, alibi_buf, counter_buf, *geometry,
-                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows), *scalars]
-        evt = launch(kernel_key(ctx, device, opts),
-                     lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl"),
-                     "attn_decode_mma", queue,
-                     (n_cols * threads, hkv, splits), (threads, 1, 1), args)
-        evts = [evt]
-        if splits > 1 and not fused:
-            evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
-                                     (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
-                                     n_out_rows, out.base_data, lse.base_data,
-                                     store_kind(_F32), store_kind(dtype), 0))
+        plan = DecodePlan(queue, device, call, config, splits, n_cols, use_ptx, fused, tile_buf,
+                          seq_buf, alibi_buf, geometry, scalars)
+        evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data)
         for e in evts:
             out.add_event(e)
             lse.add_event(e)

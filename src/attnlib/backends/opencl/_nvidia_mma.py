@@ -378,6 +378,40 @@ class Launch:
         return (n_tiles * hq * t, 1) if self.heads_inner else (n_tiles * t, hq)
 
 
+#: the prefill kernel's per-call argument slots: q, k, v, out, lse, tile table, sequence table
+CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6)
+
+
+class PrefillPlan:
+    """A prefill launch without its per-call arguments: the kernel (:class:`Launch`), the key of
+    its kernel object, and the arguments the call's geometry fixes (ALiBi slopes, offsets and
+    strides, sizes, scalars) after the :data:`CALL_SLOTS`. :func:`run` and the repeat-call plans
+    (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
+
+    __slots__ = ("kernel", "key", "args")
+
+    def __init__(self, ctx: Any, device: Any, kernel: Launch, call: AttnCall, alibi_buf: Any,
+                 geometry: list, scalars: list) -> None:
+        _, sq_arr, hq, _ = call.q.shape
+        i32 = np.int32
+        self.kernel, self.key = kernel, kernel.key(ctx, device)
+        self.args = [None] * len(CALL_SLOTS) + [
+            alibi_buf, *geometry, i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]),
+            i32(call.ring), *scalars]
+
+    def enqueue(self, queue: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, tile_buf: Any,
+                seq_buf: Any, n_tiles: int, hq: int, wait_for: Any = None,
+                owner: Any = None) -> Any:
+        """Launch over ``n_tiles`` tiles of ``hq`` heads (buffers: q, k, v, out, lse, tables);
+        ``owner``: the repeat-call plan whose launches set only the call slots."""
+        args = self.args.copy()
+        args[0:7] = [q, k, v, out, lse, tile_buf, seq_buf]
+        kn = self.kernel
+        return launch(self.key, kn.make, kn.name, queue, kn.grid(n_tiles, hq), (kn.threads, 1),
+                      args, wait_for=wait_for, varying=CALL_SLOTS if owner is not None else None,
+                      owner=owner)
+
+
 def wgmma_options(call: AttnCall, wgs: int, block_n: int,
                   heads_inner: bool) -> tuple[str, ...]:
     return (f"-DHEAD_DIM={call.head_dim}", f"-DWGS={wgs}", f"-DBLOCK_N={block_n}",
@@ -440,7 +474,6 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
                        wgmma_config=wgmma_config)
     dtype = call.dtype
     bq, sq_arr, hq, _ = call.q.shape
-    hkv = call.k.shape[2]
     is_dev = is_cl_array(call.q)
     out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
 
@@ -449,11 +482,9 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     lse = _pool.empty(queue, lse_shape, np.float32)
     if n_tiles and hq:
         alibi_buf, bufs, geometry, scalars = kernel_inputs(ctx, call)
-        i32 = np.int32
-        args = [*bufs, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf, *geometry,
-                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), *scalars]
-        evt = launch(plan.key(ctx, device), plan.make, plan.name, queue,
-                     plan.grid(n_tiles, hq), (plan.threads, 1), args, wait_for=wait_for)
+        prefill = PrefillPlan(ctx, device, plan, call, alibi_buf, geometry, scalars)
+        evt = prefill.enqueue(queue, *bufs, out.base_data, lse.base_data, tile_buf, seq_buf,
+                              n_tiles, hq, wait_for=wait_for)
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:

@@ -9,11 +9,9 @@ from typing import Any
 import numpy as np
 
 from ..base import AttnCall
-from . import _attention as A
 from . import _nvidia_decode as nd
 from . import _nvidia_mma as mma
 from . import _pool
-from ._arrays import store_kind
 from ._runtime import launch_lock
 
 _F32 = np.dtype(np.float32)
@@ -39,39 +37,10 @@ class _DecodeCommon:
         self.subs: dict = {}
 
 
-class _DecodeSub:
-    """Per (plan, splits, work-group columns): options, grid, arguments but q, k, v and the
-    destinations (the KernelSlot owner: a launch of this sub sets only those)."""
-
-    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits")
-
-    def __init__(self, fp: Any, common: _DecodeCommon, call: AttnCall, splits: int,
-                 n_cols: int) -> None:
-        ctx, queue, device = fp.ctx, fp.queue, fp.be.device
-        config = common.config
-        bq, sq_arr, hq, _ = call.q.shape
-        hkv = call.k.shape[2]
-        opts, fused = nd.kernel_options(call, config, splits, common.use_ptx)
-        counters = nd.counters(ctx, queue, n_cols * hkv) if fused else common.alibi_buf
-        threads = 32 * config[1]
-        i64, i32 = np.int64, np.int32
-        self.args = [None] * 7 + [
-            common.tile_table.buf, common.seq_table.buf, common.alibi_buf, counters,
-            *common.geometry, i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
-            i64(bq * sq_arr * hq), *common.scalars]
-        self.key = nd.kernel_key(ctx, device, opts)
-        self.make = lambda: mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
-        self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
-        self.fused, self.splits = fused, splits
-
-
-_DECODE_VARYING = (0, 1, 2, 3, 4, 5, 6)
-
-
 class _DecodeStep:
     __slots__ = ("common", "sub", "seqs", "tiles")
 
-    def __init__(self, common: _DecodeCommon, sub: _DecodeSub, seqs: np.ndarray,
+    def __init__(self, common: _DecodeCommon, sub: nd.DecodePlan, seqs: np.ndarray,
                  tiles: np.ndarray) -> None:
         self.common, self.sub, self.seqs, self.tiles = common, sub, seqs, tiles
 
@@ -88,26 +57,11 @@ class _DecodeStep:
             lse_buf = lse.base_data
         else:
             lse, lse_buf = None, _pool.scratch(queue, n_out_rows * 4)
-        splits, fused, spare = sub.splits, sub.fused, common.alibi_buf
-        args = sub.args.copy()
-        args[0], args[1], args[2] = q.base_data, call.k.base_data, call.v.base_data
-        if splits > 1:
-            part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
-            part_l = _pool.scratch(queue, splits * n_out_rows * 4)
-            args[3:7] = [out.base_data if fused else spare, lse_buf if fused else spare,
-                         part_o, part_l]
-        else:
-            args[3:7] = [out.base_data, lse_buf, spare, spare]
         with launch_lock:
             common.seq_table.put(queue, self.seqs)
             common.tile_table.put(queue, self.tiles)
-            evts = [nd.launch(sub.key, sub.make, "attn_decode_mma", queue,
-                              sub.grid, sub.local, args, varying=_DECODE_VARYING, owner=sub)]
-        if splits > 1 and not fused:
-            evts.append(A.launch_merge(fp.be, queue, part_o, n_out_rows * d, part_l,
-                                     (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
-                                     n_out_rows, out.base_data, lse_buf, store_kind(_F32),
-                                     store_kind(q.dtype), 0))
+            evts = sub.enqueue(fp.be, queue, call, q.base_data, call.k.base_data,
+                               call.v.base_data, out.base_data, lse_buf, owner=sub)
         for e in evts:
             if e is not None:
                 out.add_event(e)
@@ -152,40 +106,34 @@ def decode_step(fp: Any, call: AttnCall, vals: np.ndarray,
         splits = common.subs[(n_cols, key_tiles)] = max(1, int(splits))
     sub = common.subs.get((splits, n_cols, "sub"))
     if sub is None:
-        sub = common.subs[(splits, n_cols, "sub")] = _DecodeSub(fp, common, call, splits, n_cols)
+        sub = common.subs[(splits, n_cols, "sub")] = nd.DecodePlan(
+            fp.queue, fp.be.device, call, common.config, splits, n_cols, common.use_ptx, None,
+            common.tile_table.buf, common.seq_table.buf, common.alibi_buf, common.geometry,
+            common.scalars)
     return _DecodeStep(common, sub, seqs, tiles)
 
 
 # ---- the prefill kernel ------------------------------------------------------------------------
 class _MmaCommon:
-    """Per plan: kernel options, block sizes, grid order, and every argument but q, k, v,
-    the outputs and the two tables (the defaults of :func:`run`: config, PTX, grid order)."""
+    """Per plan: the prefill kernel's plan with the defaults of :func:`run` (config, PTX, grid
+    order), every argument but the call slots filled."""
 
-    __slots__ = ("block_m", "block_n", "threads", "heads_inner", "key", "make", "args", "name")
+    __slots__ = ("block_m", "block_n", "plan")
 
     def __init__(self, fp: Any, call: AttnCall) -> None:
         ctx, device = fp.ctx, fp.be.device
         use_ptx = mma.compute_capability(device) is not None and not mma.EMULATE_PTX
-        plan = mma.usable_plan(ctx, device, call, use_ptx=use_ptx)
-        self.block_m, self.block_n, self.threads = plan.block_m, plan.block_n, plan.threads
-        self.heads_inner, self.name = plan.heads_inner, plan.name
+        kernel = mma.usable_plan(ctx, device, call, use_ptx=use_ptx)
+        self.block_m, self.block_n = kernel.block_m, kernel.block_n
         alibi_buf, _, geometry, scalars = mma.kernel_inputs(ctx, call)
-        _, sq_arr, hq, _ = call.q.shape
-        i32 = np.int32
-        self.args = [None] * 7 + [alibi_buf, *geometry, i32(sq_arr), i32(hq),
-                                  i32(hq // call.k.shape[2]), i32(call.ring), *scalars]
-        self.key = plan.key(ctx, device)
-        self.make = plan.make
-
-
-_MMA_VARYING = (0, 1, 2, 3, 4, 5, 6)
+        self.plan = mma.PrefillPlan(ctx, device, kernel, call, alibi_buf, geometry, scalars)
 
 
 class _MmaStep:
-    __slots__ = ("common", "seq_buf", "tile_buf", "grid")
+    __slots__ = ("common", "seq_buf", "tile_buf", "n_tiles")
 
-    def __init__(self, common: _MmaCommon, seq_buf: Any, tile_buf: Any, grid: tuple) -> None:
-        self.common, self.seq_buf, self.tile_buf, self.grid = common, seq_buf, tile_buf, grid
+    def __init__(self, common: _MmaCommon, seq_buf: Any, tile_buf: Any, n_tiles: int) -> None:
+        self.common, self.seq_buf, self.tile_buf, self.n_tiles = common, seq_buf, tile_buf, n_tiles
 
     def run(self, fp: Any, call: AttnCall) -> tuple[Any, Any] | None:
         if not getattr(mma.run, "_attnlib_original", False):
@@ -199,12 +147,9 @@ class _MmaStep:
             lse_buf = lse.base_data
         else:
             lse, lse_buf = None, _pool.scratch(queue, bq * sq_arr * hq * 4)
-        args = common.args.copy()
-        args[0:7] = [q.base_data, call.k.base_data, call.v.base_data, out.base_data, lse_buf,
-                     self.tile_buf, self.seq_buf]
-        evt = mma.launch(common.key, common.make, common.name, queue,
-                         self.grid, (common.threads, 1), args, varying=_MMA_VARYING,
-                         owner=common)
+        evt = common.plan.enqueue(queue, q.base_data, call.k.base_data, call.v.base_data,
+                                  out.base_data, lse_buf, self.tile_buf, self.seq_buf,
+                                  self.n_tiles, hq, owner=common)
         if evt is not None:
             out.add_event(evt)
             if lse is not None:
@@ -222,6 +167,4 @@ def mma_step(fp: Any, call: AttnCall, vals: np.ndarray) -> _MmaStep | None:
                                                        common.block_n)
     if n_tiles == 0:
         return None
-    hq, threads = call.q.shape[2], common.threads
-    grid = (n_tiles * hq * threads, 1) if common.heads_inner else (n_tiles * threads, hq)
-    return _MmaStep(common, seq_buf, tile_buf, grid)
+    return _MmaStep(common, seq_buf, tile_buf, n_tiles)

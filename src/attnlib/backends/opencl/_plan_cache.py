@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _attention as A
 from . import _nvidia_plans, _pool
-from ._arrays import acc_dtype, dummy_buffer, store_kind
+from ._arrays import acc_dtype, dummy_buffer
 from ._runtime import launch_lock
 
 _FIELDS = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0", "k_pos0")
@@ -146,10 +146,10 @@ def _derive(fp: _Plan, call: Any, vals: np.ndarray, family: Any) -> Any:
 
 # ---- the portable kernel (attn_fwd.cl) ----------------------------------------------------------
 class _PortableSub:
-    """Per (plan, packed rows): the tiling, the argument list with everything but q, k, v and the
-    outputs filled in, the kernel options of each split mode and the descriptor table."""
+    """Per (plan, packed rows): the portable kernel's plan, its argument list with everything
+    but q, k, v and the outputs filled in, and the descriptor table."""
 
-    __slots__ = ("plan", "args", "opts", "table", "owners")
+    __slots__ = ("plan", "args", "table", "owners")
 
     def __init__(self, fp: _Plan, call: Any, max_rows: int) -> None:
         from ._arrays import device_view
@@ -172,7 +172,6 @@ class _PortableSub:
         args[A.ARG_DESC] = self.table.buf
         args[A.ARG_ALIBI] = args[A.ARG_MASK] = dummy_buffer(ctx)
         self.args = args
-        self.opts = tuple(c.options() for c in plan.cfgs)
         self.owners = (object(), object())  # the KernelSlot owner of each split mode
 
 
@@ -183,47 +182,24 @@ class _Portable:
         self.sub, self.desc, self.n_groups, self.splits = sub, desc, n_groups, splits
 
     def run(self, fp: _Plan, call: Any) -> tuple[Any, Any]:
-        sub, queue, be = self.sub, fp.queue, fp.be
+        sub, queue = self.sub, fp.queue
         q = call.q
         bq, sq_arr, hq, _ = q.shape
-        dtype = q.dtype
-        acc = acc_dtype(dtype)
-        dv = call.v.shape[3]
-        hkv = call.k.shape[2]
-        n_out_rows = bq * sq_arr * hq
-        out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
+        acc = acc_dtype(q.dtype)
+        out = _pool.empty(queue, (bq, sq_arr, hq, call.v.shape[3]), q.dtype)
         if call.need_lse:
             lse = _pool.empty(queue, (bq, hq, sq_arr), acc)
             lse_buf = lse.base_data
         else:
-            lse, lse_buf = None, _pool.scratch(queue, n_out_rows * acc.itemsize)
+            lse, lse_buf = None, _pool.scratch(queue, bq * sq_arr * hq * acc.itemsize)
         args = sub.args.copy()
         args[A.ARG_Q], args[A.ARG_K] = q.base_data, call.k.base_data
         args[A.ARG_V] = call.v.base_data
-        splits = self.splits
-        if splits > 1:
-            part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
-            part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
-            args[A.ARG_DST], args[A.ARG_DST + 1] = part_o, part_l
-        else:
-            args[A.ARG_DST], args[A.ARG_DST + 1] = out.base_data, lse_buf
-        split = splits > 1
-        nt = sub.plan.tiles[2] * sub.plan.tiles[3]
-        ctx = fp.ctx
         with launch_lock:
             sub.table.put(queue, self.desc)
-            be.launch(ctx, queue, "attn_fwd.cl", sub.opts[split], "attn_fwd",
-                      (self.n_groups * nt, hkv, splits), (nt, 1, 1), args,
-                      varying=_PORTABLE_VARYING, owner=sub.owners[split])
-        if split:
-            A.launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
-                           (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
-                           out.base_data, lse_buf, store_kind(acc), store_kind(dtype),
-                           int(acc == np.float64))
+            sub.plan.enqueue(fp.be, queue, call, args, out.base_data, lse_buf, self.n_groups,
+                             self.splits, owner=sub.owners)
         return out, lse
-
-
-_PORTABLE_VARYING = (A.ARG_Q, A.ARG_K, A.ARG_V, A.ARG_DST, A.ARG_DST + 1)
 
 
 def _portable_step(fp: _Plan, call: Any, vals: np.ndarray, col: list | None, rows: Any,
