@@ -20,6 +20,34 @@ Options (``attnlib.get_backend("opencl", **options)``):
 Raises :class:`~attnlib.errors.UnsupportedError` (through ``unsupported_dtype_reason``) for
 float64 on a device without ``cl_khr_fp64`` and :class:`~attnlib.errors.KernelBuildError` when a
 kernel fails to compile (the message holds the options and the build log).
+
+How a call runs (one path for the first call and every repeat)::
+
+    OpenCLBackend.attention -> _dispatch.attention
+        -> _plan_cache.run        device arrays, no mask / ALiBi: the plan for the call's key
+                                  (made on its first call, reused after), then its launch
+        -> otherwise the family's run (_attention.run, _nvidia_mma.run, _nvidia_decode.run)
+    every launch: the family's plan .enqueue -> _runtime.launch (one kernel-object cache,
+    programs from _runtime.program, the one program cache)
+
+Modules: ``_dispatch`` (:func:`~._dispatch.kernel_family`, the only place that chooses the
+kernel family), ``_plan_cache`` (the repeat-call plans, the portable family's included),
+``_attention`` (portable forward kernel and merge.cl: ``PortablePlan``), ``_nvidia_mma``
+(tensor-core prefill, mma.sync and the choice of wgmma: ``PrefillPlan``), ``_nvidia_wgmma``
+(the wgmma program, built through its PTX), ``_nvidia_decode`` (tensor-core decode:
+``DecodePlan``), ``_nvidia_plans`` (the tensor-core families' repeat-call plans), ``_ops``
+(softmax, merge_states, rope, the KV-cache writes and ``cache_append``), ``_runtime`` (devices,
+kernel sources, the program and kernel-object caches, launches), ``_pool`` (pooled outputs and
+scratch, device tables), ``_arrays`` (array views and dtype kinds).
+
+Adding a kernel family (e.g. a paged KV cache's attention): a module ``_<family>.py`` with its
+``applicable(device, call)``, a plan class (everything the call's geometry, dtype, options and
+device fix: kernel options, key of the kernel object, grid, the constant arguments) with an
+``enqueue`` method that sets the per-call arguments and calls ``_runtime.launch``, and
+``run(...)`` that makes the plan and enqueues it; then one branch in
+``_dispatch.kernel_family`` and ``_dispatch.attention``, and, for repeat calls without
+per-call planning, a step in ``_plan_cache._derive`` (as ``_nvidia_plans`` does) that keeps the
+plan and launches through the same ``enqueue``.
 """
 
 from __future__ import annotations
