@@ -220,35 +220,33 @@ class PortablePlan:
     cfgs: tuple[Any, Any]
     args: list
     opts: tuple[tuple[str, ...], tuple[str, ...]]  # the build options of cfgs
+    #: what a launch reads of the geometry: (kv heads, Dv, query rows of the array, heads,
+    #: output rows, work-items per group, partial-state bytes per output value, the merge's
+    #: store kinds (in, out) and accumulator kind)
+    geom: tuple
 
-    def enqueue(self, be: OpenCLBackend, queue: Any, call: AttnCall, args: list, out: Any,
-                lse: Any, n_groups: int, splits: int, owner: Any = None) -> None:
+    def enqueue(self, be: OpenCLBackend, queue: Any, args: list, out: Any, lse: Any,
+                n_groups: int, splits: int, owner: Any = None) -> None:
         """Launch over ``n_groups`` work-group columns with ``splits`` key splits: ``args`` is a
         copy of :attr:`args` with the call's slots (q, k, v, descriptor, ALiBi, mask) set, and
         ``out`` / ``lse`` the destination buffers; split partial states go to pooled scratch
         and merge.cl. ``owner``: the repeat-call plan (one object per split mode) whose launches
         set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here."""
-        dtype = call.dtype
-        acc = acc_dtype(dtype)
-        bq, sq_arr, hq, _ = call.q.shape
-        hkv, dv = call.k.shape[2], call.v.shape[3]
-        n_out_rows = bq * sq_arr * hq
+        hkv, dv, sq_arr, hq, n_out_rows, nt, item, in_kind, out_kind, acc_kind = self.geom
         split = splits > 1
         if split:
-            part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
-            part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
+            part_o = _pool.scratch(queue, splits * n_out_rows * dv * item)
+            part_l = _pool.scratch(queue, splits * n_out_rows * item)
             args[ARG_DST], args[ARG_DST + 1] = part_o, part_l
         else:
             args[ARG_DST], args[ARG_DST + 1] = out, lse
-        nt = self.tiles[2] * self.tiles[3]
         be.launch(queue.context, queue, "attn_fwd.cl", self.opts[split], "attn_fwd",
-                  (n_groups * nt, hkv, splits), (nt, 1, 1), args,
-                  varying=REPEAT_VARYING if owner is not None else None,
+                  (n_groups * nt, hkv, splits), (nt, 1, 1), args, varying=REPEAT_VARYING,
                   owner=None if owner is None else owner[split])
         if split:
             launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
                          (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
-                         out, lse, store_kind(acc), store_kind(dtype), int(acc == np.float64))
+                         out, lse, in_kind, out_kind, acc_kind)
 
 
 #: the plans by geometry (``_dispatch.forget_plans`` empties this and the repeat-call cache)
@@ -299,7 +297,9 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
              f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
     args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
     assert len(args) == ARG_DST + 6
-    return PortablePlan(tiles, cfgs, args, tuple(c.options() for c in cfgs))
+    geom = (hkv, dv, sq_arr, hq, n_out_rows, tmh * tnh, acc.itemsize, store_kind(acc),
+            store_kind(dtype), int(acc == np.float64))
+    return PortablePlan(tiles, cfgs, args, tuple(c.options() for c in cfgs), geom)
 
 
 def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
@@ -356,7 +356,7 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
         mdev = upload(ctx, base)
         strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
         args[ARG_MASK:ARG_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
-    plan.enqueue(be, queue, call, args, out.data, lse_buf, n_groups, splits)
+    plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)
     if host:
         return out.get(), lse.get()
     return out, lse

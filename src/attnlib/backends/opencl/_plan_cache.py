@@ -197,7 +197,7 @@ class _Portable:
         args[A.ARG_V] = call.v.base_data
         with launch_lock:
             sub.table.put(queue, self.desc)
-            sub.plan.enqueue(fp.be, queue, call, args, out.base_data, lse_buf, self.n_groups,
+            sub.plan.enqueue(fp.be, queue, args, out.base_data, lse_buf, self.n_groups,
                              self.splits, owner=sub.owners)
         return out, lse
 
