@@ -50,7 +50,7 @@ DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
 FUSED_MERGE = True
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
-#: tests only: the dispatch's repeat-call path (``fast_step``) builds the emulated kernel
+#: tests only: the plan cache (``_nvidia_plans``) builds the emulated kernel
 #: (USE_PTX=0) instead of the PTX one, so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)

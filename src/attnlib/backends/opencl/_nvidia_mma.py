@@ -90,7 +90,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 #: float32 through 3xTF32 on sm_80+ (False: float32 stays on the portable kernel)
 F32_ON = True
-#: tests only: the dispatch's repeat-call path (``fast_step``) builds the emulated kernel
+#: tests only: the plan cache (``_nvidia_plans``) builds the emulated kernel
 #: (USE_PTX=0), so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
 _DTYPES = (np.dtype(np.float16), BF16, _F32)

@@ -46,7 +46,7 @@ class _DecodeStep:
 
     def run(self, fp: Any, call: AttnCall) -> tuple[Any, Any] | None:
         if not getattr(nd.run, "_attnlib_original", False):
-            return None  # run is wrapped (a bench): the full path calls it
+            return None  # run is wrapped (a bench): the dispatch calls it
         common, sub, queue = self.common, self.sub, fp.queue
         q = call.q
         bq, sq_arr, hq, d = q.shape
@@ -137,7 +137,7 @@ class _MmaStep:
 
     def run(self, fp: Any, call: AttnCall) -> tuple[Any, Any] | None:
         if not getattr(mma.run, "_attnlib_original", False):
-            return None  # run is wrapped (bench/gpu/probe.py): the full path calls it
+            return None  # run is wrapped (bench/gpu/probe.py): the dispatch calls it
         common, queue = self.common, fp.queue
         q = call.q
         bq, sq_arr, hq, _ = q.shape

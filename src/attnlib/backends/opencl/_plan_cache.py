@@ -35,7 +35,7 @@ from ._runtime import launch_lock
 
 _FIELDS = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0", "k_pos0")
 _I64, _I32 = np.int64, np.int32
-_NOT = False  # a key whose calls never take the fast path
+_NOT = False  # a key whose calls never take a cached plan
 _FAST_MAX = 256
 
 
@@ -125,7 +125,7 @@ def _new_plan(be: Any, call: Any, queue: Any) -> Any:
 
 def _derive(fp: _Plan, call: Any, vals: np.ndarray, family: Any) -> Any:
     """What the per-sequence values ``vals`` (rows: the fields of _FIELDS, then causal_hi when
-    the call is causal) give: a _Portable or _Decode step, or None (full path)."""
+    the call is causal) give: a _Portable or _Decode step, or None (the family's run)."""
     if fp.n == 1:  # Python ints: numpy's operations on 1-element arrays cost ~1 us each
         col = vals[:, 0].tolist()
         rows, max_rows = None, col[2] * fp.group

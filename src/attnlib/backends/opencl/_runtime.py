@@ -178,7 +178,7 @@ def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...]
 
 
 # clSetKernelArg on a kernel object is not thread-safe: arguments are set and the kernel
-# enqueued under one lock, shared by every launch of the backend (re-entrant: a plan's fast path
+# enqueued under one lock, shared by every launch of the backend (re-entrant: a repeat-call plan
 # rewrites its device tables and launches under it, see _attention and _nvidia_decode)
 launch_lock = threading.RLock()
 
