@@ -35,7 +35,8 @@ kernel family), ``_plan_cache`` (the repeat-call plans, the portable family's in
 ``_attention`` (portable forward kernel and merge.cl: ``PortablePlan``), ``_nvidia_mma``
 (tensor-core prefill, mma.sync and the choice of wgmma: ``PrefillPlan``), ``_nvidia_wgmma``
 (the wgmma program, built through its PTX), ``_nvidia_decode`` (tensor-core decode:
-``DecodePlan``), ``_nvidia_plans`` (the tensor-core families' repeat-call plans), ``_ops``
+``DecodePlan``), ``_nvidia_tables`` (what both take of a call: device tables, buffers,
+scalars), ``_nvidia_plans`` (the tensor-core families' repeat-call plans), ``_ops``
 (softmax, merge_states, rope, the KV-cache writes and ``cache_append``), ``_runtime`` (devices,
 kernel sources, the program and kernel-object caches, launches), ``_pool`` (pooled outputs and
 scratch, device tables), ``_arrays`` (array views and dtype kinds).

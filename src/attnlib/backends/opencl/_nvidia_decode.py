@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..base import AttnCall
-from . import _nvidia_mma, _pool
+from . import _nvidia_mma, _nvidia_tables, _pool
 from ._arrays import is_cl_array, store_kind
 from ._attention import launch_merge
 from ._runtime import launch
@@ -245,7 +245,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     lse = _pool.empty(queue, lse_shape, np.float32)
     # one work-group column per sequence with query rows (the prefill kernel's tables with a
     # 16-row block: first rows all 0, heaviest sequences first)
-    seq_buf, tile_buf, n_cols = _nvidia_mma.tables_on_device(ctx, call, MAX_ROWS, block_n)
+    seq_buf, tile_buf, n_cols = _nvidia_tables.tables_on_device(ctx, call, MAX_ROWS, block_n)
     if n_cols and hq:
         if splits is None:
             splits = be.num_splits
@@ -253,7 +253,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
             key_tiles = -(-int(np.max(call.k_len)) // block_n)
             splits = choose_splits(be.facts.compute_units, n_cols * hkv, key_tiles, d, config)
         splits = max(1, int(splits))
-        alibi_buf, bufs, geometry, scalars = _nvidia_mma.kernel_inputs(ctx, call)
+        alibi_buf, bufs, geometry, scalars = _nvidia_tables.kernel_inputs(ctx, call)
         plan = DecodePlan(queue, device, call, config, splits, n_cols, use_ptx, fused, tile_buf,
                           seq_buf, alibi_buf, geometry, scalars)
         evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data)
@@ -262,7 +262,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
             lse.add_event(e)
         if events is not None:
             events.extend(evts)
-    return _nvidia_mma.results(queue, out, lse, is_dev)
+    return _nvidia_tables.results(queue, out, lse, is_dev)
 
 
 #: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``

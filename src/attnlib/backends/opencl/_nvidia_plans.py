@@ -11,6 +11,7 @@ import numpy as np
 from ..base import AttnCall
 from . import _nvidia_decode as nd
 from . import _nvidia_mma as mma
+from . import _nvidia_tables as nt
 from . import _pool
 from ._runtime import launch_lock
 
@@ -28,9 +29,9 @@ class _DecodeCommon:
     def __init__(self, fp: Any, call: AttnCall) -> None:
         ctx = fp.ctx
         fill = not fp.facts.simulator
-        self.seq_table = _pool.DeviceTable(ctx, 8 * mma.SEQ_FIELDS * fp.n, fill)
+        self.seq_table = _pool.DeviceTable(ctx, 8 * nt.SEQ_FIELDS * fp.n, fill)
         self.tile_table = _pool.DeviceTable(ctx, 8 * fp.n, fill)
-        self.alibi_buf, _, self.geometry, self.scalars = mma.kernel_inputs(ctx, call)
+        self.alibi_buf, _, self.geometry, self.scalars = nt.kernel_inputs(ctx, call)
         self.use_ptx = (mma.compute_capability(fp.be.device) is not None
                         and not nd.EMULATE_PTX)
         self.config = tuple(nd.DEFAULT_CONFIGS[call.head_dim])
@@ -81,18 +82,18 @@ def decode_step(fp: Any, call: AttnCall, vals: np.ndarray,
     block_n = common.config[0]
     if fp.n == 1:  # mma.tables for one sequence, from Python ints
         qb, qr0, ql, kb, kr0, kl, qp0, kp0 = col[:8]
-        hi = mma.BIG
+        hi = nt.BIG
         if len(col) == 9:
             hi = min(hi, col[8])
         if call.window_right is not None:
             hi = min(hi, call.window_right)
-        lo = -call.window_left if call.window_left is not None else -mma.BIG
+        lo = -call.window_left if call.window_left is not None else -nt.BIG
         seqs = np.array([[qb, qr0, ql, kb, kr0, kl, qp0 - kp0, lo, hi]], np.int64)
         n_cols = -(-ql // nd.MAX_ROWS)
         tiles = np.zeros((n_cols, 2), np.int32)
         max_k = kl
     else:
-        seqs, tiles = mma.tables(call, nd.MAX_ROWS, block_n)
+        seqs, tiles = nt.tables(call, nd.MAX_ROWS, block_n)
         n_cols, max_k = tiles.shape[0], int(vals[5].max())
     if n_cols == 0:
         return None
@@ -125,7 +126,7 @@ class _MmaCommon:
         use_ptx = mma.compute_capability(device) is not None and not mma.EMULATE_PTX
         kernel = mma.usable_plan(ctx, device, call, use_ptx=use_ptx)
         self.block_m, self.block_n = kernel.block_m, kernel.block_n
-        alibi_buf, _, geometry, scalars = mma.kernel_inputs(ctx, call)
+        alibi_buf, _, geometry, scalars = nt.kernel_inputs(ctx, call)
         self.plan = mma.PrefillPlan(ctx, device, kernel, call, alibi_buf, geometry, scalars)
 
 
@@ -163,7 +164,7 @@ def mma_step(fp: Any, call: AttnCall, vals: np.ndarray) -> _MmaStep | None:
     common = fp.subs.get("mma")
     if common is None:
         common = fp.subs["mma"] = _MmaCommon(fp, call)
-    seq_buf, tile_buf, n_tiles = mma.tables_on_device(fp.ctx, call, common.block_m,
+    seq_buf, tile_buf, n_tiles = nt.tables_on_device(fp.ctx, call, common.block_m,
                                                        common.block_n)
     if n_tiles == 0:
         return None
