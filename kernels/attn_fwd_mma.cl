@@ -79,7 +79,7 @@
 #ifndef WARP_SKIP
 #define WARP_SKIP 0
 #endif
-// Candidates for the 16-bit kernel (0 = off, the default build unchanged; notes/kernel4.md):
+// Options of the 16-bit kernel (0 = off; DEFAULT_OPTIONS_16 in _nvidia_mma.py picks them):
 // LDSM_BYTES=1: each thread's byte addresses of its Q, K and V ldmatrix rows (and of its fast
 // cp.async destinations) are formed once before the tile loop; every ldmatrix then reads at
 // that address plus a compile-time byte constant (ptxas: [R+imm]) instead of recomputing the

@@ -1,6 +1,6 @@
 """The NVIDIA tensor-core kernel (kernels/attn_fwd_mma.cl) on any OpenCL device, with every
 warp-level PTX instruction (mma.sync, ldmatrix, cp.async, cvt.rna.tf32) emulated in plain OpenCL C
-(``USE_PTX=0``): the fragment layouts, tile walk, masking and online softmax it runs on the H200
+(``USE_PTX=0``): the fragment layouts, tile walk, masking and online softmax it runs on a GPU
 are checked here against the float64 oracle by the SPEC's accuracy rule, on PoCL in CI.
 float32 takes the 3xTF32 build (``IS_TF32=1``), whose emulation rounds operands to tf32 as
 ``cvt.rna`` does and accumulates the exact products in float32."""
@@ -192,7 +192,7 @@ __kernel void split(__global const float *x, __global uint *hi, __global uint *l
     assert np.array_equal(got, xs)
 
 
-# candidate -D options of the 16-bit kernel (notes/kernel4.md): LDSM_BYTES (ldmatrix / fast
+# -D options of the 16-bit kernel (DEFAULT_OPTIONS_16): LDSM_BYTES (ldmatrix / fast
 # cp.async at per-thread byte addresses plus constants), KV_SPLIT_STAGES (FlashAttention-2's
 # one-K-one-V-buffer schedule), alone and together; with Q in registers and in local memory,
 # several key tiles, hidden inf/NaN in v, causal (WARP_SKIP and heads_inner on) and windows

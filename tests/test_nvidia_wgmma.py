@@ -1,6 +1,6 @@
 """The warpgroup-MMA path's host side, which runs anywhere: the marker macros and the PTX rewrite
-(_nvidia_wgmma). The kernel itself runs only on an sm_90 device (bench/gpu/wgmma_check.py and
-the conformance suite on the H200, bench/RESULTS.md)."""
+(_nvidia_wgmma). The kernel itself runs only on an sm_90 device (the conformance suite on an
+sm_90 GPU checks it there)."""
 
 from __future__ import annotations
 

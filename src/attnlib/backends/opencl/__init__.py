@@ -80,7 +80,7 @@ class DeviceFacts:
 
 def _local_budget(device: Any) -> int:
     """NVIDIA's OpenCL reports 48 KiB of local memory, yet static __local arrays up to about
-    200 KiB build and run on Hopper (shared/gpu/README.md): allow 160 KiB from sm_90 on."""
+    200 KiB build and run on Hopper: allow 160 KiB from sm_90 on."""
     reported = int(device.local_mem_size)
     try:
         import pyopencl as cl

@@ -130,7 +130,7 @@ def choose_tiles(
         cands = [(32, 32, 8, 4), (16, 16, 4, 4)]
     else:
         cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8), (16, 16, 4, 4), (8, 8, 2, 4)]
-        if d <= 64 and dv <= 64:  # H200 fp32 D=64: 24.6 TFLOP/s vs 18.5 (bench/RESULTS.md)
+        if d <= 64 and dv <= 64:  # faster on the H200 at float32 D=64 (bench/RESULTS.md)
             cands.insert(0, (128, 64, 16, 8))
     for bm, bn, tm, tn in cands:
         if local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget:

@@ -36,7 +36,7 @@ __all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEF
 #: head dims (D == Dv) the dispatch sends to the kernel
 HEAD_DIMS = (64, 128)
 #: head dims the kernel also builds for and passes the emulated tests with, not dispatched until
-#: checked on the device (bench/gpu/decode_check.py --extra-dims)
+#: checked on the device
 EXTRA_HEAD_DIMS = (32, 96, 256)
 #: packed query rows (q_len * group) of one sequence the kernel takes: one m16 tile
 MAX_ROWS = 16
@@ -126,8 +126,8 @@ def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
     a wave being one work-group per resident slot (work-groups per SM by local memory, at most
     4); ties go to fewer splits (less merging), each split keeps at least MIN_TILES_PER_SPLIT
     tiles. A partial last wave costs a whole one here: the kernel is memory bound only while
-    enough work-groups keep loads in flight. H200 (132 SMs, 2 slots each at D=128): B=1 / 8 kv
-    heads / 131072 keys 33 splits (264 groups), B=8 / 8192 keys 4 (256 groups, not 5 = 320)."""
+    enough work-groups keep loads in flight. E.g. 132 SMs with 2 slots each: B=1 / 8 kv heads /
+    131072 keys 33 splits (264 groups), B=8 / 8192 keys 4 (256 groups, not 5 = 320)."""
     per_cu = max(1, min(4, SM_LOCAL_BYTES // local_bytes(head_dim, config)))
     target = compute_units * per_cu
     if pairs >= target or key_tiles < 2 * MIN_TILES_PER_SPLIT:
@@ -266,5 +266,5 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
 
 
 #: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``
-#: (bench/gpu/probe.py records its events) makes them hand the call to ``run`` instead
+#: (to record its events) makes them hand the call to ``run`` instead
 run._attnlib_original = True  # type: ignore[attr-defined]

@@ -364,5 +364,5 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
 
 
 #: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``
-#: (bench/gpu/probe.py records its events) makes them hand the call to ``run`` instead
+#: (to record its events) makes them hand the call to ``run`` instead
 run._attnlib_original = True  # type: ignore[attr-defined]

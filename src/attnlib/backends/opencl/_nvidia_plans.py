@@ -138,7 +138,7 @@ class _MmaStep:
 
     def run(self, fp: Any, call: AttnCall) -> tuple[Any, Any] | None:
         if not getattr(mma.run, "_attnlib_original", False):
-            return None  # run is wrapped (bench/gpu/probe.py): the dispatch calls it
+            return None  # run is wrapped (a bench): the dispatch calls it
         common, queue = self.common, fp.queue
         q = call.q
         bq, sq_arr, hq, _ = q.shape

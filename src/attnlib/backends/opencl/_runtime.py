@@ -294,7 +294,7 @@ def launch(key: tuple, make_program: Any, name: str, queue: Any, gsize: tuple,
     :class:`KernelSlot` per ``key`` (the context, the program's file and options, the kernel:
     what fixes the object), made on first use from ``make_program()``: a fresh ``cl.Kernel`` per
     call makes
-    pyopencl generate its argument invoker again (~0.7 ms a call on the H200's host,
+    pyopencl generate its argument invoker again (a large cost per call on a GPU host,
     bench/RESULTS.md). Only the arguments that changed since the object's last launch are set;
     with ``owner`` (a plan whose other arguments are fixed) only its ``varying`` slots are
     compared when that plan launched the object last."""
