@@ -57,9 +57,7 @@
 #if FUSED_MERGE && !SPLIT
 #error "FUSED_MERGE needs SPLIT"
 #endif
-#ifndef FUSED_UNROLL
 #define FUSED_UNROLL 16
-#endif
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
 void attn_decode_mma(__global const ushort *q, __global const ushort *k,

@@ -10,8 +10,8 @@
  * Work-groups of WG work-items: CW columns of one row (grid dimension 0 runs over the row's column
  * chunks), the states split over G = WG / CW groups of work-items (state i goes to group i % G),
  * so that a work-item has few states and issues their loads together: the weighted sum is a
- * round trip or two to memory instead of one per UNROLL states (the decode merge of 64 states
- * took 7.7 us on an H200 with one work-item per column walking all states, third session).
+ * round trip or two to memory instead of one per UNROLL states (one work-item per column
+ * walking all states was several times slower on a GPU, bench/RESULTS.md).
  * Each state's weight exp(lse_i - m) is computed once per work-group into __local (CHUNK states
  * at a time) and shared by its columns; the max and the sum of the weights are reduced in
  * __local in a fixed tree order, and the G partial sums of a column are added in group order, so
@@ -92,8 +92,7 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
         barrier(CLK_LOCAL_MEM_FENCE);
         if (c < DV) {
             /* UNROLL unconditional loads issued before their FMAs, so that they are in flight
-             * together (a load under a branch was issued one state at a time: 13 us for 64
-             * states on the H200, run 8). Every partial state is written by attn_fwd (an empty
+             * together (a load under a branch was issued one state at a time). Every partial state is written by attn_fwd (an empty
              * one as out 0, lse -inf); a state with w = 0 is dropped by a select, never
              * multiplied, so whatever its out holds cannot leak. */
             int i = grp;

@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("numba")
 
 import attnlib  # noqa: E402
-from attnlib.backends import numba_backend as nb  # noqa: E402
+from attnlib.backends.numba_backend import NumbaBackend  # noqa: E402
+from attnlib.backends.numba_backend import _launch as nb  # noqa: E402
 
 
 def _qkv(rng, b, sq, sk, hq, hkv, d, dv=None, dtype=np.float32):
@@ -75,7 +76,7 @@ def test_plan_tasks_split_covers_every_key_once():
     q, k, v = _qkv(rng, 1, 1, 3 * nb.MIN_KEYS_PER_SPLIT + 5, 2, 1, 8)
     calls = []
 
-    class Spy(nb.NumbaBackend):
+    class Spy(NumbaBackend):
         def attention(self, call):
             calls.append(call)
             return super().attention(call)
@@ -171,7 +172,7 @@ def test_half_cache_reads_only_held_rows_and_matches_reference(ring, dtype):
     """16-bit caches are widened only where the call reads (``_narrow_keys``): batch_idx
     subsets, partly filled buffers and a ring read across its wrap give the reference's result."""
     import attnlib
-    from attnlib.backends.numba_backend import _narrow_keys
+    from attnlib.backends.numba_backend._launch import _narrow_keys
 
     rng = np.random.default_rng(11)
     caches = {be: attnlib.KVCache(4, 64, 2, 16, dtype=dtype, ring=ring, backend=be)
@@ -207,7 +208,7 @@ def test_full_tiles_mkl_jit_and_plain_gemm(d, causal, monkeypatch):
     q, k, v = _qkv(rng, 1, nb.BLOCK_M + 40, 3 * nb.BLOCK_N + 17, 4, 2, d)
     out, _ = _check(q, k, v, causal=causal)
     jit = nb._jit_kernels(np.dtype(np.float32), nb.BLOCK_M, nb.BLOCK_N, d, d, 2 * d, 2 * d)
-    if nb._blas_name() == "mkl" and d == 64:
+    if nb.blas_name() == "mkl" and d == 64:
         assert jit[0] and jit[1] and jit[2] and jit[3], jit
     monkeypatch.setattr(nb, "_jit_kernels", lambda *a: np.zeros(4, np.int64))
     monkeypatch.setattr(nb, "_plans", {})  # the plan memo holds the JIT kernels

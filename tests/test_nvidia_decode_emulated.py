@@ -173,7 +173,7 @@ def test_not_applicable_here():
 
 
 def test_choose_splits():
-    """H200 (132 SMs, two D=128 work-groups each): whole waves of work-groups, fewest splits on
+    """132 SMs (an H200), two D=128 work-groups each: whole waves of work-groups, fewest splits on
     ties, at least two tiles per split; long batches take one split."""
     from attnlib.backends.opencl import _nvidia_decode as nd
 
@@ -185,7 +185,7 @@ def test_choose_splits():
     assert nd.choose_splits(132, 8, 16, 128, cfg) == 8              # 2 tiles per split
     assert nd.choose_splits(132, 512, 4096 // 64, 128, cfg) == 1
     assert nd.choose_splits(132, 8, 3, 128, cfg) == 1
-    # the default (128-key tiles, 144 KB: one work-group per SM): the splits H200 run 5 timed
+    # the default (128-key tiles, 144 KB: one work-group per SM)
     cfg = nd.DEFAULT_CONFIGS[128]
     assert nd.SM_LOCAL_BYTES // nd.local_bytes(128, cfg) == 1
     assert nd.choose_splits(132, 8, 131072 // 128, 128, cfg) == 16

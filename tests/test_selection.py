@@ -54,7 +54,7 @@ class _Refuses(NumpyBackend):
     def is_available(cls):
         return True
 
-    def supports_dtype(self, dtype):
+    def unsupported_dtype_reason(self, dtype):
         return "this test backend runs no float16" if dtype == np.float16 else None
 
 
@@ -261,14 +261,14 @@ from attnlib.backends.numpy_backend import NumpyBackend
 class NoFp64(NumpyBackend):
     name = "no_fp64"
 
-    def supports_dtype(self, dtype):
+    def unsupported_dtype_reason(self, dtype):
         return "no cl_khr_fp64 here" if dtype.name == "float64" else None
 
 
 class NoFp16(NumpyBackend):
     name = "no_fp16"
 
-    def supports_dtype(self, dtype):
+    def unsupported_dtype_reason(self, dtype):
         return "no half" if dtype.name == "float16" else None
 """
 

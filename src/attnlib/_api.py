@@ -56,7 +56,7 @@ def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None, *,
     if queue is not None:
         be = _queue_backend(backend, queue)
         if dtype is not None:
-            reason = be.supports_dtype(np.dtype(dtype))
+            reason = be.unsupported_dtype_reason(np.dtype(dtype))
             if reason:
                 raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
         return be
@@ -72,7 +72,7 @@ def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None, *,
             "attnlib.to_numpy(x)"
         )
     if dtype is not None:
-        reason = be.supports_dtype(np.dtype(dtype))
+        reason = be.unsupported_dtype_reason(np.dtype(dtype))
         if reason:
             raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
     return be
@@ -138,7 +138,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, soft
             # the backend is resolved every call (use_backend / set_backend may have changed)
             be = hit.be if _resolves_to(backend, hit) else pick_backend(backend, (q, k, v),
                                                                          hit.dtype)
-            if be is hit.be and not be.supports_dtype(hit.dtype):
+            if be is hit.be and not be.unsupported_dtype_reason(hit.dtype):
                 out, lse = _run(be, hit.call(q, k, v, layout))
                 out = _from_bshd(out, layout, be)
                 return (out, lse) if return_lse else out
