@@ -197,20 +197,53 @@ def test_half_cache_reads_only_held_rows_and_matches_reference(ring, dtype):
     np.testing.assert_array_equal(small.k[0], c.k[2, :5])
 
 
+class _MklWithoutJitCode:
+    """MKL as on a CPU it generates no JIT code for (AMD): ``mkl_cblas_jit_create_sgemm``
+    makes its jitter but answers ``MKL_NO_JIT``; every other function is MKL's own."""
+
+    MKL_NO_JIT = 1
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    @property
+    def mkl_cblas_jit_create_sgemm(self):
+        real = self._lib.mkl_cblas_jit_create_sgemm
+
+        def create(*args):
+            real.restype, real.argtypes = create.restype, create.argtypes
+            real(*args)
+            return self.MKL_NO_JIT
+
+        create.restype = create.argtypes = None
+        return create
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_full_tiles_mkl_jit_and_plain_gemm(d, causal, monkeypatch):
-    """Full 256 x 256 tiles (MKL's JIT gemm where MKL is in use, D=64) and the plain-gemm path
-    for the same call both match the reference; edge tiles (rows, keys not a multiple of the
-    block) go through plain gemm either way."""
+@pytest.mark.parametrize("jit", ["as_installed", "mkl_no_jit"])
+def test_full_tiles_with_and_without_mkl_jit(d, causal, jit, monkeypatch):
+    """Full 256 x 256 tiles give the reference's result whichever gemm the kernel gets: MKL's
+    JIT kernels where MKL makes them, plain gemm where it does not (MKL on AMD answers
+    ``MKL_NO_JIT``; OpenBLAS has no JIT). Edge tiles (rows, keys not a multiple of the block) go
+    through plain gemm either way. Both paths agree to float32 rounding."""
+    from attnlib.backends.numba_backend import _blas
+
     rng = np.random.default_rng(d + causal)
     q, k, v = _qkv(rng, 1, nb.BLOCK_M + 40, 3 * nb.BLOCK_N + 17, 4, 2, d)
-    out, _ = _check(q, k, v, causal=causal)
-    jit = nb._jit_kernels(np.dtype(np.float32), nb.BLOCK_M, nb.BLOCK_N, d, d, 2 * d, 2 * d)
-    if nb._blas_name() == "mkl" and d == 64:
-        assert jit[0] and jit[1] and jit[2] and jit[3], jit
-    monkeypatch.setattr(nb, "_jit_kernels", lambda *a: np.zeros(4, np.int64))
+    shape = (np.dtype(np.float32), nb.BLOCK_M, nb.BLOCK_N, d, d, 2 * d, 2 * d)
+    monkeypatch.setattr(_blas, "_jitters", {})
     monkeypatch.setattr(nb, "_plans", {})  # the plan memo holds the JIT kernels
+    if jit == "mkl_no_jit":
+        if _blas.load_mkl() is not None:
+            monkeypatch.setattr(_blas, "_mkl", _MklWithoutJitCode(_blas._mkl))
+        assert not nb._jit_kernels(*shape).any()
+    out, _ = _check(q, k, v, causal=causal)
+    monkeypatch.setattr(nb, "_jit_kernels", lambda *a: np.zeros(4, np.int64))
+    monkeypatch.setattr(nb, "_plans", {})
     plain, _ = _check(q, k, v, causal=causal)
     np.testing.assert_allclose(plain, out, atol=2e-6, rtol=0)
 
