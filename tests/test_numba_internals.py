@@ -8,6 +8,10 @@ exp, hidden non-finite v inside a partly visible tile, and bitwise determinism.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -325,3 +329,60 @@ def test_torch_imported_after_the_backend_keeps_its_threads():
     assert threads == alone.stdout.strip(), (alone.stdout, after.stdout)
     if mkl_loaded != "True":
         pytest.skip("MKL did not load here: the case the test is about did not arise")
+
+
+_CACHE_SNIPPET = (
+    "import numpy as np, attnlib\n"
+    "from attnlib.backends.numba_backend import _ops\n"
+    "x = np.random.default_rng(0).standard_normal((37, 300)).astype(np.float32)\n"
+    "got = attnlib.softmax(x, backend='numba')\n"
+    "assert attnlib.__file__.startswith({pkg!r}), attnlib.__file__\n"
+    "assert np.abs(got - attnlib.softmax(x, backend='numpy')).max() < 1e-6\n"
+    "print(len(_ops._softmax_rows.stats.cache_hits))\n"
+)
+
+
+def _read_only_install(tmp_path):
+    """A copy of the package in which nothing can be written next to the sources, even by root
+    (``__pycache__`` of the numba backend is a file): numba's own default place is unusable."""
+    import shutil
+
+    import attnlib
+
+    site = tmp_path / "site"
+    pkg = site / "attnlib"
+    shutil.copytree(os.path.dirname(attnlib.__file__), pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "backends" / "numba_backend" / "__pycache__").write_text("not a directory")
+    return site
+
+
+def _run_cached(site, **env_vars):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "XDG_CACHE_HOME")}
+    env.update(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1", **env_vars)
+    proc = subprocess.run([sys.executable, "-c", _CACHE_SNIPPET.format(pkg=str(site))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return int(proc.stdout.split()[-1])
+
+
+def _cache_files(root):
+    return [p for p in root.rglob("*") if p.suffix in (".nbi", ".nbc")]
+
+
+def test_numba_cache_of_a_read_only_install(tmp_path):
+    """A read-only install caches in the user cache directory ($XDG_CACHE_HOME/attnlib/numba):
+    the second process loads what the first compiled; NUMBA_CACHE_DIR, when set, is where the
+    cache goes instead; with nowhere to write, the backend still runs (compiling each time)."""
+    site = _read_only_install(tmp_path)
+    xdg = tmp_path / "xdg"
+    assert _run_cached(site, XDG_CACHE_HOME=str(xdg)) == 0
+    assert _run_cached(site, XDG_CACHE_HOME=str(xdg)) == 1
+    assert _cache_files(xdg / "attnlib" / "numba") and not _cache_files(site)
+    own = tmp_path / "numba-cache"
+    assert _run_cached(site, XDG_CACHE_HOME=str(xdg), NUMBA_CACHE_DIR=str(own)) == 0
+    assert _cache_files(own)
+    nowhere = tmp_path / "a-file"
+    nowhere.write_text("")
+    assert _run_cached(site, XDG_CACHE_HOME=str(nowhere), HOME=str(nowhere)) == 0
+    assert not _cache_files(site)

@@ -14,6 +14,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "comma-separated backends the conformance suite runs (pytest plugin)",
     ),
     "PYOPENCL_CTX": ("unset", "pyopencl's device choice, honoured by the opencl backend"),
+    "NUMBA_CACHE_DIR": (
+        "$XDG_CACHE_HOME/attnlib/numba (~/.cache/attnlib/numba)",
+        "where the numba backend keeps its compiled kernels (numba's own variable, honoured)",
+    ),
+    "XDG_CACHE_HOME": ("~/.cache", "the user cache directory holding attnlib/numba"),
 }
 
 
@@ -28,3 +33,15 @@ def env_test_backends() -> list[str] | None:
     if not value:
         return None
     return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def numba_cache_dir() -> str:
+    """The numba backend's on-disk cache: NUMBA_CACHE_DIR when set (numba's own variable),
+    else ``attnlib/numba`` in the user cache directory (XDG_CACHE_HOME, default ~/.cache), so
+    that an install the user cannot write to (a system site-packages) still caches."""
+    value = os.environ.get("NUMBA_CACHE_DIR", "").strip()
+    if value:
+        return value
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
+        os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "attnlib", "numba")

@@ -9,8 +9,9 @@ tile gemms call MKL (sequential; its JIT kernels for full float32 tiles) when th
 is installed, else scipy's OpenBLAS (:mod:`._blas`).
 
 The other primitives (softmax, merge_states, rope, the KV cache) are small numba / numpy code.
-Compiled functions are cached on disk (``cache=True``): the first call in a fresh environment
-compiles for a few tens of seconds, later processes load the cache.
+Compiled functions are cached on disk (:mod:`._cache`: ``NUMBA_CACHE_DIR`` when set, else
+``~/.cache/attnlib/numba``): the first call in a fresh environment compiles for a few tens of
+seconds, later processes load the cache.
 """
 
 from __future__ import annotations

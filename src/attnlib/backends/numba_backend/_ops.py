@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from ._cache import njit
 
 NEG_INF = -np.inf
 
@@ -19,7 +21,7 @@ def compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-@njit(cache=True, parallel=True)
+@njit(parallel=True)
 def _softmax_rows(x, out, lse, want_p):
     """One streaming pass of online max / sum per row (``m``, ``l`` rescaled by exp(m - m')),
     then, for softmax, one pass writing ``exp(x - m) / l``."""
