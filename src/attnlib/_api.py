@@ -357,8 +357,41 @@ def rope(x, positions, *, theta=10000.0, interleaved=False, rotary_dim=None, lay
     return _from_bshd(be.rope(xb, pos, spec), layout, be)
 
 
-def to_device(x, *, backend=None):
-    """Copy a numpy array to the backend's device (numpy backends return it unchanged)."""
+def resolve_backend_and_queue(backend: Any, queue: Any) -> Any:
+    """The ``backend`` that a call taking both ``backend=`` and ``queue=`` (``KVCache``,
+    ``PagedKVCache``, ``to_device``) goes on with. ``queue`` (a ``pyopencl.CommandQueue``) is
+    short for ``backend=attnlib.get_backend("opencl", queue=queue)``; without it ``backend`` is
+    returned unchanged. Giving both is allowed only when ``backend`` is the OpenCL backend on
+    that same queue; otherwise, and for a ``queue`` that is not a CommandQueue, ArgumentError."""
+    if queue is None:
+        return backend
+    try:
+        import pyopencl as cl
+    except ImportError:
+        cl = None
+    if cl is None or not isinstance(queue, cl.CommandQueue):
+        raise ArgumentError(
+            f"queue must be a pyopencl.CommandQueue, got {type(queue).__module__}."
+            f"{type(queue).__name__}"
+        )
+    if backend is None:
+        return registry.get_backend("opencl", queue=queue)
+    be = registry.get_backend(backend)
+    on = getattr(be, "queue", None)
+    if be.name != "opencl" or on is None or on.int_ptr != queue.int_ptr:
+        where = "on another queue" if be.name == "opencl" else f"is {be.name!r}"
+        raise ArgumentError(
+            f"queue= and backend= disagree: queue= means the opencl backend on that queue, but "
+            f"backend={backend!r} {where}; pass one of them (backend=attnlib.get_backend("
+            f"'opencl', queue=queue) is the same as queue=queue)"
+        )
+    return be
+
+
+def to_device(x, *, backend=None, queue=None):
+    """Copy a numpy array to the backend's device (numpy backends return it unchanged).
+    ``queue=`` (a ``pyopencl.CommandQueue``) copies to that queue's device, in its order."""
+    backend = resolve_backend_and_queue(backend, queue)
     if not isinstance(x, np.ndarray):
         raise DTypeError(f"x must be a numpy array, got {type(x).__name__}")
     return registry.resolve_backend(backend).to_device(x)
