@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from . import _spec, registry
-from ._api import check_rope, pick_backend, resolve_backend_and_queue
+from ._api import check_rope, pick_backend
 from .backends.base import AttnCall, RopeSpec
 from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
 
@@ -61,7 +61,7 @@ class KVCache:
                            else _spec.check_int(head_dim_v, "head_dim_v", minimum=1))
         self.dtype = _spec.parse_dtype(dtype)
         self.ring = _spec.check_bool(ring, "ring")
-        self.backend = pick_backend(resolve_backend_and_queue(backend, queue), (), self.dtype)
+        self.backend = pick_backend(backend, (), self.dtype, queue=queue)
         shape = (self.max_batch_size, self.max_seq_len, self.n_kv_heads)
         self.k = self.backend.cache_alloc(shape + (self.head_dim,), self.dtype)
         self.v = self.backend.cache_alloc(shape + (self.head_dim_v,), self.dtype)
