@@ -50,7 +50,7 @@ _GRID = {
 
 
 def _in_grid(item) -> bool:
-    rule = _GRID.get((item.path.name, item.originalname))
+    rule = _GRID.get((item.path.name, getattr(item, "originalname", item.name)))
     if rule is None or rule is True:
         return rule is True
     params = getattr(getattr(item, "callspec", None), "params", {})
