@@ -33,6 +33,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ATTNLIB_NUMBA_NO_TORCH_FIRST": (
         "unset", "set: the numba backend does not import PyTorch before loading MKL"
     ),
+
+    "NUMBA_CACHE_DIR": (
+        "$XDG_CACHE_HOME/attnlib/numba (~/.cache/attnlib/numba)",
+        "where the numba backend keeps its compiled kernels (numba's own variable, honoured)",
+    ),
+    "XDG_CACHE_HOME": ("~/.cache", "the user cache directory holding attnlib/numba"),
 }
 
 
@@ -53,6 +59,7 @@ def env_bench_debug() -> bool:
     """ATTNLIB_BENCH_DEBUG set and not empty: ``attnlib bench`` prints the traceback of a case
     that failed (the table shows its one-line error either way)."""
     return bool(os.environ.get("ATTNLIB_BENCH_DEBUG", "").strip())
+
 
 def opencl_cp_async() -> bool | None:
     """ATTNLIB_OPENCL_CP_ASYNC: True / False when set to 1 / 0, None when unset or empty."""
@@ -83,3 +90,15 @@ def numba_no_torch_first() -> bool:
 def pyopencl_ctx() -> str:
     """PYOPENCL_CTX ("" when unset): the opencl backend lets pyopencl choose when it is set."""
     return os.environ.get("PYOPENCL_CTX", "")
+
+
+def numba_cache_dir() -> str:
+    """The numba backend's on-disk cache: NUMBA_CACHE_DIR when set (numba's own variable),
+    else ``attnlib/numba`` in the user cache directory (XDG_CACHE_HOME, default ~/.cache), so
+    that an install the user cannot write to (a system site-packages) still caches."""
+    value = os.environ.get("NUMBA_CACHE_DIR", "").strip()
+    if value:
+        return value
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
+        os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "attnlib", "numba")

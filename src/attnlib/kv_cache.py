@@ -45,11 +45,13 @@ class KVCache:
     ``(..., head_dim_v)``. ``ring=False``: writing past ``max_seq_len`` raises
     ``CacheOverflowError`` and changes nothing. ``ring=True``: position ``p`` lives in slot
     ``p % max_seq_len``; ``lengths`` keeps counting absolute positions and only the last
-    ``max_seq_len`` are held (sliding-window decoding, as in Mistral).
+    ``max_seq_len`` are held (sliding-window decoding, as in Mistral). ``queue=`` (a
+    ``pyopencl.CommandQueue``) is short for ``backend=attnlib.get_backend("opencl",
+    queue=queue)``: the buffers live in that queue's context and the work is enqueued there.
     """
 
     def __init__(self, max_batch_size, max_seq_len, n_kv_heads, head_dim, *, head_dim_v=None,
-                 dtype="float32", ring=False, backend=None):
+                 dtype="float32", ring=False, backend=None, queue=None):
         self.max_batch_size = _spec.check_int(max_batch_size, "max_batch_size", minimum=1)
         self.max_seq_len = _spec.check_int(max_seq_len, "max_seq_len", minimum=1)
         self.n_kv_heads = _spec.check_int(n_kv_heads, "n_kv_heads", minimum=1)
@@ -58,7 +60,7 @@ class KVCache:
                            else _spec.check_int(head_dim_v, "head_dim_v", minimum=1))
         self.dtype = _spec.parse_dtype(dtype)
         self.ring = _spec.check_bool(ring, "ring")
-        self.backend = pick_backend(backend, (), self.dtype)
+        self.backend = pick_backend(backend, (), self.dtype, queue=queue)
         shape = (self.max_batch_size, self.max_seq_len, self.n_kv_heads)
         self.k = self.backend.cache_alloc(shape + (self.head_dim,), self.dtype)
         self.v = self.backend.cache_alloc(shape + (self.head_dim_v,), self.dtype)

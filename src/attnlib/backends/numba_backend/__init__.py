@@ -13,8 +13,9 @@ other in the pool is read in place, any other is gathered one page at a time int
 scratch tile (``_flash._load_paged``); fp16/bf16 pools widen only the pages in use.
 
 The other primitives (softmax, merge_states, rope, the KV caches) are small numba / numpy code.
-Compiled functions are cached on disk (``cache=True``): the first call in a fresh environment
-compiles for a few tens of seconds, later processes load the cache.
+Compiled functions are cached on disk (:mod:`._cache`: ``NUMBA_CACHE_DIR`` when set, else
+``~/.cache/attnlib/numba``): the first call in a fresh environment compiles for a few tens of
+seconds, later processes load the cache.
 """
 
 from __future__ import annotations

@@ -30,13 +30,34 @@ def pool_for(queue: Any) -> Any:
         return hit[0]
     import pyopencl.tools as clt
 
+    from ._runtime import is_simulator
+
     with _lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = clt.MemoryPool(clt.ImmediateAllocator(queue))
+            if is_simulator(queue.device):
+                pool = ExactAllocator(queue)
+            else:
+                pool = clt.MemoryPool(clt.ImmediateAllocator(queue))
             _pools[key] = (pool, queue)  # keep the queue alive as long as its pool
             return pool
         return pool[0]
+
+
+class ExactAllocator:
+    """What a simulator's queue (Oclgrind) gets instead of a pool: a fresh ``pyopencl.Buffer``
+    of exactly the size asked for. A pool's size bins leave spare room past the end of a
+    buffer, where an over-run would stay invisible to the simulator's bounds check."""
+
+    def __init__(self, queue: Any) -> None:
+        self._context = queue.context
+
+    def allocate(self, nbytes: int) -> Any:
+        import pyopencl as cl
+
+        return cl.Buffer(self._context, cl.mem_flags.READ_WRITE, max(1, int(nbytes)))
+
+    __call__ = allocate
 
 
 #: (queue, shape, dtype) -> the attributes of an Array of that shape, less its memory and events
