@@ -13,10 +13,16 @@ A call predicted to take longer than ``--bench-max-call`` seconds (from the rate
 reached on a smaller case of the task) is skipped with that reason: the numpy reference and
 PoCL would take minutes on the largest shapes. The printed tables group by shape, so each puts
 the backends side by side; extra_info carries FLOPs, bytes, GFLOP/s and GB/s.
+
+    python -m pytest bench -q --benchmark-disable           # smoke run (CI): every case once
+
+With ``--benchmark-disable`` nothing is timed: each case runs once on every backend, shrunk to
+small sizes (``smoke_case``), so that the suites cannot rot without costing minutes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -74,6 +80,12 @@ def run_case(benchmark: Any, request: pytest.FixtureRequest):
     max_call = request.config.getoption("--bench-max-call")
 
     def run(runner: Any, case: Case) -> None:
+        if benchmark.disabled:
+            case = smoke_case(case)
+            fn, sync = runner.prepare(case, make_inputs(case))
+            benchmark.extra_info.update({"backend": runner.name, "shape": case.dims()})
+            benchmark.pedantic(lambda: sync(fn()))  # disabled: one call, nothing timed
+            return
         key = (runner.name, case.family())
         rate = _RATES.get(key)
         if rate and case.flops() / rate > max_call:
@@ -101,3 +113,13 @@ def run_case(benchmark: Any, request: pytest.FixtureRequest):
         benchmark.extra_info["GB/s"] = round(case.nbytes() / med / 1e9, 3)
 
     return run
+
+
+#: the largest sizes of a smoke run (``--benchmark-disable``): every code path, seconds in all
+SMOKE_LIMITS = {"S": 128, "L": 512, "rows": 64, "cols": 512}
+
+
+def smoke_case(case: Case) -> Case:
+    """``case`` with its sequence, cache and softmax sizes capped at :data:`SMOKE_LIMITS`."""
+    return dataclasses.replace(case, **{f: min(getattr(case, f), cap)
+                                        for f, cap in SMOKE_LIMITS.items()})

@@ -57,9 +57,8 @@
 #if FUSED_MERGE && !SPLIT
 #error "FUSED_MERGE needs SPLIT"
 #endif
-#ifndef FUSED_UNROLL
 #define FUSED_UNROLL 16
-#endif
+#define EMPTY_W (-1.f) /* the fused merge's weight of an empty split state */
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
 void attn_decode_mma(__global const ushort *q, __global const ushort *k,
@@ -428,12 +427,17 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
   for (int idx = tid; idx < n_splits * nrows; idx += THREADS) {
     const int sp_ = idx / nrows, r = idx % nrows;
     const float x = sW[sp_ * 16 + r], mm = sM[r];
-    sW[sp_ * 16 + r] = (x == -INFINITY || mm == -INFINITY) ? 0.f : exp(x - mm);
+    // an empty split state gets the weight EMPTY_W and is left out by the selects below; any
+    // other weight, 0 or NaN included, multiplies its output, so NaN from a seen key survives
+    sW[sp_ * 16 + r] = (x == -INFINITY || mm == -INFINITY) ? EMPTY_W : exp(x - mm);
   }
   barrier(CLK_LOCAL_MEM_FENCE);
   if (tid < nrows) {
     float sum = 0.f;
-    for (int j = 0; j < n_splits; j++) sum += sW[j * 16 + tid];
+    for (int j = 0; j < n_splits; j++) {
+      const float w = sW[j * 16 + tid];
+      sum += w == EMPTY_W ? 0.f : w;
+    }
     sL[tid] = sum;
   }
   barrier(CLK_LOCAL_MEM_FENCE);
@@ -454,14 +458,14 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
       }
       UNROLL for (int u = 0; u < FUSED_UNROLL; u++) {
         const float wt = sW[(j + u) * 16 + r];
-        o4 += wt != 0.f ? wt * x[u] : (float4)(0.f);  // a select: empty states never leak
+        o4 += wt != EMPTY_W ? wt * x[u] : (float4)(0.f);  // a select: empty states never leak
       }
     }
     for (; j < n_splits; j++) {
       const float wt = sW[j * 16 + r];
       const float4 x = *(volatile __global const float4 *)(vo + (j * n_out_rows + orow) * HEAD_DIM
                                                            + col);
-      o4 += wt != 0.f ? wt * x : (float4)(0.f);
+      o4 += wt != EMPTY_W ? wt * x : (float4)(0.f);
     }
     const float mm = sM[r], sum = sL[r];
     const bool empty = mm == -INFINITY;

@@ -20,8 +20,7 @@
 // accuracy.  Fragments are read from local memory with plain 32/64-bit loads (no ldmatrix) and
 // Q_IN_REGS means 0: Q kept in local memory as float32 and split every tile, 1: hi and lo in
 // registers, 2: hi in registers and lo in local memory.  The tile walk, masking and online
-// softmax are shared with the 16-bit kernel.  Tuning options (-D, defaults below): KV_STAGES
-// (K/V buffers), S_CHUNK (k-steps per float32 add of S), TF32_SPLIT (attn_fwd_mma_tf32.h).
+// softmax are shared with the 16-bit kernel.
 
 #ifndef IS_TF32
 #define IS_TF32 0
@@ -63,15 +62,6 @@
 #if BLOCK_N % (THREADS / CHUNKS)
 #error "BLOCK_N must be a multiple of 32 * WARPS / (HEAD_DIM / 8)"
 #endif
-#ifndef HIDDEN_NONFINITE  // 0: skip the inf/NaN-in-hidden-v handling (the version measured first)
-#define HIDDEN_NONFINITE 1
-#endif
-#ifndef KV_STAGES  // K/V tile buffers: 2 (cp.async of tile t+1 under tile t's math) or 1
-#define KV_STAGES 2
-#endif
-#ifndef S_CHUNK  // float32: k-steps of S summed by the tensor core before a float32 add
-#define S_CHUNK 1
-#endif
 // Causal scheduling options (0 = off; the 16-bit build is unchanged with both off):
 // HEADS_INNER=1: grid (n_tiles * n_heads, 1), work-group id = tile * n_heads + head, so every
 // head of the heaviest tile (the table is sorted by key tiles) starts first: a global
@@ -89,7 +79,7 @@
 #ifndef WARP_SKIP
 #define WARP_SKIP 0
 #endif
-// Candidates for the 16-bit kernel (0 = off, the default build unchanged; notes/kernel4.md):
+// Options of the 16-bit kernel (0 = off; DEFAULT_OPTIONS_16 in _nvidia_mma.py picks them):
 // LDSM_BYTES=1: each thread's byte addresses of its Q, K and V ldmatrix rows (and of its fast
 // cp.async destinations) are formed once before the tile loop; every ldmatrix then reads at
 // that address plus a compile-time byte constant (ptxas: [R+imm]) instead of recomputing the
@@ -111,8 +101,8 @@
 #if LDSM_BYTES && IS_TF32
 #error "LDSM_BYTES=1 is for the 16-bit kernel (float32 reads its fragments without ldmatrix)"
 #endif
-#if KV_SPLIT_STAGES && (IS_TF32 || KV_STAGES != 2)
-#error "KV_SPLIT_STAGES=1 is for the 16-bit kernel and has its own buffers (leave KV_STAGES unset)"
+#if KV_SPLIT_STAGES && IS_TF32
+#error "KV_SPLIT_STAGES=1 is for the 16-bit kernel"
 #endif
 #define LOG2E 1.4426950408889634f
 
@@ -187,7 +177,7 @@
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
 void attn_fwd_mma(PREFILL_PARAMS) {
   __local ELEM sQ[BLOCK_M * LDSQ] __attribute__((aligned(16)));
-#if KV_STAGES == 1 || KV_SPLIT_STAGES
+#if KV_SPLIT_STAGES
   __local ELEM sK[BLOCK_N * LDSK] __attribute__((aligned(16)));
   __local ELEM sV[BLOCK_N * LDSV] __attribute__((aligned(16)));
 #else
@@ -258,26 +248,9 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 // Fast path for a tile inside the block's range that does not wrap: each thread copies the same
 // 16-byte column chunk of rows r0, r0 + ROW_STEP, ... from pointers hoisted out of the loop.
 #define ROW_STEP (THREADS / CHUNKS)
-// KV_ROWWISE=1 (16-bit): each thread copies chunks ch0_, ch0_ + TPR, ... of ONE row instead:
-// its sources and destinations in a tile are then one address plus compile-time constants
-// (cp.async [R+imm], no 64-bit add per chunk); a warp's copy still covers whole 32-byte
-// sectors (TPR adjacent threads per row).
-#ifndef KV_ROWWISE
-#define KV_ROWWISE 0
-#endif
-#if KV_ROWWISE
-#define TPR (THREADS / BLOCK_N)  // threads per K/V row
-#if IS_TF32 || THREADS % BLOCK_N || CHUNKS % (THREADS / BLOCK_N)
-#error "KV_ROWWISE=1 is for the 16-bit kernel with 32*WARPS % BLOCK_N == 0 (and HEAD_DIM/8 % that)"
-#endif
-#define FAST_N (CHUNKS / TPR)      // chunks per thread per tile
-#define FAST_STEP (TPR * EPC)      // elements from one to the next, in local and global memory
-#define FAST_SRC(I, STEP) ((I) * FAST_STEP)
-#else
 #define FAST_N (BLOCK_N / ROW_STEP)
 #define FAST_STEP (ROW_STEP * LDS)
 #define FAST_SRC(I, STEP) ((I) * (STEP))
-#endif
 #if LDSM_BYTES
 #define KV_BUF_BYTES (BLOCK_N * LDS * 2)
 #if USE_PTX
@@ -300,13 +273,6 @@ void attn_fwd_mma(PREFILL_PARAMS) {
         CP_ROW_CHUNK(sK, sK, kdst0 + (BUF) * KV_BUF_BYTES, i, kt + FAST_SRC(i, k_step));       \
         CP_ROW_CHUNK(sV, sV, vdst0 + (BUF) * KV_BUF_BYTES, i, vt + FAST_SRC(i, v_step));       \
       }
-#elif KV_ROWWISE
-#define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * FAST_STEP, SRC)
-#define LOAD_KV_FAST(BUF)                                                                      \
-      UNROLL for (int i = 0; i < FAST_N; i++) {                                                \
-        CP_ROW_CHUNK(sK + (BUF) * BLOCK_N * LDS, sK, 0, i, kt + FAST_SRC(i, k_step));          \
-        CP_ROW_CHUNK(sV + (BUF) * BLOCK_N * LDS, sV, 0, i, vt + FAST_SRC(i, v_step));          \
-      }
 #else
 #define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * ROW_STEP * LDS, SRC)
 #define LOAD_KV_FAST(BUF)                                                                      \
@@ -328,11 +294,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
       LOAD_KV_CHECKED(TILE, BUF)                                                               \
     }                                                                                          \
   }
-#if KV_ROWWISE
-  const int r0_ = tid / TPR, ch0_ = tid % TPR, so0 = r0_ * LDSK + ch0_ * EPC;
-#else
   const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDSK + ch0_ * EPC;
-#endif
   __global const ELEM *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * EPC;
   __global const ELEM *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * EPC;
   const long k_step = ROW_STEP * k_sr, v_step = ROW_STEP * v_sr;
@@ -450,12 +412,6 @@ void attn_fwd_mma(PREFILL_PARAMS) {
     barrier(CLK_LOCAL_MEM_FENCE);
     LOAD_V(t)
     CP_COMMIT();
-#elif KV_STAGES == 1
-    // -- one K/V buffer (tile t+1 is loaded after every warp is done with tile t): half the
-    // local memory, so that more work-groups share an SM and overlap each other's loads
-    const int buf = 0;
-    CP_WAIT(0);
-    barrier(CLK_LOCAL_MEM_FENCE);
 #else
     const int buf = (t - t_first) & 1;
     // -- tile t has landed; after the barrier no warp still reads tile t-1's buffer, so the
@@ -482,7 +438,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
     // float32 scans every tile: then the 3xTF32 split of V needs no inf test per value per warp
     // (the scan is one pass of the work-group over the tile and a barrier)
     int v_bad = 0;
-#if HIDDEN_NONFINITE && !KV_SPLIT_STAGES
+#if !KV_SPLIT_STAGES
 #if IS_TF32
     {
       int mine = 0;
@@ -528,13 +484,10 @@ void attn_fwd_mma(PREFILL_PARAMS) {
     }
 #if IS_TF32
     // 3xTF32 per k-step: part = Q_lo K_hi + Q_hi K_lo + Q_hi K_hi, summed from zero over
-    // S_CHUNK k-steps, then S += part in float32 (round to nearest): S takes KSTEPS_QK / S_CHUNK
-    // roundings, not one per product (the tensor core's own accumulation truncates, and 3
-    // HEAD_DIM terms would round S ~sqrt(3 HEAD_DIM) times, several times the one rounding of
-    // the float32 reference's S; large logits showed it).  S_CHUNK=0: one chain into S.
-#if S_CHUNK > 1
-    float spart[M_TILES][NT_S][4];
-#endif
+    // one k-step, then S += part in float32 (round to nearest): S takes KSTEPS_QK roundings,
+    // not one per product (the tensor core's own accumulation truncates, and 3 HEAD_DIM terms
+    // would round S ~sqrt(3 HEAD_DIM) times, several times the one rounding of the float32
+    // reference's S; large logits showed it).
     UNROLL for (int kk = 0; kk < KSTEPS_QK; kk++) {
 #if Q_IN_REGS != 1
       uint ql1[M_TILES][4];
@@ -573,26 +526,11 @@ void attn_fwd_mma(PREFILL_PARAMS) {
         SPLIT_TF32(kx.x, bh0, bl0);
         SPLIT_TF32(kx.y, bh1, bl1);
         UNROLL for (int mt = 0; mt < M_TILES; mt++) {
-#if S_CHUNK == 0
-          float *part = sacc[mt][nt];
-#elif S_CHUNK == 1
           float part[4] = {0.f, 0.f, 0.f, 0.f};
-#else
-          float *part = spart[mt][nt];
-          if (kk % S_CHUNK == 0) {
-            UNROLL for (int c = 0; c < 4; c++) part[c] = 0.f;
-          }
-#endif
           MMA_TF32(part, QL(mt), bh0, bh1);
           MMA_TF32(part, QH(mt), bl0, bl1);
           MMA_TF32(part, QH(mt), bh0, bh1);
-#if S_CHUNK == 1
           UNROLL for (int c = 0; c < 4; c++) sacc[mt][nt][c] += part[c];
-#elif S_CHUNK > 1
-          if (kk % S_CHUNK == S_CHUNK - 1 || kk == KSTEPS_QK - 1) {
-            UNROLL for (int c = 0; c < 4; c++) sacc[mt][nt][c] += part[c];
-          }
-#endif
         }
       }
 #undef QL
@@ -679,9 +617,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
       LOAD_K(t + 1)
       CP_COMMIT();
     }
-#if HIDDEN_NONFINITE
     if (need_mask) SCAN_HIDDEN_V16(sV, LDS)  // (as above, for the one V buffer)
-#endif
 #if WARP_SKIP && USE_PTX
     if (!w_skip) {
 #endif
@@ -807,13 +743,6 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 #else
     if (w_skip) { RESTORE_STATE }
 #endif
-#endif
-#if KV_STAGES == 1
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if (t < t_last) {
-      LOAD_KV(t + 1, 0)
-      CP_COMMIT();
-    }
 #endif
   }
 #endif

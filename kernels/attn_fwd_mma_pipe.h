@@ -4,9 +4,6 @@
 // the mma.sync of one with the FP/MUFU work of the other inside one warp (FlashAttention-3
 // overlaps softmax with the next GEMM the same way, with wgmma); the online softmax steps once
 // per half tile.  Included inside the kernel body in place of the plain loop.
-// SOFTMAX_PIPE=2: S of the next half is issued before the current half's row max (A) instead
-// of after it, so the max and its shuffles run under those mma.sync too (then the
-// exponentials overlap only with P V).
 //
 // K and V are double-buffered with separate phases (two barriers per tile):
 //   alpha_t (before S(t, half 0) is issued): K(t) landed; K(t+1) is issued into K(t-1)'s buffer
@@ -19,8 +16,8 @@
 // not exist from a stale K buffer (kept branch-free; the result is never used; with WARP_SKIP
 // it is skipped where the warp sees no key there).
 
-#if IS_TF32 || KV_SPLIT_STAGES || KV_STAGES != 2 || BLOCK_N % 32
-#error "SOFTMAX_PIPE=1 is for the 16-bit kernel, BLOCK_N % 32 == 0, no KV_SPLIT_STAGES / KV_STAGES"
+#if IS_TF32 || KV_SPLIT_STAGES || BLOCK_N % 32
+#error "SOFTMAX_PIPE=1 is for the 16-bit kernel, BLOCK_N % 32 == 0, no KV_SPLIT_STAGES"
 #endif
 #define HN (BLOCK_N / 2)
 #define NT_H (HN / 8)   // 8-column n-tiles of S per half tile
@@ -232,9 +229,6 @@
     __local const ELEM *sKb = sK + buf * BLOCK_N * LDS;
     __local const ELEM *sVb = sV + buf * BLOCK_N * LDS;
     __local const ELEM *sKn = sK + (buf ^ 1) * BLOCK_N * LDS;  // K(t+1)
-#if SOFTMAX_PIPE == 2
-    S_STEP(s1, sKb, K_ADDR(buf), HN, n0 + HN)
-#endif
     A_STEP(s0, n0)
     // -- beta_t: V(t) landed; no warp reads V(t-1) any more
     CP_WAIT(1);
@@ -242,29 +236,17 @@
     if (t < t_last) { LOAD_V_B(t + 1, buf ^ 1) }
     CP_COMMIT();
     int v_bad = 0;
-#if HIDDEN_NONFINITE
     // as in the plain loop: zero inf/NaN of V(t), added back after P V
     if (need_mask) SCAN_HIDDEN_V16(sV + buf * BLOCK_N * LDS, LDS)
-#endif
     // -- B(t, 0): S(t, 1) under the softmax and P V of half 0
-#if SOFTMAX_PIPE != 2
     SPV_STEP(s1, sKb, K_ADDR(buf), HN, n0 + HN, s0, sVb, V_ADDR(buf), 0, n0)
     A_STEP(s1, n0 + HN)
-#else
-    PV_STEP(s0, sVb, V_ADDR(buf), 0, n0)
-#endif
     // -- alpha_t+1: K(t+1) landed; no warp reads K(t) any more
     CP_WAIT(1);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (t + 1 < t_last) { LOAD_K_B(t + 2, buf) }
     CP_COMMIT();
     // -- B(t, 1): S(t+1, 0) (unused after the last tile) under the softmax and P V of half 1
-#if SOFTMAX_PIPE != 2
     SPV_STEP(s0, sKn, K_ADDR(buf ^ 1), 0, n0 + BLOCK_N, s1, sVb, V_ADDR(buf), HN, n0 + HN)
-#else
-    S_STEP(s0, sKn, K_ADDR(buf ^ 1), 0, n0 + BLOCK_N)
-    A_STEP(s1, n0 + HN)
-    PV_STEP(s1, sVb, V_ADDR(buf), HN, n0 + HN)
-#endif
     ADD_BACK_HIDDEN_V()
   }

@@ -59,25 +59,10 @@ inline void emu_mma_tf32(float *d, const uint *a, uint b0, uint b1, __local uint
 #define MMA_TF32(D, A, B0, B1) emu_mma_tf32((D), (A), (B0), (B1), scr)
 #endif
 
-// How x is split (TF32_SPLIT):
-//   0: hi = rna(x), lo = rna(x - hi)    x kept to 2^-23 |x|, 3 instructions (2 cvt, 1 sub)
-//   1: hi = rna(x), lo = x - hi         the mma reads lo's top 19 bits (truncation): 2^-22 |x|
-//   2: hi = x & ~0x1fff, lo = x - hi    truncated hi, |lo| < 2^-10 |x|: 2^-21 |x|, 2 integer/
-//                                       float instructions and no cvt
-// default 1: on the H200 (run 4) 51.3 vs 46.8 TFLOP/s at D=128, every case within the rule
-#ifndef TF32_SPLIT
-#define TF32_SPLIT 1
-#endif
-#if TF32_SPLIT == 2
-#define TF32_HI(X) (as_uint(X) & 0xffffe000u)
-#else
+// How x is split: hi = rna(x), lo = x - hi; the mma reads lo's top 19 bits (truncation), x kept
+// to 2^-22 |x| (bench/RESULTS.md compares the other splits)
 #define TF32_HI(X) tf32_rna(X)
-#endif
-#if TF32_SPLIT == 0
-#define TF32_LO(D) tf32_rna(D)
-#else
 #define TF32_LO(D) as_uint(D)
-#endif
 #define SPLIT_TF32(X, HI, LO)                                                                   \
   {                                                                                             \
     const float x_ = (X);                                                                       \
@@ -86,13 +71,4 @@ inline void emu_mma_tf32(float *d, const uint *a, uint b0, uint b1, __local uint
   }
 // V holding inf: lo = 0 (inf - inf would turn every product with it into NaN where the exact
 // result is +-inf).  Not needed where every V tile is scanned and its inf/NaN zeroed first.
-#if HIDDEN_NONFINITE
 #define SPLIT_TF32_V SPLIT_TF32
-#else
-#define SPLIT_TF32_V(X, HI, LO)                                                                 \
-  {                                                                                             \
-    const float x_ = (X);                                                                       \
-    HI = TF32_HI(x_);                                                                           \
-    LO = isinf(x_) ? 0u : TF32_LO(x_ - as_float(HI));                                           \
-  }
-#endif

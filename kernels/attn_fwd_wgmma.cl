@@ -14,22 +14,12 @@
 //                A fragment), V from shared memory read N-major (imm-trans-b = 1)
 // K/V tiles are double-buffered with cp.async; tiles no row can see are never visited.
 //
-// The defaults (H200, sixth session, bench/RESULTS.md): the 128-byte-swizzle layout (WG_SWIZZLE,
-// below; 1.6-1.7x the no-swizzle one), the serial schedule with the two warpgroups taking
-// turns to issue their products (WG_PINGPONG, at D >= 128). Options measured and kept off:
-// WG_OVERLAP, WG_PIN_P, WG_PIPE; written but not yet run on a card: WG_PIPE with WG_OVERLAP
-// (FA3's schedule). The loop of each schedule is in attn_fwd_wgmma_loop.h.
-//
-// Shared-memory layout of Q, K and V tiles with WG_SWIZZLE=0 ("no swizzle"): 8 x 8 core matrices
-// of 128 contiguous bytes, element (r, c) at halves (r / 8) * 8 HEAD_DIM + (c / 8) * 64 +
-// (r % 8) * 8 + c % 8. As a K-major operand (Q, K: rows = M or N, columns = K) the core matrices
-// are LBO = 128 bytes apart along K and SBO = 16 HEAD_DIM bytes along M/N; as the N-major B of
-// P V (V: rows = keys = K, columns = N) they are LBO = 16 HEAD_DIM bytes apart along K and
-// SBO = 128 bytes along N. The 16-byte chunk c of a tile (chunk = 8 halves of one row) sits at
-// bytes 16 c when c = r % 8 + 8 (col / 8) + HEAD_DIM (r / 8): cp.async destinations are linear.
+// Shared-memory layout of Q, K and V tiles: the 128-byte swizzle (CUTLASS's default for wgmma;
+// see SMEM_ALIGN below). The two warpgroups take turns to issue their products at D >= 128
+// (WG_PINGPONG). bench/RESULTS.md has the measurements behind both choices.
 //
 // Compile-time sizes (-D): HEAD_DIM (64 or 128), WGS (1..3), BLOCK_N (multiple of 16, at most
-// 256), IS_BF16, SOFTCAP, ALIBI, SCALE_POS; debugging: V_SWAP / QK_SWAP exchange LBO and SBO.
+// 256), IS_BF16, SOFTCAP, ALIBI, SCALE_POS, HEADS_INNER, USE_PTX.
 
 #ifndef USE_PTX
 #define USE_PTX 1
@@ -57,67 +47,19 @@
 #ifndef HEADS_INNER
 #define HEADS_INNER 0
 #endif
-// WG_OVERLAP=1: the overlapped schedule (S of tile t issued with P V of tile t-1, softmax of
-// S(t) under P V(t-1)); 0: the serial schedule measured first (bench/RESULTS.md, fifth session)
-#ifndef WG_OVERLAP
-#define WG_OVERLAP 0
-#endif
-// WG_SWIZZLE=1: the 128-byte-swizzle layouts (CUTLASS's default for wgmma) instead of the
-// no-swizzle core matrices: a tile of R rows is HEAD_DIM / 64 blocks of 64 columns, block b at
-// bytes 128 R b, row r at 128 r, its 16-byte chunk c at 16 (c ^ r % 8) (the hardware XORs
+// The 128-byte-swizzle layouts: a tile of R rows is HEAD_DIM / 64 blocks of 64 columns, block b
+// at bytes 128 R b, row r at 128 r, its 16-byte chunk c at 16 (c ^ r % 8) (the hardware XORs
 // address bits 4-6 with bits 7-9: arrays 1024-byte aligned). As K-major operands (Q, K) the
 // 8-row groups are SBO = 1024 bytes apart and a k-slice of 16 moves the start address by 32
 // bytes (by 128 R at a new block); as the N-major V, the 64-column blocks are LBO = 128 R apart
-// and the 8-key groups SBO = 1024. Loads are row-major (16 threads per 256-byte row).  The
-// default: on the H200 it ran 1.6-1.7x the no-swizzle layout at D=128, 1.45x at D=64 (sixth
-// session, bench/RESULTS.md); WG_SWIZZLE=0 (no-swizzle core matrices) stays for comparison and
-// for head dims not a multiple of 64.
-#ifndef WG_SWIZZLE
-#define WG_SWIZZLE (HEAD_DIM % 64 == 0)
-#endif
-// WG_PINGPONG=1 (serial schedule, WGS=2): FA3's inter-warpgroup ping-pong. The two warpgroups
-// take turns to issue their products (named barriers 1 and 2: a warpgroup waits for its turn,
-// issues S or P V, then passes the turn), so one's softmax runs while the other's products
-// occupy the tensor cores instead of both softmaxes coinciding. Only the issue order changes;
-// the emulation (USE_PTX=0) ignores it. The default at D >= 128: on the H200 it ran -3.5% to
-// +5.7% against the plain serial schedule at D=128 (11 of 12 cases faster), -1% to -2.5% at D=64
-// (sixth session, bench/RESULTS.md); the work-group barrier of each tile (K/V buffer reuse)
-// still brings the two warpgroups back in step.
-#ifndef WG_PINGPONG
-#define WG_PINGPONG (WGS == 2 && !WG_OVERLAP && HEAD_DIM >= 128)
-#endif
-#if WG_PINGPONG && ((WG_OVERLAP && !WG_PIPE) || WGS != 2)
-#error "WG_PINGPONG needs two warpgroups, and WG_PIPE with WG_OVERLAP"
-#endif
-// WG_PIPE=1 (serial schedule): no work-group barrier per tile. Separate K and V buffers
-// handed over through mbarriers (FULL: every thread's copies landed, each thread arriving after
-// its own cp.async wait and proxy fence; EMPTY: every thread's products read it), so the two
-// warpgroups can drift apart and the ping-pong's offset lasts across tiles. K(t+1) is loaded at
-// the top of tile t, V(t+1) after tile t's softmax; each is shown to the other warpgroup half a
-// tile after its copies were issued. With WG_OVERLAP=1 too: FA3's full schedule (S(t) and
-// P V(t-1) issued together, the softmax of S(t) under P V(t-1), in ping-pong turns with
-// -DWG_PINGPONG=1); not yet run on a card. On the H200 (sixth session, run 9, bench/RESULTS.md) it was
-// correct (12/12 checks against float64) and ran +1% to +5% over the ping-pong with the
-// barrier at D=128 (fp16, all 6 cases), -5% to -8% at D=64 with (2, 64). Off until the
-// conformance suite has run with it on the card (no device time was left).
-#ifndef WG_PIPE
-#define WG_PIPE 0
-#endif
-#if WG_PIPE && WG_ABL
-#error "WG_PIPE runs without ablations"
-#endif
-#ifndef WG_ABL
-#define WG_ABL 0
-#endif
-#if WG_ABL && WG_OVERLAP
-#error "WG_ABL is for the serial schedule"
-#endif
-#ifndef V_SWAP
-#define V_SWAP 0
-#endif
-#ifndef QK_SWAP
-#define QK_SWAP 0
-#endif
+// and the 8-key groups SBO = 1024. Loads are row-major (16 threads per 256-byte row).
+// WG_PINGPONG (WGS=2, D >= 128): FA3's inter-warpgroup ping-pong. The two warpgroups take turns
+// to issue their products (named barriers 1 and 2: a warpgroup waits for its turn, issues S or
+// P V, then passes the turn), so one's softmax runs while the other's products occupy the
+// tensor cores instead of both softmaxes coinciding. Only the issue order changes; the
+// emulation (USE_PTX=0) ignores it. The work-group barrier of each tile (K/V buffer reuse)
+// brings the two warpgroups back in step.
+#define WG_PINGPONG (WGS == 2 && HEAD_DIM >= 128)
 #define LOG2E 1.4426950408889634f
 // the inf/NaN scan's zeroed values (nv_warp.h) must reach wgmma's reads of V
 #define SCAN_FENCE() FENCE_ASYNC_SHARED();
@@ -136,24 +78,7 @@
 #define PP_ARRIVE()
 #endif
 #define SBASE(P) ((uint)(size_t)(P))  // shared-window byte address of local array P
-// mbarriers (WG_PIPE): init with a thread count, arrive (release), wait for a phase (acquire)
-#define MB_INIT(A, N) asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(A), "r"(N) : "memory")
-#define MB_ARRIVE(A)                                                                           \
-  {                                                                                            \
-    ulong st_;                                                                                 \
-    asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];" : "=l"(st_) : "r"(A) : "memory"); \
-  }
-#define MB_WAIT(A, PARITY)                                                                     \
-  {                                                                                            \
-    uint ok_;                                                                                  \
-    do {                                                                                       \
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"     \
-                   " selp.u32 %0, 1, 0, p; }"                                                  \
-                   : "=r"(ok_) : "r"(A), "r"(PARITY) : "memory");                              \
-    } while (!ok_);                                                                            \
-  }
 #define WAIT_S() WG_WAIT_S(sacc)
-#define WAIT1_S() WG_WAIT1_S(sacc)
 #define WAIT_O() WG_WAIT_O(o)
 #else
 // USE_PTX=0 (any OpenCL device; layout checks on PoCL, never for speed): each wgmma is done by
@@ -162,15 +87,10 @@
 // descriptor values as the PTX build, addresses relative to the array). The waits are no-ops
 // (the emulated product is done when it returns).
 #define FENCE_ASYNC_SHARED()
-// the emulation runs every warp in step and copies synchronously: a handover is a barrier
-#define MB_INIT(A, N)
-#define MB_ARRIVE(A)
-#define MB_WAIT(A, PARITY) barrier(CLK_LOCAL_MEM_FENCE);
 #define PP_SYNC()
 #define PP_ARRIVE()
 #define SBASE(P) 0u
 #define WAIT_S()
-#define WAIT1_S()
 #define WAIT_O()
 #endif
 // X (a product's issue) in this warpgroup's turn; the turns' start (warpgroup 0 goes first) and
@@ -180,12 +100,11 @@
 #define TURNS_END() if (WG_PINGPONG && wgi == 0) PP_SYNC();
 
 // 64-bit wgmma matrix descriptor: start address, LBO, SBO (bytes, each >> 4), swizzle mode
-// (bits 62-63: 0 none, 1 128-byte)
+// (bits 62-63: 1, the 128-byte swizzle)
 inline ulong wg_desc(uint addr, uint lbo, uint sbo) {
   return (ulong)((addr & 0x3FFFFu) >> 4) | ((ulong)(lbo >> 4) << 16) | ((ulong)(sbo >> 4) << 32) |
-         ((ulong)WG_SWIZZLE << 62);
+         ((ulong)1 << 62);
 }
-#if WG_SWIZZLE
 #define SMEM_ALIGN 1024
 // byte offset of chunk CH (16 bytes) of row R_ in a tile of ROWS rows
 #define CHUNK_BYTES(ROWS, R_, CH) (((CH) >> 3) * (ROWS) * 128 + (R_) * 128 + ((((CH) & 7) ^ ((R_) & 7)) << 4))
@@ -201,21 +120,9 @@ inline ulong wg_desc(uint addr, uint lbo, uint sbo) {
 #define DESC_KMAJ(A) wg_desc((A), 16, 1024)
 #define Q_WG_BYTES (64 * 128)           // a warpgroup's first row, in every 64-column block
 #if HEAD_DIM % 64 || ROW_STEP % 8
-#error "WG_SWIZZLE=1 needs HEAD_DIM a multiple of 64 and THREADS / CHUNKS a multiple of 8"
+#error "the swizzled layout needs HEAD_DIM a multiple of 64 and THREADS / CHUNKS a multiple of 8"
 #endif
 #define DESC_NMAJ(A) wg_desc((A), BLOCK_N * 128, 1024)
-#else
-#define SMEM_ALIGN 128
-#define CHUNK_BYTES(ROWS, R_, CH) (((R_) >> 3) * 16 * HEAD_DIM + (CH) * 128 + ((R_) & 7) * 16)
-// chunk c of a tile, in load order: c = r % 8 + 8 (col / 8) + HEAD_DIM (r / 8), at bytes 16 c
-#define CH_ROW(C) (((C) & 7) + 8 * ((C) / (8 * CHUNKS)))
-#define CH_COL(C) (((C) >> 3) % CHUNKS)
-#define ROW_STEP (8 * THREADS / (8 * CHUNKS))
-#define DST_STEP (16 * THREADS)
-#define KSTEP_DESC(KK, ROWS) ((ulong)((KK) * 16))
-#define Q_WG_BYTES TILE_BYTES(64)
-#define VSTEP_DESC(T2) ((ulong)((T2) * HEAD_DIM * 2))
-#endif
 #if !USE_PTX
 // byte offset of element (r, k) of a K-major operand (r along M/N) and of element (k, n) of an
 // N-major one, from a descriptor (no swizzle): core matrices of 8 rows x 16 bytes
@@ -272,18 +179,6 @@ inline void emu_wg_rs(float (*d)[4], int nt_count, const uint *a, __local const 
   }
 }
 #endif
-#if !WG_SWIZZLE
-#if QK_SWAP
-#define DESC_KMAJ(A) wg_desc((A), 16 * HEAD_DIM, 128)
-#else
-#define DESC_KMAJ(A) wg_desc((A), 128, 16 * HEAD_DIM)
-#endif
-#if V_SWAP
-#define DESC_NMAJ(A) wg_desc((A), 128, 16 * HEAD_DIM)
-#else
-#define DESC_NMAJ(A) wg_desc((A), 16 * HEAD_DIM, 128)
-#endif
-#endif
 
 // The hidden keys' inf/NaN v values zeroed for the tensor cores, added back from global memory
 // to the rows that see them (p > 0: inf or NaN stays), as attn_fwd_mma.cl does
@@ -311,9 +206,6 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   __local ELEM sK[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(SMEM_ALIGN)));
   __local ELEM sV[2 * BLOCK_N * HEAD_DIM] __attribute__((aligned(SMEM_ALIGN)));
   __local int v_flag;  // = t + 1 when tile t's V held inf/NaN under hidden keys
-#if WG_PIPE
-  __local ulong mbar[8];  // FULL_K[2], FULL_V[2], EMPTY_K[2], EMPTY_V[2]
-#endif
 #if !USE_PTX
   __local uint scr_all[(THREADS / 32) * 256];
   __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
@@ -401,7 +293,7 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
     UNROLL for (int c = 0; c < 4; c++) sacc[nt][c] = 0.f;
   }
 
-  // ---- one key tile's steps, shared by the two schedules below
+  // ---- one key tile's steps
   // S = Q K^T issued: KSTEPS_QK k-slices of 16 (descriptor steps KSTEP_DESC)
 #if USE_PTX
 #define WG_SS_STEP(KK, DK)                                                                     \
@@ -428,7 +320,6 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
 #define ISSUE_PV(VBUF)                                                                         \
   {                                                                                            \
     const ulong dv0 = DESC_NMAJ(v_addr + (VBUF) * TILE_BYTES(BLOCK_N));                        \
-    PIN_P();                                                                                   \
     WG_FENCE_O(o);                                                                             \
     UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) { WG_RS_STEP(t2, dv0); }                     \
     WG_COMMIT();                                                                               \
@@ -522,29 +413,41 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
     pa[t2][2] = pack2(sacc[2 * t2 + 1][0], sacc[2 * t2 + 1][1]);                               \
     pa[t2][3] = pack2(sacc[2 * t2 + 1][2], sacc[2 * t2 + 1][3]);                               \
   }
-  // WG_PIN_P=1: every P register is final before the fence of the P V chain (an empty asm that
-  // reads and writes them all pins the conversions above it). NVIDIA's compiler otherwise
-  // sinks each k-slice's packing next to its wgmma, and ptxas injects a warpgroup.arrive before
-  // each (its C7519 notes, KSTEPS_PV - 1 of them). Off: pinned, the notes were gone but the
-  // kernel ran 2-10% slower on the H200 (sixth session): the packing of slice t2 overlaps the
-  // products of the slices before it.
-#ifndef WG_PIN_P
-#define WG_PIN_P 0
-#endif
-#if USE_PTX && WG_PIN_P
-#define PIN_P()                                                                                \
-  UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) {                                              \
-    asm volatile("" : "+r"(pa[t2][0]), "+r"(pa[t2][1]), "+r"(pa[t2][2]), "+r"(pa[t2][3]));      \
-  }
-#else
-#define PIN_P()
-#endif
 #define NEED_MASK(N0) (!((N0) >= lo_all && (N0) + BLOCK_N - 1 <= hi_all))
   uint pa[KSTEPS_PV][4];
   float alpha[2];
   int resc = 0;
 
-#include "attn_fwd_wgmma_loop.h"
+  // ---- the key-tile loop: per tile S, wait, softmax, P V, wait; one K/V buffer pair per tile,
+  // the next tile's pair loaded under this tile's math
+  TURNS_BEGIN()
+  for (int t = t_first; t <= t_last; t++) {
+    const int buf = (t - t_first) & 1;
+    // -- tile t (and Q) landed; after the barrier no thread still reads tile t-1's buffer, so
+    // the prefetch of tile t+1 into it overlaps this tile's math
+    CP_WAIT(0);
+    FENCE_ASYNC_SHARED();
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (t < t_last) {
+      LOAD_KV(t + 1, buf ^ 1)
+      CP_COMMIT();
+    }
+    const int n0 = t * BLOCK_N;
+    const bool need_mask = NEED_MASK(n0);
+    // hidden keys' inf/NaN v zeroed for the tensor cores (tiles that hide keys only)
+    int v_bad = 0;
+    if (need_mask) SCAN_HIDDEN_V16(sV + buf * BLOCK_N * HEAD_DIM, HEAD_DIM)
+    IN_TURN(ISSUE_S(buf))
+    WAIT_S();
+    SCORES(n0, need_mask)
+    SOFTMAX_P()
+    RESCALE_O()
+    PACK_P()
+    IN_TURN(ISSUE_PV(buf))
+    WAIT_O();
+    ADD_BACK_HIDDEN_V()
+  }
+  TURNS_END()
   CP_WAIT(0);
 
   // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf

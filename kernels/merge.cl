@@ -5,13 +5,15 @@
  * lse_i[i * l_stride + b * l_sb + s * l_ss + h * l_sh]. Then
  *   lse = log sum_i exp(lse_i),  out = sum_i exp(lse_i - lse) out_i,
  * computed around m = max_i lse_i; states with lse = -inf are skipped (their out is never used), so
- * merging only empty states gives (0, -inf).
+ * merging only empty states gives (0, -inf). Every other state is multiplied in, also where its
+ * weight is NaN or underflows to 0, so NaN / inf from a visible key reaches the result as in
+ * one-shot attention (0 * NaN = NaN).
  *
  * Work-groups of WG work-items: CW columns of one row (grid dimension 0 runs over the row's column
  * chunks), the states split over G = WG / CW groups of work-items (state i goes to group i % G),
  * so that a work-item has few states and issues their loads together: the weighted sum is a
- * round trip or two to memory instead of one per UNROLL states (the decode merge of 64 states
- * took 7.7 us on an H200 with one work-item per column walking all states, third session).
+ * round trip or two to memory instead of one per UNROLL states (one work-item per column
+ * walking all states was several times slower on a GPU, bench/RESULTS.md).
  * Each state's weight exp(lse_i - m) is computed once per work-group into __local (CHUNK states
  * at a time) and shared by its columns; the max and the sum of the weights are reduced in
  * __local in a fixed tree order, and the G partial sums of a column are added in group order, so
@@ -33,6 +35,8 @@
 
 #define CHUNK 256
 #define UNROLL 8
+/* the weight recorded for an empty state: exp() is never negative (NaN compares unequal) */
+#define EMPTY_W (-1)
 
 inline acc_t nan_max2(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 
@@ -87,14 +91,14 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int i = lid; i < n; i += WG) {
             const acc_t li = lses[(i0 + i) * l_stride + loff];
-            w_s[i] = li == NEG_INF ? (acc_t)0 : exp(li - m);
+            w_s[i] = li == NEG_INF ? (acc_t)EMPTY_W : exp(li - m);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         if (c < DV) {
             /* UNROLL unconditional loads issued before their FMAs, so that they are in flight
-             * together (a load under a branch was issued one state at a time: 13 us for 64
-             * states on the H200, run 8). Every partial state is written by attn_fwd (an empty
-             * one as out 0, lse -inf); a state with w = 0 is dropped by a select, never
+             * together (a load under a branch was issued one state at a time). Every partial
+             * state is written by attn_fwd (an empty one as out 0, lse -inf); an empty state
+             * (weight EMPTY_W) is dropped by a select, never
              * multiplied, so whatever its out holds cannot leak. */
             int i = grp;
             for (; i + G * (UNROLL - 1) < n; i += G * UNROLL) {
@@ -103,12 +107,12 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
                     x[u] = LD_IN(outs, (i0 + i + G * u) * o_stride + r * DV + c);
                 for (int u = 0; u < UNROLL; ++u) {
                     const acc_t wi = w_s[i + G * u];
-                    o += wi != 0 ? wi * x[u] : (acc_t)0;
+                    o += wi != EMPTY_W ? wi * x[u] : (acc_t)0;
                 }
             }
             for (; i < n; i += G) {
                 const acc_t wi = w_s[i];
-                if (wi != 0) o += wi * LD_IN(outs, (i0 + i) * o_stride + r * DV + c);
+                if (wi != EMPTY_W) o += wi * LD_IN(outs, (i0 + i) * o_stride + r * DV + c);
             }
         }
     }

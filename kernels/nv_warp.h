@@ -226,9 +226,7 @@ inline int emu_any(int pred, __local uint *scr) {
 // ---------------------------------------------------------------- shared by both kernels
 // Lazy rescaling: (l, O) are rescaled only when a row's running max grows by more than this
 // (log2 units).
-#ifndef RESCALE_THRESH
 #define RESCALE_THRESH 8.0f
-#endif
 // Fold the scale into the exponent (p = 2^(s c - m) as one FMA) when the scores need no other
 // transform and c > 0 (then max(s) c = max(s c)).
 #if SOFTCAP || ALIBI || !SCALE_POS

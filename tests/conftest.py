@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from importlib.metadata import entry_points
 
+import pytest
+
 
 def _entry_point_loads_plugin() -> bool:
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
@@ -18,3 +20,44 @@ def _entry_point_loads_plugin() -> bool:
 
 if not _entry_point_loads_plugin():
     pytest_plugins = ["attnlib.testing.plugin"]
+
+
+# -- the emulation grid ---------------------------------------------------------------------------
+# The NVIDIA kernels' emulated builds (USE_PTX=0 on PoCL) cost 5-30 s each. The default run keeps
+# every kernel variant the library selects by default (each kernel family, dtype and head dim
+# its dispatch takes, the default schedule and shared-memory layout); builds the dispatch never
+# makes by default (other tilings, candidate and off-by-default options, head dims not
+# dispatched) are marked ``emulation_grid``: deselected by the default ``-m`` of pyproject.toml,
+# run by ``python -m pytest -q tests -m emulation_grid`` (a step of .ci/run).
+
+#: (file, test) -> which of its cases are grid: True (all), or a predicate on the case's params
+#: that says True for a grid case
+_GRID = {
+    ("test_nvidia_mma_emulated.py", "test_mma_f32_configs"): True,
+    ("test_nvidia_mma_emulated.py", "test_mma_sched_options"): True,
+    # the candidates closest to the 16-bit defaults (DEFAULT_OPTIONS_16) stay in the default run
+    ("test_nvidia_mma_emulated.py", "test_mma_candidate_options"):
+        lambda p: p.get("name") not in ("kv_split f16 causal", "kv_split+ldsm_bytes f16 dense"),
+    ("test_nvidia_decode_emulated.py", "test_decode_configs"): True,
+    ("test_nvidia_decode_emulated.py", "test_decode_extra_head_dims"): True,
+    # the default build: serial schedule (every option =0), the 128-byte swizzle (WG_SWIZZLE=1,
+    # the default at D = 64 and 128); one key tile in bfloat16 is left to the grid
+    ("test_nvidia_wgmma.py", "test_wgmma_kernel_emulated"):
+        lambda p: (p.get("swizzle", 1) != 1
+                   or any(not o.endswith("=0") for o in p.get("schedule", ()))
+                   or p.get("name") == "plain, one key tile"),
+}
+
+
+def _in_grid(item) -> bool:
+    rule = _GRID.get((item.path.name, getattr(item, "originalname", item.name)))
+    if rule is None or rule is True:
+        return rule is True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return bool(rule(params))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _in_grid(item):
+            item.add_marker(pytest.mark.emulation_grid)

@@ -50,7 +50,7 @@ def _dirty(be, nbytes: int) -> None:
                                                      for s, d in CASES])
 def test_cache_alloc_zeroes_every_byte(be, shape, dtype):
     dtype = np.dtype(DTYPES.get(dtype, dtype))
-    why = be.supports_dtype(dtype)  # None, or why the device cannot (float64 without fp64)
+    why = be.unsupported_dtype_reason(dtype)  # None, or why not (float64 without fp64)
     if why is not None:
         pytest.xfail(why)
     nbytes = int(np.prod(shape)) * dtype.itemsize

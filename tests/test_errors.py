@@ -264,3 +264,27 @@ def test_bad_calls_leave_everything_working():
             case[3]()
     out = attnlib.attention(Q, K, V, backend="numpy")
     assert np.isfinite(out).all()
+
+
+def test_queue_and_backend_that_disagree():
+    """``queue=`` means the opencl backend on that queue: a backend that is another one, or
+    OpenCL on another queue, beside it is an ArgumentError naming both; so is a queue that is
+    not a ``pyopencl.CommandQueue``. Nothing is allocated on the way."""
+    kw = dict(max_batch_size=1, max_seq_len=8, n_kv_heads=1, head_dim=4)
+    with pytest.raises(ArgumentError, match="queue must be a pyopencl.CommandQueue"):
+        attnlib.KVCache(queue="gpu0", **kw)
+    with pytest.raises(ArgumentError, match="queue must be a pyopencl.CommandQueue"):
+        attnlib.to_device(np.ones(3, np.float32), queue=object())
+    cl = pytest.importorskip("pyopencl")
+    if "opencl" not in attnlib.available_backends():  # pragma: no cover - CI has PoCL
+        pytest.skip("no OpenCL device")
+    own = attnlib.get_backend("opencl")
+    queue = cl.CommandQueue(own.context)
+    for backend in ("numpy", "tripwire", own, "opencl"):
+        with pytest.raises(ArgumentError, match="queue= and backend= disagree") as info:
+            attnlib.KVCache(queue=queue, backend=backend, **kw)
+        assert "backend=" in str(info.value)
+        with pytest.raises(ArgumentError, match="queue= and backend= disagree"):
+            attnlib.to_device(np.ones(3, np.float32), queue=queue, backend=backend)
+    with pytest.raises(ArgumentError, match="not a known backend"):
+        attnlib.KVCache(queue=queue, backend="bogus", **kw)

@@ -1,6 +1,6 @@
 """The repeat-call (decode) host path of the OpenCL backend: KVCache repeat entries
-(kv_cache._FastEntry), fast plans (backends/opencl/_fastpath), in-place device tables and kernel
-arguments set only when they changed (_runtime.KernelSlot).
+(kv_cache._FastEntry), the plan cache (backends/opencl/_plan_cache), in-place device tables and
+kernel arguments set only when they changed (_runtime.KernelSlot).
 
 A cached plan must never serve a call whose geometry, strides, dtypes, options, lengths or
 buffers differ: every test warms a key, changes one thing and checks the answer against the
@@ -98,9 +98,9 @@ def _counting_setup(be, seed):
     """The counting tests' cache (float32, 9 of 40 rows filled; no plan or table of another
     test's geometry left over, which could already hold this test's table bytes and save a
     rewrite) and one decode step's q, k, v on the device."""
-    from attnlib.backends.opencl import _attention, _ops
+    from attnlib.backends.opencl import _dispatch, _ops
 
-    _attention._plans.clear()
+    _dispatch.forget_plans()
     _ops._append_plans.clear()
     rng = rng_for(seed)
     b, cap, hq, hkv, d = 1, 40, 4, 2, 16
@@ -118,7 +118,7 @@ def test_decode_steps_follow_every_change(be, dtype):
     _fill(t, rng, b, 17, hkv, d, dtype)
     q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
     t.step(q)
-    t.step(q, fresh=False)  # the repeat entry and the fast plan serve this one
+    t.step(q, fresh=False)  # the repeat entry and the cached plan serve this one
     q0, dq = q, attnlib.to_device(q, backend=be)
     for _ in range(4):  # appends: the lengths change every step
         q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
@@ -208,7 +208,7 @@ def test_errors_after_warm_calls(be):
 
 
 def test_backend_call_with_values_changed_in_place(be):
-    """The fast plan compares the per-sequence values, not the arrays' identities."""
+    """The cached plan compares the per-sequence values, not the arrays' identities."""
     from attnlib.testing.reference import reference_call, seq_call
 
     rng = rng_for("host path in place")
@@ -237,7 +237,7 @@ def test_backend_call_with_values_changed_in_place(be):
 
 @pytest.mark.parametrize("rope", [None, attnlib.RoPE(theta=100.0)])
 def test_threads_share_plans(be, rope):
-    """Caches of one geometry share fast plans and device tables (and, with RoPE, the fused
+    """Caches of one geometry share plans and device tables (and, with RoPE, the fused
     append's plan and position table); threads appending to their own caches at once must each
     get their own answer."""
     rng = rng_for("host path threads", rope is None)
@@ -268,16 +268,16 @@ def emulated_nvidia(monkeypatch):
     """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0). The
     prefill plans are the mma.sync kernel's: the warpgroup-MMA program needs NVIDIA's compiler
     (a build here would fail and put this device on the fallback list for the whole session)."""
-    from attnlib.backends.opencl import _attention, _nvidia_decode, _nvidia_mma
+    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
 
     monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
     monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
     monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
     monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
-    _attention._plans.clear()
+    _dispatch.forget_plans()
     yield _nvidia_decode
-    _attention._plans.clear()
+    _dispatch.forget_plans()
 
 
 def _native_tensor_cores() -> bool:
@@ -390,15 +390,15 @@ def test_dense_front_door_repeat_calls(be, monkeypatch):
 
 
 def test_emulated_tensor_core_prefill_repeat_calls(emulated_nvidia):
-    """attention(q, k, v) on the tensor-core prefill kernel (emulated) through its fast plan:
+    """attention(q, k, v) on the tensor-core prefill kernel (emulated) through its cached plan:
     repeats, new buffers, options and lengths (a varlen call changes the tables)."""
-    from attnlib.backends.opencl import _nvidia_mma
+    from attnlib.backends.opencl import _runtime
 
     be = attnlib.get_backend("opencl")
     rng = rng_for("host path prefill")
     q, k, v = (randn(rng, s, "float16") for s in ((1, 21, 4, 64), (1, 37, 2, 64), (1, 37, 2, 64)))
     dq, dk, dv = (attnlib.to_device(x, backend=be) for x in (q, k, v))
-    before = len(_nvidia_mma._kernels)
+    before = sum(1 for key in _runtime.kernels if "attn_fwd_mma" in key)
     prev = None
     for kw in ({}, {}, {"causal": True}, {"causal": True}, {"softcap": 2.0}):
         got = attnlib.to_numpy(attnlib.attention(dq, dk, dv, **kw)).astype(np.float64)
@@ -407,7 +407,8 @@ def test_emulated_tensor_core_prefill_repeat_calls(emulated_nvidia):
         if prev is not None and kw != prev[0]:
             assert np.abs(got - prev[1]).max() > 4 * TOL["float16"]
         prev = (kw, got)
-    assert len(_nvidia_mma._kernels) > before, "the tensor-core prefill kernel did not run"
+    after = sum(1 for key in _runtime.kernels if "attn_fwd_mma" in key)
+    assert after > before, "the tensor-core prefill kernel did not run"
     k2 = randn(rng, k.shape, "float16")
     got = attnlib.attention(dq, attnlib.to_device(k2, backend=be), dv, causal=True)
     want = attnlib.attention(q, k2, v, backend="numpy", causal=True)
@@ -425,7 +426,7 @@ def _recorded_launches(monkeypatch, module):
     """Replace ``module.launch`` by a recorder of (options, grid, local size, scalar args)."""
     seen = []
 
-    def record(kernels, key, make, name, queue, gsize, lsize, args, **kw):
+    def record(key, make, name, queue, gsize, lsize, args, **kw):
         seen.append((key[-1], tuple(gsize), tuple(lsize),
                      [a if isinstance(a, np.generic) else None for a in args]))
 
@@ -435,11 +436,12 @@ def _recorded_launches(monkeypatch, module):
 
 @pytest.mark.parametrize("kind,splits", [("decode", None), ("decode", 3), ("prefill", None)])
 @pytest.mark.parametrize("causal,softcap", [(True, None), (False, 2.0)])
-def test_fast_plans_launch_what_run_launches(emulated_nvidia, monkeypatch, kind, splits, causal,
-                                             softcap):
-    """The fast plans build the tensor-core kernels' options, grid and scalar arguments
-    themselves: they must equal what ``_nvidia_decode.run`` / ``_nvidia_mma.run`` launch with
-    their defaults for the same call (a default changed in run and not here fails this)."""
+def test_cached_plans_choose_what_run_chooses(emulated_nvidia, monkeypatch, kind, splits, causal,
+                                              softcap):
+    """The plan cache chooses the tensor-core kernels' configuration, PTX or emulation and
+    splits itself (the launch is the families' own plan): the options, grid and scalar
+    arguments must equal what ``_nvidia_decode.run`` / ``_nvidia_mma.run`` launch with their
+    defaults for the same call (a default changed in run and not here fails this)."""
     from attnlib.backends.opencl import _nvidia_decode, _nvidia_mma
     from attnlib.testing.reference import seq_call
 
@@ -458,7 +460,7 @@ def test_fast_plans_launch_what_run_launches(emulated_nvidia, monkeypatch, kind,
     call = seq_call(q, k, v, q_batch=ar, q_row0=0 * ar, q_len=ar * 0 + sq, k_batch=ar,
                     k_row0=0 * ar, k_len=kl, q_pos0=kl - sq, k_pos0=0 * ar, causal=causal,
                     softcap=softcap)
-    be.attention(call)  # the dispatch: a fast plan
+    be.attention(call)  # the dispatch: a cached plan
     be.attention(call)  # its repeat
     if kind == "decode":
         _nvidia_decode.run(be, be.queue, call)
@@ -470,7 +472,7 @@ def test_fast_plans_launch_what_run_launches(emulated_nvidia, monkeypatch, kind,
 
 def test_wrapped_run_is_called(emulated_nvidia, monkeypatch):
     """A bench that wraps ``_nvidia_mma.run`` / ``_nvidia_decode.run`` (probe.py records kernel
-    events that way) still sees every dispatched call, fast plans or not."""
+    events that way) still sees every dispatched call, cached plans or not."""
     from attnlib.backends.opencl import _nvidia_decode, _nvidia_mma
 
     be = attnlib.get_backend("opencl")
@@ -479,7 +481,7 @@ def test_wrapped_run_is_called(emulated_nvidia, monkeypatch):
     for module, sq in ((_nvidia_mma, 24), (_nvidia_decode, 1)):
         q = attnlib.to_device(randn(rng, (1, sq, 4, 64), "float16"), backend=be)
         k = attnlib.to_device(randn(rng, (1, 30, 2, 64), "float16"), backend=be)
-        attnlib.attention(q, k, k, causal=True)  # a fast plan first
+        attnlib.attention(q, k, k, causal=True)  # a cached plan first
         real = module.run
         monkeypatch.setattr(module, "run", lambda *a, _r=real, **kw: calls.append(1)
                             or _r(*a, **kw, use_ptx=False))

@@ -8,13 +8,18 @@ exp, hidden non-finite v inside a partly visible tile, and bitwise determinism.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 pytest.importorskip("numba")
 
 import attnlib  # noqa: E402
-from attnlib.backends import numba_backend as nb  # noqa: E402
+from attnlib.backends.numba_backend import NumbaBackend  # noqa: E402
+from attnlib.backends.numba_backend import _launch as nb  # noqa: E402
 
 
 def _qkv(rng, b, sq, sk, hq, hkv, d, dv=None, dtype=np.float32):
@@ -75,7 +80,7 @@ def test_plan_tasks_split_covers_every_key_once():
     q, k, v = _qkv(rng, 1, 1, 3 * nb.MIN_KEYS_PER_SPLIT + 5, 2, 1, 8)
     calls = []
 
-    class Spy(nb.NumbaBackend):
+    class Spy(NumbaBackend):
         def attention(self, call):
             calls.append(call)
             return super().attention(call)
@@ -171,7 +176,7 @@ def test_half_cache_reads_only_held_rows_and_matches_reference(ring, dtype):
     """16-bit caches are widened only where the call reads (``_narrow_keys``): batch_idx
     subsets, partly filled buffers and a ring read across its wrap give the reference's result."""
     import attnlib
-    from attnlib.backends.numba_backend import _narrow_keys
+    from attnlib.backends.numba_backend._launch import _narrow_keys
 
     rng = np.random.default_rng(11)
     caches = {be: attnlib.KVCache(4, 64, 2, 16, dtype=dtype, ring=ring, backend=be)
@@ -197,20 +202,53 @@ def test_half_cache_reads_only_held_rows_and_matches_reference(ring, dtype):
     np.testing.assert_array_equal(small.k[0], c.k[2, :5])
 
 
+class _MklWithoutJitCode:
+    """MKL as on a CPU it generates no JIT code for (AMD): ``mkl_cblas_jit_create_sgemm``
+    makes its jitter but answers ``MKL_NO_JIT``; every other function is MKL's own."""
+
+    MKL_NO_JIT = 1
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    @property
+    def mkl_cblas_jit_create_sgemm(self):
+        real = self._lib.mkl_cblas_jit_create_sgemm
+
+        def create(*args):
+            real.restype, real.argtypes = create.restype, create.argtypes
+            real(*args)
+            return self.MKL_NO_JIT
+
+        create.restype = create.argtypes = None
+        return create
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_full_tiles_mkl_jit_and_plain_gemm(d, causal, monkeypatch):
-    """Full 256 x 256 tiles (MKL's JIT gemm where MKL is in use, D=64) and the plain-gemm path
-    for the same call both match the reference; edge tiles (rows, keys not a multiple of the
-    block) go through plain gemm either way."""
+@pytest.mark.parametrize("jit", ["as_installed", "mkl_no_jit"])
+def test_full_tiles_with_and_without_mkl_jit(d, causal, jit, monkeypatch):
+    """Full 256 x 256 tiles give the reference's result whichever gemm the kernel gets: MKL's
+    JIT kernels where MKL makes them, plain gemm where it does not (MKL on AMD answers
+    ``MKL_NO_JIT``; OpenBLAS has no JIT). Edge tiles (rows, keys not a multiple of the block) go
+    through plain gemm either way. Both paths agree to float32 rounding."""
+    from attnlib.backends.numba_backend import _blas
+
     rng = np.random.default_rng(d + causal)
     q, k, v = _qkv(rng, 1, nb.BLOCK_M + 40, 3 * nb.BLOCK_N + 17, 4, 2, d)
-    out, _ = _check(q, k, v, causal=causal)
-    jit = nb._jit_kernels(np.dtype(np.float32), nb.BLOCK_M, nb.BLOCK_N, d, d, 2 * d, 2 * d)
-    if nb._blas_name() == "mkl" and d == 64:
-        assert jit[0] and jit[1] and jit[2] and jit[3], jit
-    monkeypatch.setattr(nb, "_jit_kernels", lambda *a: np.zeros(4, np.int64))
+    shape = (np.dtype(np.float32), nb.BLOCK_M, nb.BLOCK_N, d, d, 2 * d, 2 * d)
+    monkeypatch.setattr(_blas, "_jitters", {})
     monkeypatch.setattr(nb, "_plans", {})  # the plan memo holds the JIT kernels
+    if jit == "mkl_no_jit":
+        if _blas.load_mkl() is not None:
+            monkeypatch.setattr(_blas, "_mkl", _MklWithoutJitCode(_blas._mkl))
+        assert not nb._jit_kernels(*shape).any()
+    out, _ = _check(q, k, v, causal=causal)
+    monkeypatch.setattr(nb, "_jit_kernels", lambda *a: np.zeros(4, np.int64))
+    monkeypatch.setattr(nb, "_plans", {})
     plain, _ = _check(q, k, v, causal=causal)
     np.testing.assert_allclose(plain, out, atol=2e-6, rtol=0)
 
@@ -292,3 +330,60 @@ def test_torch_imported_after_the_backend_keeps_its_threads():
     assert threads == alone.stdout.strip(), (alone.stdout, after.stdout)
     if mkl_loaded != "True":
         pytest.skip("MKL did not load here: the case the test is about did not arise")
+
+
+_CACHE_SNIPPET = (
+    "import numpy as np, attnlib\n"
+    "from attnlib.backends.numba_backend import _ops\n"
+    "x = np.random.default_rng(0).standard_normal((37, 300)).astype(np.float32)\n"
+    "got = attnlib.softmax(x, backend='numba')\n"
+    "assert attnlib.__file__.startswith({pkg!r}), attnlib.__file__\n"
+    "assert np.abs(got - attnlib.softmax(x, backend='numpy')).max() < 1e-6\n"
+    "print(len(_ops._softmax_rows_f32.stats.cache_hits))\n"
+)
+
+
+def _read_only_install(tmp_path):
+    """A copy of the package in which nothing can be written next to the sources, even by root
+    (``__pycache__`` of the numba backend is a file): numba's own default place is unusable."""
+    import shutil
+
+    import attnlib
+
+    site = tmp_path / "site"
+    pkg = site / "attnlib"
+    shutil.copytree(os.path.dirname(attnlib.__file__), pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "backends" / "numba_backend" / "__pycache__").write_text("not a directory")
+    return site
+
+
+def _run_cached(site, **env_vars):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "XDG_CACHE_HOME")}
+    env.update(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1", **env_vars)
+    proc = subprocess.run([sys.executable, "-c", _CACHE_SNIPPET.format(pkg=str(site))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return int(proc.stdout.split()[-1])
+
+
+def _cache_files(root):
+    return [p for p in root.rglob("*") if p.suffix in (".nbi", ".nbc")]
+
+
+def test_numba_cache_of_a_read_only_install(tmp_path):
+    """A read-only install caches in the user cache directory ($XDG_CACHE_HOME/attnlib/numba):
+    the second process loads what the first compiled; NUMBA_CACHE_DIR, when set, is where the
+    cache goes instead; with nowhere to write, the backend still runs (compiling each time)."""
+    site = _read_only_install(tmp_path)
+    xdg = tmp_path / "xdg"
+    assert _run_cached(site, XDG_CACHE_HOME=str(xdg)) == 0
+    assert _run_cached(site, XDG_CACHE_HOME=str(xdg)) == 1
+    assert _cache_files(xdg / "attnlib" / "numba") and not _cache_files(site)
+    own = tmp_path / "numba-cache"
+    assert _run_cached(site, XDG_CACHE_HOME=str(xdg), NUMBA_CACHE_DIR=str(own)) == 0
+    assert _cache_files(own)
+    nowhere = tmp_path / "a-file"
+    nowhere.write_text("")
+    assert _run_cached(site, XDG_CACHE_HOME=str(nowhere), HOME=str(nowhere)) == 0
+    assert not _cache_files(site)

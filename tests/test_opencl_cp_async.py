@@ -27,13 +27,13 @@ CASES = [
 
 @pytest.fixture
 def forced_cp_async():
-    from attnlib.backends.opencl import _attention
+    from attnlib.backends.opencl import _attention, _dispatch
 
     _attention.CP_ASYNC_FORCE = True
-    _attention._plans.clear()  # plans hold the staging chosen when they were made
+    _dispatch.forget_plans()  # plans hold the staging chosen when they were made
     yield
     _attention.CP_ASYNC_FORCE = None
-    _attention._plans.clear()
+    _dispatch.forget_plans()
 
 
 @pytest.mark.parametrize("name,dtype,shape,be_opts,opts", CASES, ids=[c[0] for c in CASES])
@@ -44,6 +44,6 @@ def test_cp_async_staging(forced_cp_async, name, dtype, shape, be_opts, opts):
     q, k, v = qkv(rng_for("cp.async", name), b, sq, sk, hq, hkv, d, dv, dtype)
     be = attnlib.get_backend("opencl", **be_opts)
     check_dense(be, q, k, v, **opts)
-    modes = {(cfg.CP_ASYNC, cfg.CP_ASYNC_EMULATE) for plan in _attention._plans.values()
+    modes = {(cfg.CP_ASYNC, cfg.CP_ASYNC_EMULATE) for plan in _attention.plans.values()
              for cfg in plan.cfgs}
     assert modes == {(True, True)}, f"kernel built with (CP_ASYNC, CP_ASYNC_EMULATE) {modes}"

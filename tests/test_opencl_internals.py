@@ -190,8 +190,8 @@ def test_float64_refused_without_fp64(monkeypatch):
     mine = attnlib.get_backend("opencl", tiles=(8, 8, 2, 4))
     monkeypatch.setattr(mine, "facts", mine.facts.__class__(**{**vars(mine.facts),
                                                                "fp64": False}))
-    assert "cl_khr_fp64" in mine.supports_dtype(np.dtype(np.float64))
-    assert mine.supports_dtype(np.dtype(np.float32)) is None
+    assert "cl_khr_fp64" in mine.unsupported_dtype_reason(np.dtype(np.float64))
+    assert mine.unsupported_dtype_reason(np.dtype(np.float32)) is None
     q = np.ones((1, 2, 1, 4))
     with pytest.raises(attnlib.UnsupportedError, match="cl_khr_fp64"):
         attnlib.attention(q, q, q, backend=mine)

@@ -54,7 +54,7 @@ class _Refuses(NumpyBackend):
     def is_available(cls):
         return True
 
-    def supports_dtype(self, dtype):
+    def unsupported_dtype_reason(self, dtype):
         return "this test backend runs no float16" if dtype == np.float16 else None
 
 
@@ -261,14 +261,14 @@ from attnlib.backends.numpy_backend import NumpyBackend
 class NoFp64(NumpyBackend):
     name = "no_fp64"
 
-    def supports_dtype(self, dtype):
+    def unsupported_dtype_reason(self, dtype):
         return "no cl_khr_fp64 here" if dtype.name == "float64" else None
 
 
 class NoFp16(NumpyBackend):
     name = "no_fp16"
 
-    def supports_dtype(self, dtype):
+    def unsupported_dtype_reason(self, dtype):
         return "no half" if dtype.name == "float16" else None
 """
 
@@ -291,3 +291,33 @@ def test_suite_accepts_unsupported_float64_and_nothing_else(tmp_path):
     bad = subprocess.run(base + ["--attnlib-backend", "mypkg_dt:NoFp16"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "3 failed" in bad.stdout, bad.stdout[-2000:]
+
+
+def test_queue_is_short_for_the_opencl_backend_on_that_queue():
+    """SPEC section 4: ``KVCache(queue=q, ...)`` then ``cache.update(k, v, start_pos=0)`` runs as
+    written on the caller's own pyopencl queue: the cache lives in that queue's context, the
+    attention over it gives the reference's result; ``to_device(x, queue=q)`` too, and
+    ``backend=get_backend("opencl", queue=q)`` beside ``queue=q`` is the same choice."""
+    cl = pytest.importorskip("pyopencl")
+    if "opencl" not in attnlib.available_backends():  # pragma: no cover - CI has PoCL
+        pytest.skip("no OpenCL device")
+    from attnlib.testing._helpers import qkv, rng_for
+    from attnlib.testing.reference import reference_attention
+
+    queue = cl.CommandQueue(cl.Context([attnlib.get_backend("opencl").device]))
+    cache = attnlib.KVCache(queue=queue, max_batch_size=1, max_seq_len=2048, n_kv_heads=4,
+                            head_dim=64)
+    assert cache.backend.name == "opencl" and cache.backend.queue is queue
+    assert cache.k.context == queue.context
+    query, k_step, v_step = qkv(rng_for("queue="), 1, 1, 37, 8, 4, 64)
+    cache.update(k_step, v_step, start_pos=0)
+    out, lse = attnlib.attention_with_kvcache(query, cache, return_lse=True)
+    ref, ref_lse = reference_attention(query, k_step, v_step, causal=True)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=0)
+    assert cache.lengths[0] == 37
+    dev = attnlib.to_device(k_step, queue=queue)
+    assert dev.queue is queue and np.array_equal(attnlib.to_numpy(dev), k_step)
+    same = attnlib.KVCache(1, 16, 4, 64, queue=queue,
+                           backend=attnlib.get_backend("opencl", queue=queue))
+    assert same.backend.queue is queue

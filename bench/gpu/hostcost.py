@@ -95,13 +95,13 @@ def _stub_launches():
 
 
 def _emulate_nvidia():
-    from attnlib.backends.opencl import _attention, _nvidia_mma
+    from attnlib.backends.opencl import _dispatch, _nvidia_mma
 
     _nvidia_mma.compute_capability = lambda device: (9, 0)
     # the warpgroup-MMA program needs NVIDIA's compiler (the dispatch would warn and fall back):
     # the emulated prefill case plans the mma.sync kernel
     _nvidia_mma.WGMMA_ON = False
-    _attention._plans.clear()
+    _dispatch.forget_plans()
 
 
 def _dev(rng, shape, be):

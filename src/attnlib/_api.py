@@ -25,41 +25,15 @@ __all__ = [
 ]
 
 
-def _queue_backend(backend: Any, queue: Any) -> Backend:
-    """``queue=`` (SPEC section 4): the OpenCL backend on the caller's ``pyopencl.CommandQueue``
-    (``backend`` itself when it is an OpenCL backend instance on that queue); any other
-    explicit ``backend`` is an ArgumentError."""
-    if backend is not None and not isinstance(backend, (str, Backend)):
-        raise ArgumentError(
-            f"backend must be a name or a backend instance, got {type(backend).__name__}"
-        )
-    if isinstance(backend, Backend):
-        if backend.name == "opencl" and getattr(backend, "queue", None) is queue:
-            return backend
-        raise ArgumentError(
-            f"queue= was given with backend={backend!r}, which is not the OpenCL backend on "
-            "that queue; give one of them"
-        )
-    if isinstance(backend, str) and backend.strip() != "opencl":
-        raise ArgumentError(
-            f"queue= was given with backend={backend!r}; queue= means the OpenCL backend on "
-            "that queue, so give backend='opencl' or leave it out"
-        )
-    return registry.get_backend("opencl", queue=queue)
-
-
 def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None, *,
                  queue: Any = None) -> Backend:
     """The backend for a call. Device arrays under ``"auto"`` choose the backend that owns them;
     an explicit choice is never changed, and a mismatch is an error, not a silent copy.
-    ``queue`` (a ``pyopencl.CommandQueue``) is short for the OpenCL backend on that queue."""
+    ``queue`` (a ``pyopencl.CommandQueue``, for the calls that take ``queue=``: KVCache,
+    PagedKVCache, to_device) is short for ``backend=get_backend("opencl", queue=queue)``;
+    beside it ``backend`` may only be the OpenCL backend on that same queue."""
     if queue is not None:
-        be = _queue_backend(backend, queue)
-        if dtype is not None:
-            reason = be.supports_dtype(np.dtype(dtype))
-            if reason:
-                raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
-        return be
+        backend = _queue_backend(backend, queue)
     choice = registry.current_choice(backend)
     device = [a for a in arrays if _spec.is_device_array(a)]
     if choice is None and device:
@@ -72,9 +46,35 @@ def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None, *,
             "attnlib.to_numpy(x)"
         )
     if dtype is not None:
-        reason = be.supports_dtype(np.dtype(dtype))
+        reason = be.unsupported_dtype_reason(np.dtype(dtype))
         if reason:
             raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
+    return be
+
+
+def _queue_backend(backend: Any, queue: Any) -> Backend:
+    """The OpenCL backend on ``queue``; ArgumentError for a ``queue`` that is not a
+    ``pyopencl.CommandQueue`` or a ``backend`` that is not the OpenCL backend on it."""
+    try:
+        import pyopencl as cl
+    except ImportError:
+        cl = None
+    if cl is None or not isinstance(queue, cl.CommandQueue):
+        raise ArgumentError(
+            f"queue must be a pyopencl.CommandQueue, got {type(queue).__module__}."
+            f"{type(queue).__name__}"
+        )
+    if backend is None:
+        return registry.get_backend("opencl", queue=queue)
+    be = registry.get_backend(backend)
+    on = getattr(be, "queue", None)
+    if be.name != "opencl" or on is None or on.int_ptr != queue.int_ptr:
+        where = "on another queue" if be.name == "opencl" else f"is {be.name!r}"
+        raise ArgumentError(
+            f"queue= and backend= disagree: queue= means the opencl backend on that queue, but "
+            f"backend={backend!r} {where}; pass one of them (backend=attnlib.get_backend("
+            f"'opencl', queue=queue) is the same as queue=queue)"
+        )
     return be
 
 
@@ -138,7 +138,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, soft
             # the backend is resolved every call (use_backend / set_backend may have changed)
             be = hit.be if _resolves_to(backend, hit) else pick_backend(backend, (q, k, v),
                                                                          hit.dtype)
-            if be is hit.be and not be.supports_dtype(hit.dtype):
+            if be is hit.be and not be.unsupported_dtype_reason(hit.dtype):
                 out, lse = _run(be, hit.call(q, k, v, layout))
                 out = _from_bshd(out, layout, be)
                 return (out, lse) if return_lse else out
@@ -389,11 +389,13 @@ def rope(x, positions, *, theta=10000.0, interleaved=False, rotary_dim=None, lay
     return _from_bshd(be.rope(xb, pos, spec), layout, be)
 
 
-def to_device(x, *, backend=None):
-    """Copy a numpy array to the backend's device (numpy backends return it unchanged)."""
+def to_device(x, *, backend=None, queue=None):
+    """Copy a numpy array to the backend's device (numpy backends return it unchanged).
+    ``queue=`` (a ``pyopencl.CommandQueue``) copies to that queue's device, in its order."""
+    be = pick_backend(backend, (), None, queue=queue)
     if not isinstance(x, np.ndarray):
         raise DTypeError(f"x must be a numpy array, got {type(x).__name__}")
-    return registry.resolve_backend(backend).to_device(x)
+    return be.to_device(x)
 
 
 def to_numpy(x):

@@ -14,6 +14,31 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "comma-separated backends the conformance suite runs (pytest plugin)",
     ),
     "PYOPENCL_CTX": ("unset", "pyopencl's device choice, honoured by the opencl backend"),
+    "ATTNLIB_OPENCL_CP_ASYNC": (
+        "unset",
+        "how the portable OpenCL kernel stages K/V tiles: 0 through registers, 1 with NVIDIA's "
+        "cp.async (the default on sm_80+; elsewhere 1 builds the same tile walk with plain "
+        "copies); read at import",
+    ),
+    "ATTNLIB_NV_WGMMA": (
+        "1", "0 keeps Hopper's 16-bit prefill on the mma.sync kernel instead of the warpgroup-MMA "
+        "one; read at import",
+    ),
+    "ATTNLIB_NUMBA_BLAS": (
+        "mkl if usable", "the BLAS the numba backend calls: mkl or openblas"
+    ),
+    "ATTNLIB_NUMBA_MKL_JIT": (
+        "1", "0: the numba backend calls MKL's plain sgemm instead of its JIT kernels"
+    ),
+    "ATTNLIB_NUMBA_NO_TORCH_FIRST": (
+        "unset", "set: the numba backend does not import PyTorch before loading MKL"
+    ),
+
+    "NUMBA_CACHE_DIR": (
+        "$XDG_CACHE_HOME/attnlib/numba (~/.cache/attnlib/numba)",
+        "where the numba backend keeps its compiled kernels (numba's own variable, honoured)",
+    ),
+    "XDG_CACHE_HOME": ("~/.cache", "the user cache directory holding attnlib/numba"),
 }
 
 
@@ -34,3 +59,46 @@ def env_bench_debug() -> bool:
     """ATTNLIB_BENCH_DEBUG set and not empty: ``attnlib bench`` prints the traceback of a case
     that failed (the table shows its one-line error either way)."""
     return bool(os.environ.get("ATTNLIB_BENCH_DEBUG", "").strip())
+
+
+def opencl_cp_async() -> bool | None:
+    """ATTNLIB_OPENCL_CP_ASYNC: True / False when set to 1 / 0, None when unset or empty."""
+    value = os.environ.get("ATTNLIB_OPENCL_CP_ASYNC", "")
+    return value not in ("", "0") if value else None
+
+
+def nv_wgmma() -> bool:
+    """ATTNLIB_NV_WGMMA: False only when it is "0"."""
+    return os.environ.get("ATTNLIB_NV_WGMMA", "1") != "0"
+
+
+def numba_blas() -> str:
+    """ATTNLIB_NUMBA_BLAS, stripped and lower-cased ("" when unset)."""
+    return os.environ.get("ATTNLIB_NUMBA_BLAS", "").strip().lower()
+
+
+def numba_mkl_jit() -> bool:
+    """ATTNLIB_NUMBA_MKL_JIT: False only when it is "0"."""
+    return os.environ.get("ATTNLIB_NUMBA_MKL_JIT", "1") != "0"
+
+
+def numba_no_torch_first() -> bool:
+    """ATTNLIB_NUMBA_NO_TORCH_FIRST: True when set to anything non-empty."""
+    return bool(os.environ.get("ATTNLIB_NUMBA_NO_TORCH_FIRST"))
+
+
+def pyopencl_ctx() -> str:
+    """PYOPENCL_CTX ("" when unset): the opencl backend lets pyopencl choose when it is set."""
+    return os.environ.get("PYOPENCL_CTX", "")
+
+
+def numba_cache_dir() -> str:
+    """The numba backend's on-disk cache: NUMBA_CACHE_DIR when set (numba's own variable),
+    else ``attnlib/numba`` in the user cache directory (XDG_CACHE_HOME, default ~/.cache), so
+    that an install the user cannot write to (a system site-packages) still caches."""
+    value = os.environ.get("NUMBA_CACHE_DIR", "").strip()
+    if value:
+        return value
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
+        os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "attnlib", "numba")

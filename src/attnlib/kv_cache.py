@@ -9,7 +9,6 @@ exactly those ``>= e - max_seq_len``, so ``_lo = max(_lo, e - max_seq_len)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -46,11 +45,13 @@ class KVCache:
     ``(..., head_dim_v)``. ``ring=False``: writing past ``max_seq_len`` raises
     ``CacheOverflowError`` and changes nothing. ``ring=True``: position ``p`` lives in slot
     ``p % max_seq_len``; ``lengths`` keeps counting absolute positions and only the last
-    ``max_seq_len`` are held (sliding-window decoding, as in Mistral).
+    ``max_seq_len`` are held (sliding-window decoding, as in Mistral). ``queue=`` (a
+    ``pyopencl.CommandQueue``) is short for ``backend=attnlib.get_backend("opencl",
+    queue=queue)``: the buffers live in that queue's context and the work is enqueued there.
     """
 
     def __init__(self, max_batch_size, max_seq_len, n_kv_heads, head_dim, *, head_dim_v=None,
-                 dtype="float32", ring=False, backend=None):
+                 dtype="float32", ring=False, backend=None, queue=None):
         self.max_batch_size = _spec.check_int(max_batch_size, "max_batch_size", minimum=1)
         self.max_seq_len = _spec.check_int(max_seq_len, "max_seq_len", minimum=1)
         self.n_kv_heads = _spec.check_int(n_kv_heads, "n_kv_heads", minimum=1)
@@ -59,7 +60,7 @@ class KVCache:
                            else _spec.check_int(head_dim_v, "head_dim_v", minimum=1))
         self.dtype = _spec.parse_dtype(dtype)
         self.ring = _spec.check_bool(ring, "ring")
-        self.backend = pick_backend(backend, (), self.dtype)
+        self.backend = pick_backend(backend, (), self.dtype, queue=queue)
         shape = (self.max_batch_size, self.max_seq_len, self.n_kv_heads)
         self.k = self.backend.cache_alloc(shape + (self.head_dim,), self.dtype)
         self.v = self.backend.cache_alloc(shape + (self.head_dim_v,), self.dtype)
@@ -350,27 +351,13 @@ _CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0"
 
 _COPY_CALL = _frozen_fields_ok()
 
-#: fused appends, by backend class (``module.qualname``, the exact type): ``fn(be, k_buf, v_buf,
-#: k, v, q, rows, start, rope)`` writes the new k (rotated with a RopeSpec ``rope``) and v at
-#: cache rows ``rows`` from positions ``start`` on and returns q rotated at the same positions
-#: (with RoPE q has as many rows as the new tokens) or, without RoPE, q itself; None when it does
-#: not take the call (then it did nothing). A backend's module registers its own (the OpenCL
-#: backend's ``_ops``): one launch instead of three (with RoPE) or two.
-FUSED_APPEND: dict[str, Callable] = {}
-
-
-def _fused_append(be) -> Callable | None:
-    cls = type(be)
-    return FUSED_APPEND.get(f"{cls.__module__}.{cls.__qualname__}")
-
-
 class _FastEntry:
     """What a successful call fixed for its key: the batch, query rows, the new tokens, RoPE,
     and the AttnCall fields that do not depend on the cache's lengths. ``run`` repeats the
     length-dependent checks, and those of ``start_pos`` / ``batch_idx`` values (``_mapped``; a
     failing one hands the call to the full path, which raises the error), and builds the
-    AttnCall from them. A decode step with RoPE goes through the backend's fused append when it
-    has one (FUSED_APPEND)."""
+    AttnCall from them. An append goes through the backend's ``cache_append`` first (one launch
+    on backends that fuse it)."""
 
     __slots__ = ("be", "b", "sq", "n_new", "rope", "need_lse", "fields", "consts", "rows",
                  "fused")
@@ -381,7 +368,7 @@ class _FastEntry:
         self.n_new = None if k is None else int(k.shape[1])
         self.rope, self.need_lse = rope, need_lse
         # an append (with RoPE: q rows = new tokens): the backend's fused append, if any
-        self.fused = (_fused_append(self.be) if self.n_new and (rope is None or self.n_new == sq)
+        self.fused = (self.be.cache_append if self.n_new and (rope is None or self.n_new == sq)
                       else None)
         self.fields = {f: getattr(call, f) for f in (
             "scale", "window_left", "window_right", "softcap", "alibi", "mask_view",
@@ -433,7 +420,7 @@ class _FastEntry:
         q_rot = None
         if n_new:  # everything is checked: only now touch the cache (as _commit does)
             if self.fused is not None:
-                q_rot = self.fused(be, cache.k, cache.v, k, v, q, rows, start, self.rope)
+                q_rot = self.fused(cache.k, cache.v, k, v, q, rows, start, self.rope)
             if q_rot is None:
                 be.cache_write(cache.k, k, rows, start, self.rope)
                 be.cache_write(cache.v, v, rows, start, None)

@@ -95,11 +95,11 @@ def split_kv_decode(be):
 @case
 def cp_async_tile_walks(be):
     # the cp.async staging (NVIDIA only) built with plain copies in cp.async's place
-    from attnlib.backends.opencl import _attention
+    from attnlib.backends.opencl import _attention, _dispatch
 
     rng = rng_for("og cp.async")
     _attention.CP_ASYNC_FORCE = True
-    _attention._plans.clear()
+    _dispatch.forget_plans()
     try:
         split = attnlib.get_backend("opencl", num_splits=3, tiles=(4, 16, 4, 4))
         q, k, v = qkv(rng, 2, 1, 37, 4, 1, 8)
@@ -108,7 +108,7 @@ def cp_async_tile_walks(be):
         check_dense(be, q, k, v, causal=True)
     finally:
         _attention.CP_ASYNC_FORCE = None
-        _attention._plans.clear()
+        _dispatch.forget_plans()
 
 
 @case

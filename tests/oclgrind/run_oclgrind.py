@@ -49,9 +49,27 @@ def oclgrind_env() -> dict[str, str]:
 
 
 def report_blocks(stderr: str) -> list[str]:
-    """Oclgrind's reports: blank-line separated blocks with one of its report lines."""
-    blocks = [b.strip("\n") for b in re.split(r"\n\s*\n", stderr) if b.strip()]
-    return [b for b in blocks if any(REPORT_LINE.search(line) for line in b.splitlines())]
+    """Oclgrind's reports, each whole: a report starts at an unindented line, and its details
+    (kernel, entities, ``At line`` locations) are indented lines, with blank lines between them
+    inside one report (a race report names two entities, each with its location). Blocks that
+    hold none of Oclgrind's report lines (other stderr output) are dropped."""
+    blocks: list[list[str]] = []
+    for line in stderr.splitlines():
+        if line.strip() and not line[0].isspace():
+            blocks.append([line])
+        elif blocks:
+            blocks[-1].append(line)
+    texts = ["\n".join(b).strip("\n") for b in blocks]
+    return [b for b in texts if any(REPORT_LINE.search(line) for line in b.splitlines())]
+
+
+def summary_key(block: str) -> str:
+    """One report's kind for the summary: its first line (less the address), the kernel, and
+    every source location it names."""
+    lines = [ln.strip() for ln in block.splitlines()]
+    where = "; ".join(ln.rstrip(":") for ln in lines if ln.startswith("At line"))
+    kernel = next((ln for ln in lines if ln.startswith("Kernel:")), "")
+    return f"{lines[0].split(' at ')[0].split(' address')[0]} | {kernel} | {where}"
 
 
 def is_harmless(block: str) -> bool:
@@ -78,10 +96,7 @@ def main() -> int:
     bad = [b for b in blocks if not is_harmless(b)]
     kinds: dict[str, int] = {}
     for b in bad:
-        lines = b.splitlines()
-        where = next((ln.strip() for ln in lines if ln.strip().startswith("At line")), "")
-        kernel = next((ln.strip() for ln in lines if ln.strip().startswith("Kernel:")), "")
-        key = f"{lines[0].split(' at ')[0].split(' address')[0]} | {kernel} | {where}"
+        key = summary_key(b)
         if key not in kinds:
             print(b + "\n", file=sys.stderr)  # the first report of each kind in full
         kinds[key] = kinds.get(key, 0) + 1

@@ -168,8 +168,8 @@ class Backend:
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x)
 
-    def supports_dtype(self, dtype: np.dtype) -> str | None:
-        """None if the dtype can run here, else the reason (becomes an UnsupportedError)."""
+    def unsupported_dtype_reason(self, dtype: np.dtype) -> str | None:
+        """Why ``dtype`` cannot run here (the message of an UnsupportedError); None when it can."""
         return None
 
     # ---- primitives ---------------------------------------------------------------------------
@@ -253,6 +253,25 @@ class Backend:
         """``buf[dst_pages[i]] = buf[src_pages[i]]`` for every i (copy-on-write of shared pages;
         int64 numpy arrays, validated, no page both a source and a destination)."""
         raise NotImplementedError
+
+    def cache_append(
+        self,
+        k_buf: Any,
+        v_buf: Any,
+        k: Any,
+        v: Any,
+        q: Any,
+        rows: np.ndarray,
+        start: np.ndarray,
+        rope: RopeSpec | None,
+    ) -> Any:
+        """One decode step's append in fewer launches, where the backend has a way: ``k`` and
+        ``v`` written as two :meth:`cache_write` calls would (k rotated with ``rope``), and the
+        query returned, rotated at positions ``start[b] + s`` with ``rope`` (q has as many rows
+        as the new tokens then), else ``q`` itself. None when the backend does not take the
+        call: then nothing was written and the caller makes the primitive calls. The default
+        takes none."""
+        return None
 
     def cache_read(self, buf: Any) -> np.ndarray:
         """The whole buffer as a numpy array (tests and debugging)."""

@@ -159,9 +159,13 @@ class NumpyBackend(Backend):
             lse = np.where(empty, -np.inf, m + np.log(total))
             wn = w / np.where(empty, 1.0, total)  # (n, B, H, Sq)
             acc = np.zeros(np.shape(outs[0]), dtype=np.float64)
-            for wi, oi in zip(wn, outs):
+            # Only empty states (lse = -inf) are left out, whatever their out holds. A state
+            # whose weight is NaN (a NaN lse) or underflows to 0 is still multiplied in, so
+            # NaN / inf from a visible key reaches the result as in one-shot attention.
+            for wi, li, oi in zip(wn, ls, outs):
                 wt = np.transpose(wi, (0, 2, 1))[..., None]  # (B, Sq, H, 1)
-                acc += np.where(wt > 0, wt * _f64(oi), 0.0)
+                held = np.transpose(li != -np.inf, (0, 2, 1))[..., None]
+                acc += np.where(held, wt * _f64(oi), 0.0)
         return acc.astype(dtype), lse.astype(_acc_dtype(dtype))
 
     def rope(self, x: Any, positions: np.ndarray, spec: RopeSpec) -> np.ndarray:

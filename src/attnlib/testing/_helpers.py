@@ -60,13 +60,13 @@ def kernel_call(q, k, v, opts):
 
 def unsupported_ok(backend, dtype) -> bool:
     """The SPEC lets a backend refuse only float64 (OpenCL devices without cl_khr_fp64), and
-    only when its own ``supports_dtype`` says so."""
+    only when its own ``unsupported_dtype_reason`` says so."""
     import attnlib
 
     dtype = np.dtype(dtype)
     if dtype != np.float64:
         return False
-    return attnlib.get_backend(backend).supports_dtype(dtype) is not None
+    return attnlib.get_backend(backend).unsupported_dtype_reason(dtype) is not None
 
 
 def call_or_unsupported(backend, dtype, fn):

@@ -256,3 +256,58 @@ def test_merge_skips_empty_states_holding_nan(attnlib_backend):
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_allclose(np.asarray(attnlib.to_numpy(lse)), ref_lse, atol=1e-5)
+
+
+#: streamed chunks against one-shot attention over the concatenated keys, where the state's
+#: merge meets non-finite values, chunks a row sees nothing of, and empty chunks:
+#: name -> (Sq, total keys, key cuts, {key: what is poisoned}, key from which k grows x16)
+STREAM_EDGES = {
+    # the key with NaN k and v arrives in the last chunk; rows 4-8 see it
+    "nan key in a later chunk": (9, 40, [0, 10, 33, 40], {35: "kv"}, None),
+    # a NaN state first, then chunks whose scores are far larger (the merge weight of the NaN
+    # state underflows in float32: NaN must survive a zero weight as it does in the reference)
+    "nan k in the first chunk, larger max later": (9, 40, [0, 10, 33, 40], {4: "k"}, 10),
+    "nan v in the first chunk, larger max later": (9, 40, [0, 10, 33, 40], {4: "v"}, 10),
+    # chunks some rows see nothing of, holding NaN / inf where those rows cannot see
+    "all-masked chunks": (12, 40, [0, 29, 30, 34, 40], {38: "k", 35: "v+inf"}, None),
+    # Sq > total keys: rows 0-3 see no key at all (out 0, lse -inf), the last chunk only row 11
+    "rows that see nothing": (12, 8, [0, 3, 8], {7: "v"}, None),
+    "empty chunks": (9, 20, [0, 0, 5, 5, 5, 20, 20], {17: "kv"}, None),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", list(STREAM_EDGES))
+def test_streaming_nonfinite_and_masked_chunks(attnlib_backend, case, dtype):
+    """OnlineAttention fed in chunks gives the float64 one-shot reference's result over all the
+    keys: NaN and inf exactly where the reference has them, whichever chunk brings them."""
+    from attnlib.testing.reference import naive_attention, reference_attention
+
+    sq, sk, cuts, poison, grow = STREAM_EDGES[case]
+    q, k, v = qkv(rng_for("stream edges", case, dtype), 1, sq, sk, 4, 2, 16, dtype=dtype)
+    if grow is not None:
+        # scores of about a hundred, so that the first chunk's merge weight underflows: q and k
+        # on a grid of quarters (k x 16), so that every score is exact in float32 whatever the
+        # order of its sum, and the case is about the merge, not about the scores' rounding
+        q, k = (np.where(x == 0, 0.25, np.round(x.astype(np.float64) * 4) / 4).astype(dtype)
+                for x in (q, k))
+        k[:, grow:] *= 16
+    for key, what in poison.items():
+        if "k" in what:
+            k[:, key, 0, 3] = np.nan
+        if "v" in what:
+            v[:, key, 1, 5] = np.inf if "inf" in what else np.nan
+    kw = dict(causal=True, scale=1.0 if grow else None)
+
+    def run():
+        return _stream(attnlib_backend, q, k, v, cuts, total_keys=sk, **kw).result(
+            return_lse=True)
+
+    res = call_or_unsupported(attnlib_backend, q.dtype, run)
+    if res is None:
+        return
+    out, lse = res
+    ref, ref_lse = reference_attention(q, k, v, **kw)
+    assert np.isnan(ref).any() or np.isinf(ref).any(), "the case poisons a visible key"
+    naive, naive_lse = (None, None) if q.dtype == np.float64 else naive_attention(q, k, v, **kw)
+    check_attention(out, lse, ref, naive, ref_lse, naive_lse)

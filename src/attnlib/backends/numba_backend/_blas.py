@@ -17,6 +17,8 @@ import threading
 
 import numpy as np
 
+from ... import _config
+
 MKL_THREADING_SEQUENTIAL = 1
 
 _lock = threading.Lock()
@@ -52,7 +54,7 @@ def _torch_first() -> None:
     import importlib.util
     import sys
 
-    if "torch" in sys.modules or os.environ.get("ATTNLIB_NUMBA_NO_TORCH_FIRST"):
+    if "torch" in sys.modules or _config.numba_no_torch_first():
         return
     try:
         if importlib.util.find_spec("torch") is not None:
@@ -107,7 +109,7 @@ def gemm(cdt: np.dtype) -> tuple[int, str]:
     hit = _addresses.get(name)
     if hit is not None:
         return hit
-    choice = os.environ.get("ATTNLIB_NUMBA_BLAS", "").strip().lower()
+    choice = _config.numba_blas()
     res = None
     if choice != "openblas":
         lib = load_mkl()
@@ -139,7 +141,7 @@ def jit_sgemm(trans_a: bool, trans_b: bool, m: int, n: int, k: int, lda: int, ld
         return hit
     res = (0, 0)
     if gemm(np.dtype(np.float32))[1] == "mkl" and len(_jitters) < MAX_JITTERS and \
-            os.environ.get("ATTNLIB_NUMBA_MKL_JIT", "1") != "0":
+            _config.numba_mkl_jit():
         lib = _mkl
         create = getattr(lib, "mkl_cblas_jit_create_sgemm", None)  # MKL >= 2019
         if create is None:

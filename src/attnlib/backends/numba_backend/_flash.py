@@ -24,9 +24,11 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from ._cache import njit
 
 # 'nnan' / 'ninf' stay off: -inf marks hidden keys and NaN must propagate from visible ones.
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
@@ -81,7 +83,7 @@ def _call_jit(typingctx, fn, jitter, a, b, c):
     return types.void(fn, jitter, a, b, c), _call_address(4)
 
 
-@njit(cache=True)
+@njit()
 def _gemm(fn, trans_a, trans_b, m, n, kk, alpha, a, lda, b, ldb, beta, c, ldc, bi, bf):
     """Column-major ``C (m x n) = alpha op(A) op(B) + beta C`` through BLAS, on addresses and
     leading dimensions, so tiles are used in place (no copy to a contiguous tile first).
@@ -123,7 +125,7 @@ def _wide_vectors(typingctx):
     return types.void(), codegen
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(fastmath=FASTMATH)
 def _col_max(st, n, nr, m_new):
     """m_new[r] = max(m_new[r], max_j st[j, r]) on the transposed (key-major) score tile.
 
@@ -150,7 +152,7 @@ def _bits_to_f32(typingctx, bits):
     return sig, codegen
 
 
-@njit(cache=True, fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH, inline="always")
 def _pow2(x):
     """``2**x`` for float32 ``x <= 0`` in registers (vectorisable when inlined in a loop):
     ``2**x = 2**k * p(f)``, ``k = rint(x)``, ``f = x - k`` (exact), ``p`` the degree-7 Taylor
@@ -172,7 +174,7 @@ def _pow2(x):
     return np.float32(0.0) if x < np.float32(-126.0) else y
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(fastmath=FASTMATH)
 def _exp2_f32(st, n, nr, mu, l_i):
     """In place ``st = 2**(st - mu[row])`` (scores in log2 units, :func:`_pow2`), ``l_i +=
     column sums``, in one vectorised pass over the tile."""
@@ -185,7 +187,7 @@ def _exp2_f32(st, n, nr, mu, l_i):
             l_i[r] += y
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(fastmath=FASTMATH)
 def _exp_f64(st, n, nr, mu, l_i):
     """In place ``st = exp(st - mu[row])`` (natural units), ``l_i += column sums``."""
     for j in range(n):
@@ -195,7 +197,7 @@ def _exp_f64(st, n, nr, mu, l_i):
             l_i[r] += y
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(fastmath=FASTMATH)
 def _load_rows(src, st, b, row0, nrows, ring, h, dst, width):
     """dst[t*width + d] = row ``row(t)`` of (batch ``b``, kv head ``h``) of the flat key / value
     array ``src`` with element strides ``st`` (batch, row, head); the row wraps at ``ring``
@@ -212,7 +214,7 @@ def _load_rows(src, st, b, row0, nrows, ring, h, dst, width):
             dst[out + d] = row[d]
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def _page_at(table, s, p, n_pages):
     """Pool page of logical page ``p`` of sequence ``s``, clamped into the pool (a device or
     caller table is not trusted: no read outside the pool, whatever it holds)."""
@@ -220,7 +222,7 @@ def _page_at(table, s, p, n_pages):
     return min(max(x, 0), n_pages - 1)
 
 
-@njit(cache=True)
+@njit()
 def _paged_start(table, s, row, n, page_size, n_pages):
     """The pool row (``page * page_size + slot``) where logical rows ``[row, row + n)`` of
     sequence ``s`` start when their pages follow each other in the pool (the tile is then read
@@ -233,7 +235,7 @@ def _paged_start(table, s, row, n, page_size, n_pages):
     return first * page_size + row % page_size
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(fastmath=FASTMATH)
 def _load_paged(src, st, table, s, row0, nrows, page_size, n_pages, h, dst, width):
     """dst[t*width + d] = logical row ``row0 + t`` of sequence ``s`` of the paged pool ``src``
     (flat, element strides ``st``: page, slot, head), kv head ``h``; one table lookup per page."""
@@ -252,7 +254,7 @@ def _load_paged(src, st, table, s, row0, nrows, page_size, n_pages, h, dst, widt
         t += run
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(fastmath=FASTMATH)
 def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap, alibi, mask,
                    full, unit):
     """Score modifiers on the key-major tile ``st[j * nr + r]`` (scores times ``unit``):
@@ -292,7 +294,7 @@ def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap
 WORK_ALIGN = 16  # elements: every scratch tile starts 64-byte aligned (float32)
 
 
-@njit(cache=True)
+@njit()
 def work_layout(block_m, block_n, d_qk, d_v):
     """int64 (12,): start offsets of the kernel's scratch tiles in ``work`` (Q block, K and V
     tile copies, scores, saved scores, O, then m, m_new, shift, l, alpha per row) and, last, the
@@ -307,7 +309,7 @@ def work_layout(block_m, block_n, d_qk, d_v):
     return lay
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(fastmath=FASTMATH)
 def _all_finite(x):
     for i in range(x.shape[0]):
         for d in range(x.shape[1]):
@@ -316,7 +318,7 @@ def _all_finite(x):
     return True
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(nogil=True, fastmath=FASTMATH)
 def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
                   block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit, table,
                   page_size, n_pages, work):
@@ -535,7 +537,7 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     return 0
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(fastmath=FASTMATH)
 def merge_partials(seq, tasks, g, part_o, part_ml, out, lse):
     """Combine the split-key partial states ``(O, m, l)`` of each task, in slot order."""
     d_v = part_o.shape[2]

@@ -17,8 +17,10 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import intrinsic
+
+from ._cache import njit
 
 NEG_INF = -np.inf
 _FM = {"contract", "reassoc", "afn"}
@@ -142,7 +144,7 @@ def _any_nan(a):
     return False
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@njit(parallel=True, fastmath=_FM)
 def _softmax_rows_f32(x, out, lse, block_m, want_p):
     """float32 rows, one read of x: per block of ``_BLOCK`` elements the block max, then
     (against the running max ``m``, rescaling the running sum by exp(m - m') when it grows)
@@ -192,7 +194,7 @@ def _softmax_rows_f32(x, out, lse, block_m, want_p):
                     _scale_f32(out[r, b0:min(b0 + _BLOCK, n)], c)
 
 
-@njit(cache=True, parallel=True)
+@njit(parallel=True)
 def _softmax_rows(x, out, lse, want_p):
     """float64 rows: one streaming pass of online max / sum per row (``m``, ``l`` rescaled by
     exp(m - m')), then, for softmax, one pass writing ``exp(x - m) / l``."""
@@ -252,7 +254,7 @@ def softmax(x: np.ndarray, axis: int, log: bool) -> np.ndarray:
     return np.ascontiguousarray(p.astype(x.dtype, copy=False))
 
 
-@njit(cache=True, parallel=True)
+@njit(parallel=True)
 def _merge_rows(outs, w, live, acc):
     """``acc[b, s, h] = sum_i w[i, b, h, s] * outs[i][b, s, h]`` over the live states, in state
     order (the first live one assigned); rows (b, s) in

@@ -17,9 +17,38 @@ Options (``attnlib.get_backend("opencl", **options)``):
   per product, float32 accumulation (float32-class accuracy by the SPEC's rule);
   ``use_mma=False`` keeps float32 (and float16/bfloat16) on the portable FMA kernels.
 
-Raises :class:`~attnlib.errors.UnsupportedError` (through ``supports_dtype``) for float64 on a
-device without ``cl_khr_fp64`` and :class:`~attnlib.errors.KernelBuildError` when a kernel fails
-to compile (the message holds the options and the build log).
+Raises :class:`~attnlib.errors.UnsupportedError` (through ``unsupported_dtype_reason``) for
+float64 on a device without ``cl_khr_fp64`` and :class:`~attnlib.errors.KernelBuildError` when a
+kernel fails to compile (the message holds the options and the build log).
+
+How a call runs (one path for the first call and every repeat)::
+
+    OpenCLBackend.attention -> _dispatch.attention
+        -> _plan_cache.run        device arrays, no mask / ALiBi: the plan for the call's key
+                                  (made on its first call, reused after), then its launch
+        -> otherwise the family's run (_attention.run, _nvidia_mma.run, _nvidia_decode.run)
+    every launch: the family's plan .enqueue -> _runtime.launch (one kernel-object cache,
+    programs from _runtime.program, the one program cache)
+
+Modules: ``_dispatch`` (:func:`~._dispatch.kernel_family`, the only place that chooses the
+kernel family), ``_plan_cache`` (the repeat-call plans, the portable family's included),
+``_attention`` (portable forward kernel and merge.cl: ``PortablePlan``), ``_nvidia_mma``
+(tensor-core prefill, mma.sync and the choice of wgmma: ``PrefillPlan``), ``_nvidia_wgmma``
+(the wgmma program, built through its PTX), ``_nvidia_decode`` (tensor-core decode:
+``DecodePlan``), ``_nvidia_tables`` (what both take of a call: device tables, buffers,
+scalars), ``_nvidia_plans`` (the tensor-core families' repeat-call plans), ``_ops``
+(softmax, merge_states, rope, the KV-cache writes and ``cache_append``), ``_runtime`` (devices,
+kernel sources, the program and kernel-object caches, launches), ``_pool`` (pooled outputs and
+scratch, device tables), ``_arrays`` (array views and dtype kinds).
+
+Adding a kernel family (e.g. a paged KV cache's attention): a module ``_<family>.py`` with its
+``applicable(device, call)``, a plan class (everything the call's geometry, dtype, options and
+device fix: kernel options, key of the kernel object, grid, the constant arguments) with an
+``enqueue`` method that sets the per-call arguments and calls ``_runtime.launch``, and
+``run(...)`` that makes the plan and enqueues it; then one branch in
+``_dispatch.kernel_family`` and ``_dispatch.attention``, and, for repeat calls without
+per-call planning, a step in ``_plan_cache._derive`` (as ``_nvidia_plans`` does) that keeps the
+plan and launches through the same ``enqueue``.
 """
 
 from __future__ import annotations
@@ -31,10 +60,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..base import AttnCall, Backend, RopeSpec
-from . import _attention, _ops
+from . import _dispatch, _ops, _runtime
 from ._arrays import is_cl_array
-from ._runtime import KernelConfig, ProgramCache, choose_context, has_gpu, is_simulator
-from ._runtime import launch as _runtime_launch
+from ._runtime import KernelConfig, choose_context, has_gpu, is_simulator
 
 __all__ = ["OpenCLBackend"]
 
@@ -52,7 +80,7 @@ class DeviceFacts:
 
 def _local_budget(device: Any) -> int:
     """NVIDIA's OpenCL reports 48 KiB of local memory, yet static __local arrays up to about
-    200 KiB build and run on Hopper (shared/gpu/README.md): allow 160 KiB from sm_90 on."""
+    200 KiB build and run on Hopper: allow 160 KiB from sm_90 on."""
     reported = int(device.local_mem_size)
     try:
         import pyopencl as cl
@@ -133,8 +161,6 @@ class OpenCLBackend(Backend):
         self.tiles = tuple(int(t) for t in tiles) if tiles is not None else None
         self.num_splits = num_splits
         self.use_mma = bool(use_mma)
-        self._programs = ProgramCache()
-        self._kernels: dict[tuple, Any] = {}
 
     # ---- availability -------------------------------------------------------------------------
     @classmethod
@@ -184,7 +210,7 @@ class OpenCLBackend(Backend):
     def to_numpy(self, x: Any) -> np.ndarray:
         return x.get() if is_cl_array(x) else np.asarray(x)
 
-    def supports_dtype(self, dtype: np.dtype) -> str | None:
+    def unsupported_dtype_reason(self, dtype: np.dtype) -> str | None:
         if np.dtype(dtype) == np.float64 and not self.facts.fp64:
             return (
                 f"opencl: float64 needs cl_khr_fp64, which device {self.facts.name!r} lacks; "
@@ -207,18 +233,14 @@ class OpenCLBackend(Backend):
         """Enqueue ``kernel`` of ``filename`` built with ``cfg`` (or its ``options()``, already
         made); returns its event. ``kw``: ``varying`` / ``owner`` of ``_runtime.launch``."""
         opts = cfg if isinstance(cfg, tuple) else cfg.options()
-        return _runtime_launch(self._kernels, (ctx.int_ptr, filename, opts, kernel),
-                               lambda: self._programs.get(ctx, filename, opts), kernel, queue,
+        return _runtime.launch((ctx.int_ptr, filename, kernel, opts),
+                               lambda: _runtime.program(ctx, filename, opts), kernel, queue,
                                gsize, lsize, args, **kw)
 
     # ---- primitives ---------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[Any, Any]:
         with device_errors("attention"):
-            if call.block_table is not None:
-                from . import _paged
-
-                return _paged.attention(self, call)
-            return _attention.attention(self, call)
+            return _dispatch.attention(self, call)
 
     def softmax(self, x: Any, axis: int, log: bool) -> Any:
         with device_errors("softmax"):
@@ -256,16 +278,17 @@ class OpenCLBackend(Backend):
 
     def cache_write_slots(self, buf: Any, src: Any, slot_mapping: np.ndarray,
                           positions: np.ndarray, rope: RopeSpec | None) -> None:
-        from . import _paged
-
         with device_errors("the paged KV-cache append"):
-            _paged.cache_write_slots(self, buf, src, slot_mapping, positions, rope)
+            _ops.cache_write_slots(self, buf, src, slot_mapping, positions, rope)
 
     def copy_pages(self, buf: Any, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
-        from . import _paged
-
         with device_errors("the paged KV-cache page copy"):
-            _paged.copy_pages(self, buf, src_pages, dst_pages)
+            _ops.copy_pages(self, buf, src_pages, dst_pages)
+
+    def cache_append(self, k_buf: Any, v_buf: Any, k: Any, v: Any, q: Any, rows: np.ndarray,
+                     start: np.ndarray, rope: RopeSpec | None) -> Any:
+        with device_errors("the KV-cache append"):
+            return _ops.fused_append(self, k_buf, v_buf, k, v, q, rows, start, rope)
 
     def cache_read(self, buf: Any) -> np.ndarray:
         return buf.get()

@@ -1,27 +1,30 @@
 """The attention primitive on OpenCL: one tiled kernel (kernels/attn_fwd.cl) for dense, varlen,
-streaming chunks and the (ring) KV cache, plus split-KV (flash-decoding) with a merge pass."""
+streaming chunks, the (ring) KV cache and paged K/V pools, plus split-KV (flash-decoding) with a
+merge pass.
+
+Paged calls (``AttnCall.block_table``) build the kernel with ``-DPAGE_SIZE``: each K/V row is
+found through the block table (``KV_ROW`` in the kernel), whose entries the kernel clamps into
+the pool, so a device-resident table is used as given and no read leaves the pool."""
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import _config
 from ...errors import UnsupportedError
 from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
 from ._runtime import KernelConfig
 
-_fast: dict = {}  # the fast plans of _fastpath, dropped with _plans
-
 if TYPE_CHECKING:
     from ..base import AttnCall
     from . import OpenCLBackend
 
-_INT_MAX = 2**31 - 1
+INT_MAX = 2**31 - 1
 _UNBOUNDED = 1 << 40  # a window side that is None
 #: packed query rows (q_len * group) up to which a call takes the decode tiling
 DECODE_ROWS = 8
@@ -49,6 +52,7 @@ class FwdConfig(KernelConfig):
     CP_ASYNC: bool = False  # K/V tiles staged by NVIDIA's cp.async instead of registers
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
     CPU_VEC: int = 0  # CPU devices: one work-item per block, register tiles of 8/16-wide vectors
+    PAGE_SIZE: int = 0  # paged K/V pools: rows found through the block table
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ def choose_tiles(
             cands.insert(0, CPU_VEC_TILES_TALL if rows >= 1024 else CPU_VEC_TILES)
     else:
         cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8), (16, 16, 4, 4), (8, 8, 2, 4)]
-        if d <= 64 and dv <= 64:  # H200 fp32 D=64: 24.6 TFLOP/s vs 18.5 (bench/RESULTS.md)
+        if d <= 64 and dv <= 64:  # faster on the H200 at float32 D=64 (bench/RESULTS.md)
             cands.insert(0, (128, 64, 16, 8))
     for bm, bn, tm, tn in cands:
         if local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget:
@@ -177,16 +181,15 @@ def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | Non
 
 #: ATTNLIB_OPENCL_CP_ASYNC=0/1 forces the K/V staging (A/B runs, tests): on devices without
 #: cp.async, 1 builds with CP_ASYNC_EMULATE (plain copies, the same tile walk)
-CP_ASYNC_FORCE: bool | None = (os.environ["ATTNLIB_OPENCL_CP_ASYNC"] not in ("", "0")
-                               if os.environ.get("ATTNLIB_OPENCL_CP_ASYNC") else None)
+CP_ASYNC_FORCE: bool | None = _config.opencl_cp_async()
 
 
 def cp_async_mode(be: OpenCLBackend, views: list, vec_staging: bool,
                   dtype: np.dtype) -> tuple[bool, bool]:
     """(CP_ASYNC, CP_ASYNC_EMULATE): whether K/V tiles are staged with NVIDIA's cp.async (sm_80+,
     16- or 32-bit storage, vector staging, K/V offsets and strides in whole 4-element chunks so
-    every copy is aligned) instead of through registers. On the H200 (bench/RESULTS.md, third
-    session) it beat registers by 11-13% on decode from 8192 tokens at B=8 and at 131072."""
+    every copy is aligned) instead of through registers: faster on the H200 for decode from long
+    caches (bench/RESULTS.md)."""
     if not vec_staging or dtype == np.float64:
         return False, False
     if CP_ASYNC_FORCE is not None and not _has_cp_async(be):
@@ -207,14 +210,14 @@ def _has_cp_async(be: OpenCLBackend) -> bool:
     return cc is not None and cc[0] >= 8
 
 
-def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
+def descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
     """The kernel's int32 table: 9 fields per sequence, then (sequence, first packed row) per
     work-group column; and the number of those columns. Small tables (every decode step) are
     built from Python ints, which costs ~3 us where numpy's operations on tiny arrays cost ~15."""
     n_seq = call.n_seq
     n_blocks = -(-rows // bm)
     n_groups = int(n_blocks.sum())
-    chi = np.full(n_seq, _INT_MAX) if call.causal_hi is None else call.causal_hi
+    chi = np.full(n_seq, INT_MAX) if call.causal_hi is None else call.causal_hi
     fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
               call.q_pos0, call.k_pos0, chi)
     if 9 * n_seq + 2 * n_groups <= 1024:
@@ -231,7 +234,7 @@ def _descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, 
 
 
 @dataclass
-class _Plan:
+class PortablePlan:
     """What a call's geometry fixes: tiling, kernel configs (no split / split) and the kernel's
     argument list with the per-call slots (q, k, v buffers, descriptor, mask, alibi, outputs)
     left to fill. Decode steps repeat one geometry; the plan is made once for it."""
@@ -239,33 +242,56 @@ class _Plan:
     tiles: tuple[int, int, int, int]
     cfgs: tuple[Any, Any]
     args: list
+    opts: tuple[tuple[str, ...], tuple[str, ...]]  # the build options of cfgs
+    #: what a launch reads of the geometry: (kv heads, Dv, query rows of the array, heads,
+    #: output rows, work-items per group, partial-state bytes per output value, the merge's
+    #: store kinds (in, out) and accumulator kind)
+    geom: tuple
+
+    def enqueue(self, be: OpenCLBackend, queue: Any, args: list, out: Any, lse: Any,
+                n_groups: int, splits: int, owner: Any = None) -> None:
+        """Launch over ``n_groups`` work-group columns with ``splits`` key splits: ``args`` is a
+        copy of :attr:`args` with the call's slots (q, k, v, descriptor, ALiBi, mask) set, and
+        ``out`` / ``lse`` the destination buffers; split partial states go to pooled scratch
+        and merge.cl. ``owner``: the repeat-call plan (one object per split mode) whose launches
+        set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here."""
+        hkv, dv, sq_arr, hq, n_out_rows, nt, item, in_kind, out_kind, acc_kind = self.geom
+        split = splits > 1
+        if split:
+            part_o = _pool.scratch(queue, splits * n_out_rows * dv * item)
+            part_l = _pool.scratch(queue, splits * n_out_rows * item)
+            args[ARG_DST], args[ARG_DST + 1] = part_o, part_l
+        else:
+            args[ARG_DST], args[ARG_DST + 1] = out, lse
+        be.launch(queue.context, queue, "attn_fwd.cl", self.opts[split], "attn_fwd",
+                  (n_groups * nt, hkv, splits), (nt, 1, 1), args, varying=REPEAT_VARYING,
+                  owner=None if owner is None else owner[split])
+        if split:
+            launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
+                         (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
+                         out, lse, in_kind, out_kind, acc_kind)
 
 
-class _PlanDict(dict):
-    """The plans by geometry; clearing it (tests, benches that change a module setting) drops
-    the fast plans made from them too."""
-
-    def clear(self) -> None:
-        super().clear()
-        _fast.clear()
-
-
-_plans: dict[tuple, _Plan] = _PlanDict()
-_PLANS_MAX = 512
-# argument slots the call fills (see _make_plan's argument order)
-_Q, _K, _V, _DESC, _ALIBI, _MASK, _DST = 0, 6, 12, 18, 25, 26, 32
+#: the plans by geometry (``_dispatch.forget_plans`` empties this and the repeat-call cache)
+plans: dict[tuple, PortablePlan] = {}
+PLANS_MAX = 512
+# argument slots the call fills (see make_plan's argument order)
+ARG_Q, ARG_K, ARG_V, ARG_DESC, ARG_ALIBI, ARG_MASK, ARG_DST = 0, 6, 12, 18, 25, 26, 32
+ARG_TABLE = ARG_DST + 6  # paged calls only: table buffer, offset, 2 strides, width, pages
+#: the slots a repeat call's launch changes (the plan cache holds the rest fixed)
+REPEAT_VARYING = (ARG_Q, ARG_K, ARG_V, ARG_DST, ARG_DST + 1)
 
 
-def _plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
+def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
               mask_kind: int) -> tuple:
     return (id(be), queue.int_ptr, call.dtype, call.q.shape, call.n_kv_heads,
             call.head_dim_v, max_rows, call.n_seq, call.ring, call.scale, call.softcap,
-            call.window_left, call.window_right, call.alibi is None, mask_kind,
+            call.window_left, call.window_right, call.alibi is None, mask_kind, call.page_size,
             *((vw.offset, vw.strides) for vw in views))
 
 
-def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
-               mask_kind: int) -> _Plan:
+def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
+               mask_kind: int) -> PortablePlan:
     dtype = call.dtype
     acc = acc_dtype(dtype)
     bq, sq_arr, hq, d = call.q.shape
@@ -284,44 +310,37 @@ def _make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
         CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
-        CPU_VEC=cpu_vec(be.facts, tiles, d, dv, dtype)) for split in (False, True))
+        CPU_VEC=cpu_vec(be.facts, tiles, d, dv, dtype),
+        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0)
+        for split in (False, True))
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
     wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
     i64, i32, f = np.int64, np.int32, acc.type
     n_out_rows = bq * sq_arr * hq
     args: list[Any] = []
-    for view in views:  # slots _Q, _K, _V: buffer, offset, then the four strides
+    for view in views:  # slots ARG_Q, ARG_K, ARG_V: buffer, offset, then the four strides
         args += [None, i64(view.offset), *(i64(s) for s in view.strides)]
     args += [None, i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
              f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
     args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
-    assert len(args) == _DST + 6
-    return _Plan(tiles, cfgs, args)
+    assert len(args) == ARG_TABLE
+    if call.block_table is not None:  # slots ARG_TABLE..: the block table, set per call
+        args += [None] * 6
+    geom = (hkv, dv, sq_arr, hq, n_out_rows, tmh * tnh, acc.itemsize, store_kind(acc),
+            store_kind(dtype), int(acc == np.float64))
+    return PortablePlan(tiles, cfgs, args, tuple(c.options() for c in cfgs), geom)
 
 
-def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
-    res = _fastpath.run(be, call)
-    if res is not None:
-        return res
-    queue = be.queue_for(call.q, call.k, call.v)
+def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
+        max_rows: int) -> tuple[Any, Any]:
+    """``call`` on the portable kernel (``rows``: packed query rows per sequence, ``max_rows``
+    their maximum); numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out."""
     ctx = queue.context
     dtype = call.dtype
     acc = acc_dtype(dtype)
     bq, sq_arr, hq, d = call.q.shape
     hkv, dv = call.n_kv_heads, call.head_dim_v
     n_seq = call.n_seq
-    rows = call.q_len.astype(np.int64, copy=False) * (hq // hkv)
-    max_rows = int(rows.max()) if n_seq else 0
-    if be.use_mma and max_rows > DECODE_ROWS:
-        from . import _nvidia_mma  # NVIDIA tensor cores (sm_80+): fp16/bf16, float32 as 3xTF32
-
-        if _nvidia_mma.applicable(be.device, call):
-            return _nvidia_mma.run(ctx, queue, be.device, call)
-    if be.use_mma and max_rows <= 16:
-        from . import _nvidia_decode  # NVIDIA tensor cores (sm_80+), fp16/bf16 decode
-
-        if _nvidia_decode.applicable(be.device, call):
-            return _nvidia_decode.run(be, queue, call)
     out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
     host = not is_cl_array(call.q)
     # the LSE is written either way; without need_lse it goes to pooled scratch and the call
@@ -337,52 +356,60 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
 
     mask_kind = 0 if call.mask_view is None else (1 if call.mask_kind == "bool" else 2)
     views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
-    key = _plan_key(be, queue, call, views, max_rows, mask_kind)
-    plan = _plans.get(key)
+    key = plan_key(be, queue, call, views, max_rows, mask_kind)
+    plan = plans.get(key)
     if plan is None:
-        plan = _make_plan(be, call, views, max_rows, mask_kind)
-        if len(_plans) >= _PLANS_MAX:
-            _plans.clear()
-        _plans[key] = plan
-    bm, bn, tmh, tnh = plan.tiles
-    desc, n_groups = _descriptor(call, rows, bm)
+        plan = make_plan(be, call, views, max_rows, mask_kind)
+        if len(plans) >= PLANS_MAX:
+            plans.clear()
+        plans[key] = plan
+    bm, bn = plan.tiles[0], plan.tiles[1]
+    desc, n_groups = descriptor(call, rows, bm)
     if n_groups == 0:
         return (out.get(), lse.get()) if host else (out, lse)
     key_tiles = -(-int(call.k_len.max()) // bn)
     splits = choose_splits(be.facts, n_groups * hkv, key_tiles, be.num_splits)
 
     args = plan.args.copy()
-    for slot, view in zip((_Q, _K, _V), views):
+    for slot, view in zip((ARG_Q, ARG_K, ARG_V), views):
         args[slot] = view.buf
-    args[_DESC] = _pool.upload(queue, desc, out)
-    args[_ALIBI] = dummy_buffer(ctx)
+    args[ARG_DESC] = _pool.upload(queue, desc, out)
+    args[ARG_ALIBI] = dummy_buffer(ctx)
     if call.alibi is not None:
-        args[_ALIBI] = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
-    args[_MASK] = dummy_buffer(ctx)
+        args[ARG_ALIBI] = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
+    args[ARG_MASK] = dummy_buffer(ctx)
     if mask_kind:
         mv = call.mask_view
         base = mv[tuple(slice(0, 1) if s == 0 else slice(None) for s in mv.strides)]
         base = base.astype(np.uint8 if mask_kind == 1 else acc)
         mdev = upload(ctx, base)
         strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
-        args[_MASK:_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
-    if splits > 1:
-        part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
-        part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
-        args[_DST:_DST + 2] = [part_o, part_l]
-    else:
-        args[_DST:_DST + 2] = [out.data, lse_buf]
-    nt = tmh * tnh
-    be.launch(ctx, queue, "attn_fwd.cl", plan.cfgs[splits > 1], "attn_fwd",
-              (n_groups * nt, hkv, splits), (nt, 1, 1), args)
-
-    if splits > 1:
-        launch_merge(be, queue, part_o, n_out_rows * dv, part_l, (n_out_rows, sq_arr * hq, hq, 1),
-                     splits, sq_arr, hq, dv, n_out_rows, out.data, lse_buf, store_kind(acc),
-                     store_kind(dtype), int(acc == np.float64))
+        args[ARG_MASK:ARG_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
+    if call.block_table is not None:
+        args[ARG_TABLE:] = table_args(queue, call.block_table, int(call.k.shape[0]), out)
+    plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)
     if host:
         return out.get(), lse.get()
     return out, lse
 
 
-from . import _fastpath  # noqa: E402  (it imports this module's helpers)
+def table_args(queue: Any, table: Any, n_pages: int, keep: Any) -> list:
+    """(buffer, offset, row stride, column stride, width, n_pages) of a paged call's block
+    table: a host table is uploaded as int32; a device table is read in place (int32) or
+    converted on the device (int64), never checked (the kernel clamps what it reads)."""
+    i64, i32 = np.int64, np.int32
+    if is_cl_array(table):
+        if table.dtype != np.int32:
+            table = table.astype(np.int32) if table.flags.c_contiguous else \
+                table.get().astype(np.int32)
+    else:
+        table = np.ascontiguousarray(table, np.int32)
+    width = int(table.shape[1])
+    if width == 0 or table.shape[0] == 0:  # no sequence holds a key: never read
+        table, width = np.zeros((1, 1), np.int32), 1
+    if is_cl_array(table):
+        view = device_view(queue.context, table)
+        buf, off, st = view.buf, view.offset, view.strides
+    else:
+        buf, off, st = _pool.upload(queue, table, keep), 0, (width, 1)
+    return [buf, i64(off), i64(st[0]), i64(st[1]), i32(width), i32(n_pages)]

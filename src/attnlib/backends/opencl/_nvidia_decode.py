@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..base import AttnCall
-from . import _nvidia_mma, _pool
+from . import _nvidia_mma, _nvidia_tables, _pool
 from ._arrays import is_cl_array, store_kind
 from ._attention import launch_merge
 from ._runtime import launch
@@ -36,32 +36,29 @@ __all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEF
 #: head dims (D == Dv) the dispatch sends to the kernel
 HEAD_DIMS = (64, 128)
 #: head dims the kernel also builds for and passes the emulated tests with, not dispatched until
-#: checked on the device (bench/gpu/decode_check.py --extra-dims)
+#: checked on the device
 EXTRA_HEAD_DIMS = (32, 96, 256)
 #: packed query rows (q_len * group) of one sequence the kernel takes: one m16 tile
 MAX_ROWS = 16
 #: (BLOCK_N, WARPS, STAGES) per head dim. D=128: 128-key tiles, 4 warps of 32 keys, 2 buffers
-#: (144 KB of local memory, 221 registers), the fastest of H200 run 5 (bench/RESULTS.md, third
-#: session) with the fused merge: 23.1 / 81.7 / 143.7 us at B=1/8192, B=8/8192, B=1/131072
-#: (32 q / 8 kv heads, fp16; (64,4,3): 23.8 / - / 149.2). D=64 and the rest: not swept.
+#: (144 KB of local memory, 221 registers), the fastest on the H200 with the fused merge
+#: (bench/RESULTS.md). D=64 and the rest: not swept.
 DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
                    32: (64, 4, 4), 96: (48, 3, 4), 256: (64, 4, 2)}
-#: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch). H200
-#: run 5: 25.1 -> 23.8 us at B=1/8192 (default tiling then), 87.2 -> 81.7 at B=8, 146.7 -> 143.7
-#: at 131072; every check case correct with it
+#: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch; faster
+#: on the H200, bench/RESULTS.md)
 FUSED_MERGE = True
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
-#: tests only: the dispatch's repeat-call path (``fast_step``) builds the emulated kernel
+#: tests only: the plan cache (``_nvidia_plans``) builds the emulated kernel
 #: (USE_PTX=0) instead of the PTX one, so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
 SM_LOCAL_BYTES = 227 * 1024
-_DTYPES = (np.dtype(np.float16), _nvidia_mma._BF16)
+_DTYPES = (np.dtype(np.float16), _nvidia_mma.BF16)
 _F32 = np.dtype(np.float32)
 
 _lock = threading.Lock()
-_kernels: dict[tuple, Any] = {}
 _counter_bufs: dict[tuple, Any] = {}
 
 
@@ -81,7 +78,7 @@ def applicable(device: Any, call: AttnCall, head_dims: tuple = HEAD_DIMS) -> boo
         return False
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
         return False
-    return all(_nvidia_mma._array_ok(x) for x in (call.q, call.k, call.v))
+    return all(_nvidia_mma.array_ok(x) for x in (call.q, call.k, call.v))
 
 
 def local_bytes(head_dim: int, config: tuple) -> int:
@@ -97,7 +94,7 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
     block_n, warps, stages = config
     return (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_N={block_n}", f"-DWARPS={warps}",
-        f"-DSTAGES={stages}", f"-DIS_BF16={int(np.dtype(dtype) == _nvidia_mma._BF16)}",
+        f"-DSTAGES={stages}", f"-DIS_BF16={int(np.dtype(dtype) == _nvidia_mma.BF16)}",
         f"-DSOFTCAP={int(softcap)}", f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}",
         f"-DSPLIT={int(split)}", f"-DUSE_PTX={int(use_ptx)}", f"-DFUSED_MERGE={int(fused)}",
     )
@@ -107,7 +104,7 @@ def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
                    fused: bool | None = None) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel with ``splits`` key splits, and whether the splits
     are merged in the kernel (``fused``, default FUSED_MERGE, where the buffers hold them): the one
-    place for :func:`run` and the repeat-call plans of ``_fastnv``."""
+    place for :func:`run` and the repeat-call plans of ``_nvidia_plans``."""
     d = call.head_dim
     fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
         d, config, splits)
@@ -129,8 +126,8 @@ def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
     a wave being one work-group per resident slot (work-groups per SM by local memory, at most
     4); ties go to fewer splits (less merging), each split keeps at least MIN_TILES_PER_SPLIT
     tiles. A partial last wave costs a whole one here: the kernel is memory bound only while
-    enough work-groups keep loads in flight. H200 (132 SMs, 2 slots each at D=128): B=1 / 8 kv
-    heads / 131072 keys 33 splits (264 groups), B=8 / 8192 keys 4 (256 groups, not 5 = 320)."""
+    enough work-groups keep loads in flight. E.g. 132 SMs with 2 slots each: B=1 / 8 kv heads /
+    131072 keys 33 splits (264 groups), B=8 / 8192 keys 4 (256 groups, not 5 = 320)."""
     per_cu = max(1, min(4, SM_LOCAL_BYTES // local_bytes(head_dim, config)))
     target = compute_units * per_cu
     if pairs >= target or key_tiles < 2 * MIN_TILES_PER_SPLIT:
@@ -143,7 +140,12 @@ def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
     return best
 
 
-def _counters(ctx: Any, queue: Any, n: int) -> Any:
+def kernel_key(ctx: Any, device: Any, opts: tuple[str, ...]) -> tuple:
+    """The key of the decode kernel's object built with ``opts`` (``_runtime.launch``)."""
+    return (ctx.int_ptr, device.int_ptr, "attn_decode_mma", opts)
+
+
+def counters(ctx: Any, queue: Any, n: int) -> Any:
     """A zeroed uint buffer of >= n counters per queue (the kernels leave it zeroed; launches
     of one in-order queue never overlap)."""
     import pyopencl as cl
@@ -156,6 +158,63 @@ def _counters(ctx: Any, queue: Any, n: int) -> Any:
             cl.enqueue_fill_buffer(queue, buf, np.zeros(1, np.uint32), 0, buf.size)
             _counter_bufs[key] = buf
     return buf
+
+
+#: the decode kernel's per-call argument slots: q, k, v, out, lse, partial outputs, partial LSEs
+CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6)
+
+
+class DecodePlan:
+    """A decode launch for one (splits, work-group columns) without its per-call arguments:
+    options, kernel key, grid, and the arguments the call's geometry fixes after the
+    :data:`CALL_SLOTS` (the tables ``tile_buf`` and ``seq_buf``, ALiBi, the fused merge's
+    counters, offsets and strides, sizes, scalars). :func:`run` and the repeat-call plans
+    (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
+
+    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare")
+
+    def __init__(self, queue: Any, device: Any, call: AttnCall, config: tuple, splits: int,
+                 n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any, seq_buf: Any,
+                 alibi_buf: Any, geometry: list, scalars: list) -> None:
+        ctx = queue.context
+        bq, sq_arr, hq, _ = call.q.shape
+        hkv = call.k.shape[2]
+        opts, fused = kernel_options(call, config, splits, use_ptx, fused)
+        counter_buf = counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
+        threads = 32 * config[1]
+        i64, i32 = np.int64, np.int32
+        self.args = [None] * len(CALL_SLOTS) + [
+            tile_buf, seq_buf, alibi_buf, counter_buf, *geometry, i32(sq_arr), i32(hq),
+            i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars]
+        self.key = kernel_key(ctx, device, opts)
+        self.make = lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
+        self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
+        self.fused, self.splits, self.spare = fused, splits, alibi_buf
+
+    def enqueue(self, be: Any, queue: Any, call: AttnCall, q: Any, k: Any, v: Any, out: Any,
+                lse: Any, owner: Any = None) -> list:
+        """The launch (then merge.cl's when the splits are not merged by the kernel) into the
+        buffers ``out`` and ``lse``; their events. ``owner``: the repeat-call plan whose
+        launches set only the call slots."""
+        bq, sq_arr, hq, d = call.q.shape
+        n_out_rows = bq * sq_arr * hq
+        splits, fused, spare = self.splits, self.fused, self.spare
+        args = self.args.copy()
+        args[0], args[1], args[2] = q, k, v
+        if splits > 1:
+            part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
+            part_l = _pool.scratch(queue, splits * n_out_rows * 4)
+            args[3:7] = [out if fused else spare, lse if fused else spare, part_o, part_l]
+        else:
+            args[3:7] = [out, lse, spare, spare]
+        evts = [launch(self.key, self.make, "attn_decode_mma", queue, self.grid, self.local,
+                       args, varying=CALL_SLOTS if owner is not None else None, owner=owner)]
+        if splits > 1 and not fused:
+            evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
+                                     (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
+                                     n_out_rows, out, lse, store_kind(_F32),
+                                     store_kind(call.dtype), 0))
+        return evts
 
 
 def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
@@ -174,7 +233,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     ctx, device = queue.context, be.device
     d = call.head_dim
     config = tuple(config or DEFAULT_CONFIGS[d])
-    block_n, warps = config[0], config[1]
+    block_n = config[0]
     if use_ptx is None:
         use_ptx = _nvidia_mma.compute_capability(device) is not None
     dtype = call.dtype
@@ -186,7 +245,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     lse = _pool.empty(queue, lse_shape, np.float32)
     # one work-group column per sequence with query rows (the prefill kernel's tables with a
     # 16-row block: first rows all 0, heaviest sequences first)
-    seq_buf, tile_buf, n_cols = _nvidia_mma._tables_on_device(ctx, call, MAX_ROWS, block_n)
+    seq_buf, tile_buf, n_cols = _nvidia_tables.tables_on_device(ctx, call, MAX_ROWS, block_n)
     if n_cols and hq:
         if splits is None:
             splits = be.num_splits
@@ -194,39 +253,18 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
             key_tiles = -(-int(np.max(call.k_len)) // block_n)
             splits = choose_splits(be.facts.compute_units, n_cols * hkv, key_tiles, d, config)
         splits = max(1, int(splits))
-        opts, fused = kernel_options(call, config, splits, use_ptx, fused)
-        alibi_buf, bufs, geometry, scalars = _nvidia_mma.kernel_inputs(ctx, call)
-        i64, i32 = np.int64, np.int32
-        n_out_rows = bq * sq_arr * hq
-        if splits > 1:
-            part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
-            part_l = _pool.scratch(queue, splits * n_out_rows * 4)
-            dst = [out.base_data if fused else alibi_buf, lse.base_data if fused else alibi_buf,
-                   part_o, part_l]
-        else:
-            dst = [out.base_data, lse.base_data, alibi_buf, alibi_buf]
-        counters = _counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
-        threads = 32 * warps
-        args = [*bufs, *dst, tile_buf, seq_buf, alibi_buf, counters, *geometry,
-                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), i64(n_out_rows), *scalars]
-        evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, opts),
-                     lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl"),
-                     "attn_decode_mma", queue,
-                     (n_cols * threads, hkv, splits), (threads, 1, 1), args)
-        evts = [evt]
-        if splits > 1 and not fused:
-            evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
-                                     (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
-                                     n_out_rows, out.base_data, lse.base_data,
-                                     store_kind(_F32), store_kind(dtype), 0))
+        alibi_buf, bufs, geometry, scalars = _nvidia_tables.kernel_inputs(ctx, call)
+        plan = DecodePlan(queue, device, call, config, splits, n_cols, use_ptx, fused, tile_buf,
+                          seq_buf, alibi_buf, geometry, scalars)
+        evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data)
         for e in evts:
             out.add_event(e)
             lse.add_event(e)
         if events is not None:
             events.extend(evts)
-    return _nvidia_mma.results(queue, out, lse, is_dev)
+    return _nvidia_tables.results(queue, out, lse, is_dev)
 
 
-#: the dispatch's fast plans (_fastnv) launch this kernel themselves; a bench that wraps ``run``
-#: (bench/gpu/probe.py records its events) makes them hand the call to ``run`` instead
+#: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``
+#: (to record its events) makes them hand the call to ``run`` instead
 run._attnlib_original = True  # type: ignore[attr-defined]

@@ -14,35 +14,33 @@ float16/bfloat16 run ``mma.sync.m16n8k16`` with float32 accumulators. float32 ru
 (``-DIS_TF32=1``, kernels/attn_fwd_mma_tf32.h): every operand of Q K^T and P V is split as
 hi + lo in tf32 (``cvt.rna``), and each product takes three ``mma.sync.m16n8k8`` tf32
 (lo*hi + hi*lo + hi*hi) with float32 accumulators, at about a third of the tf32 tensor-core
-rate. For float32-class accuracy (the SPEC's rule against float64) the tensor cores only sum
-short runs from zero (S: one 8-wide k-step, O: one key tile) that are added to S and O in float32
-with round-to-nearest: a chain of mma accumulations (which truncate) over all of D or all keys
-took S's error to several times that of the float32 reference at scores of tens (emulated:
-err/tol 2.25 at scale 1, D=128, against 0.48 now). The backend option ``use_mma=False`` (or
-:data:`F32_ON` = False, float32 only) keeps float32 on the portable float32 FMA kernel.
+rate. For float32-class accuracy (the contract's rule against float64) the tensor cores only
+sum short runs from zero (S: one 8-wide k-step, O: one key tile) that are added to S and O in
+float32 with round-to-nearest: a chain of mma accumulations (which truncate) over all of D or all
+keys takes S's error to several times that of the float32 reference at scores of tens. The
+backend option ``use_mma=False`` (or :data:`F32_ON` = False, float32 only) keeps float32 on the
+portable float32 FMA kernel.
 
 Hidden keys contribute nothing even when their k or v hold inf/NaN (SPEC): keys hidden from every
 row of a work-group are never read; in tiles that hide keys from only some rows, the kernel zeroes
-non-finite v values for the tensor-core product and adds them back to the rows that see them
-(``-DHIDDEN_NONFINITE=0`` drops that handling). On an H200 the version without it was measured;
-the handling itself was checked through the emulated kernel only (bench/RESULTS.md).
+non-finite v values for the tensor-core product and adds them back to the rows that see them.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
-from collections import OrderedDict
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from ... import _config
 from ..base import AttnCall
 from . import _pool
 from ._arrays import is_cl_array
-from ._runtime import KernelBuildError, build_program, kernel_source, launch
+from ._nvidia_tables import kernel_inputs, results, tables_on_device
+from ._runtime import KernelBuildError, launch, program
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
            "default_config", "build_options", "kernel_options"]
@@ -53,36 +51,24 @@ HEAD_DIMS = (64, 128)
 #: (bench/RESULTS.md); 4 warps x 32 rows, 2 work-groups per SM (registers: 246-255 per thread)
 DEFAULT_CONFIGS = {64: (128, 64, 4, 1), 128: (128, 64, 4, 0)}
 #: float32 (3xTF32), same fields; Q_IN_REGS 0: Q in local memory, split every tile, 1: its tf32
-#: hi and lo in registers, 2: hi in registers, lo in local memory. The fastest of the H200
-#: sweeps (kernel time; bench/RESULTS.md, third session): D=64 (run 3, commit 20edf73) 41.7 / 33.4
-#: TFLOP/s (causal), 1.23 / 1.15x PyTorch's efficient fp32; D=128 (run 4, commit 85d5197, two
-#: m-tiles per warp, TF32_SPLIT=1) 51.3-52.1 / 37.2-40.5, 1.15 / 0.93-0.95x (with (128,32,8,0):
-#: 34.4 / 29.6). Local memory 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and 203 KiB.
+#: hi and lo in registers, 2: hi in registers, lo in local memory. The fastest of the H200 sweeps
+#: (bench/RESULTS.md); D=128 runs two m-tiles per warp. Local memory
+#: 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and 203 KiB.
 DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
 #: grid order (kernel -DHEADS_INNER): False: (tile, head) on dimensions 0, 1, so only each
 #: head's row of the grid runs heaviest tile first; True: one dimension, tile * n_heads + head,
-#: every head of the heaviest tile first (longest-first over the whole grid; a model of the
-#: causal tail wave predicted 1.86 -> 1.53 ms at (4,16,2048,128) on the H200)
+#: every head of the heaviest tile first (longest-first over the whole grid: a shorter causal
+#: tail wave)
 HEADS_INNER = False
 #: Causal calls run HEADS_INNER and -DWARP_SKIP=1 (a warp skips key tiles none of its rows sees),
-#: float32 only at the head dims listed here. H200 (bench/RESULTS.md, third session): float32
-#: D=128 causal (run 5) 1.866 -> 1.498 ms at (4,16,2048) and 6.786 -> 5.338 at (1,16,8192),
-#: 1.13 / 1.18x PyTorch's efficient; fp16/bf16 causal (run 7) +5% to +20% (1,16,8192,128:
-#: 251 -> 301 TFLOP/s), outputs bit-identical; not causal they lost up to 10% (D=64) and stay
-#: off. float32 D=64 was not measured with them.
+#: float32 only at the head dims listed here: faster on the H200 for causal calls, slower for
+#: the others (bench/RESULTS.md); outputs bit-identical.
 F32_SCHEDULED = (128,)
 #: Kernel options of the 16-bit kernel per (head dim, causal), added when ``run`` is not given
-#: ``extra_options``: the fastest of H200 run 3 of the fourth session (``bench/gpu/cand16.py``,
-#: fp16, kernel events, TFLOP/s at (1,16,8192,128) / (1,32,16384,128) / (4,16,2048,128), and
-#: (4,16,2048,64); outputs bit-identical to the default build but for SOFTMAX_PIPE's few ulps):
-#: D=128 not causal LDSM_BYTES (ldmatrix at per-thread byte addresses + constants)
-#: 306.7 / 310.6 / 291.8 -> 333.8 / 325.6 / 317.7; D=128 causal KV_SPLIT_STAGES (FA2's one-K,
-#: one-V-buffer schedule) 301.6 / 312.6 / 256.4 -> 309.1 / 320.5 / 265.2; D=64 causal
-#: SOFTMAX_PIPE + LDSM_BYTES (the next half tile's S issued with this one's softmax; it refuses
-#: WARP_SKIP) 231.0 -> 254.5. Run 5 (same script, fp16): D=128 causal LDSM_BYTES +
-#: KV_SPLIT_STAGES together (no spill, where each alone spills or gains less) 298.6 / 314.3 /
-#: 255.1 -> 323.3 / 346.7 / 276.7; D=64 not causal KV_SPLIT_STAGES 290.7 -> 297.7 (+2%, as in
-#: run 3; bit-identical); D=128 not causal LDSM_BYTES 335.5 / 328.3 / 316.1 again.
+#: ``extra_options``: the fastest on the H200 (bench/RESULTS.md; outputs bit-identical to the
+#: plain build but for SOFTMAX_PIPE's few ulps). LDSM_BYTES: ldmatrix at per-thread byte
+#: addresses plus constants; KV_SPLIT_STAGES: FA2's one-K, one-V-buffer schedule; SOFTMAX_PIPE:
+#: the next half tile's S issued with this one's softmax (it refuses WARP_SKIP).
 DEFAULT_OPTIONS_16 = {
     (128, False): ("-DLDSM_BYTES=1",),
     (128, True): ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
@@ -91,38 +77,22 @@ DEFAULT_OPTIONS_16 = {
 }
 #: Hopper (compute capability 9.0): float16/bfloat16 run kernels/attn_fwd_wgmma.cl (warpgroup
 #: MMA through the PTX rewrite of _nvidia_wgmma) when True; (WGS, BLOCK_N) per head dim
-#: (BLOCK_M = 64 WGS query rows, 128 WGS threads), the serial schedule on the 128-byte-swizzle
-#: layouts, with the two warpgroups' products in ping-pong at D >= 128 (the kernel's defaults).
-#: H200, sixth session, run 8 (bench/RESULTS.md; kernel events, the same run as PyTorch):
-#: fp16/bf16 D=128 430-492 TFLOP/s against this module's mma.sync kernel 276-347 and PyTorch's
-#: flash 221-351 (1.33-1.70x flash; cuDNN 367-640); D=64 (2, 64) 294-352 against 252-300 and
-#: flash 195-236. The no-swizzle layout of the fifth session ran at 74-83% of
-#: mma.sync: its ablations showed the K/V reloads, not the softmax, holding it (bank conflicts of
-#: the GEMMs' shared-memory reads behind the loads' barrier). ATTNLIB_NV_WGMMA=0 (before import)
-#: turns it off, e.g. to compare with the mma.sync kernel.
-WGMMA_ON = os.environ.get("ATTNLIB_NV_WGMMA", "1") != "0"
+#: (BLOCK_M = 64 WGS query rows, 128 WGS threads), the 128-byte-swizzle layouts, the two
+#: warpgroups' products in ping-pong at D >= 128 (bench/RESULTS.md compares it with the mma.sync
+#: kernel and PyTorch). ATTNLIB_NV_WGMMA=0 (before import) turns it off, e.g. to compare with the
+#: mma.sync kernel.
+WGMMA_ON = _config.nv_wgmma()
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
-#: -D options the dispatch adds to every wgmma build (e.g. -DWG_OVERLAP=1, the overlapped
-#: schedule); the environment variable ATTNLIB_NV_WGMMA_OPTS (space-separated) sets them
-WGMMA_OPTIONS = tuple(os.environ.get("ATTNLIB_NV_WGMMA_OPTS", "").split())
-SEQ_FIELDS = 9
-_BIG = 1 << 40  # an unbounded side of the visible key range
-_LOG2E = 1.4426950408889634
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 #: float32 through 3xTF32 on sm_80+ (False: float32 stays on the portable kernel)
 F32_ON = True
-#: tests only: the dispatch's repeat-call path (``fast_step``) builds the emulated kernel
+#: tests only: the plan cache (``_nvidia_plans``) builds the emulated kernel
 #: (USE_PTX=0), so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
-_DTYPES = (np.dtype(np.float16), _BF16, _F32)
+_DTYPES = (np.dtype(np.float16), BF16, _F32)
 
 _lock = threading.Lock()
-_programs: dict[tuple, Any] = {}
-_kernels: dict[tuple, Any] = {}  # kernel objects, see _runtime.launch
-#: device tables, by the values they are made from (see _tables_on_device); the last _MEMO_MAX
-_memo: OrderedDict[tuple, Any] = OrderedDict()
-_MEMO_MAX = 256
 
 
 _cc_memo: dict[int, tuple[int, int] | None] = {}
@@ -151,7 +121,7 @@ def _query_cc(device: Any) -> tuple[int, int] | None:
         return None
 
 
-def _array_ok(x: Any) -> bool:
+def array_ok(x: Any) -> bool:
     """Device arrays are read in place: unit last stride, 16-byte aligned rows and start."""
     if not is_cl_array(x):
         return True
@@ -175,7 +145,7 @@ def applicable(device: Any, call: AttnCall) -> bool:
         return False
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
         return False
-    return all(_array_ok(x) for x in (call.q, call.k, call.v))
+    return all(array_ok(x) for x in (call.q, call.k, call.v))
 
 
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
@@ -185,7 +155,7 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
     return (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
         f"-DWARPS={warps}", f"-DQ_IN_REGS={int(q_in_regs)}",
-        f"-DIS_BF16={int(np.dtype(dtype) == _BF16)}",
+        f"-DIS_BF16={int(np.dtype(dtype) == BF16)}",
         f"-DIS_TF32={int(np.dtype(dtype) == _F32)}", f"-DSOFTCAP={int(softcap)}",
         f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}", f"-DUSE_PTX={int(use_ptx)}",
     ) + (("-DHEADS_INNER=1",) if heads_inner else ())
@@ -199,139 +169,9 @@ def default_config(dtype: Any, head_dim: int) -> tuple:
 
 def get_program(ctx: Any, device: Any, options: tuple[str, ...],
                 filename: str = "attn_fwd_mma.cl") -> Any:
-    """Build (once per context, device, file and options) and return the program of one of the
-    tensor-core kernels (this one, or attn_decode_mma.cl for _nvidia_decode), headers inlined,
-    with NVIDIA's default OpenCL C version (no -cl-std)."""
-    key = (ctx.int_ptr, device.int_ptr, filename, options)
-    with _lock:
-        prg = _programs.get(key)
-        if prg is None:
-            prg = _programs[key] = build_program(ctx, filename, kernel_source(filename),
-                                                 options, std=None, devices=[device])
-    return prg
-
-
-def _memoised(key: tuple, make: Any) -> Any:
-    """``make()``, remembered under ``key`` (least recently used dropped past _MEMO_MAX)."""
-    with _lock:
-        hit = _memo.get(key)
-        if hit is not None:
-            _memo.move_to_end(key)
-            return hit
-    value = make()
-    with _lock:
-        _memo[key] = value
-        while len(_memo) > _MEMO_MAX:
-            _memo.popitem(last=False)
-    return value
-
-
-def _device_copy(ctx: Any, host: np.ndarray) -> Any:
-    """A read-only device copy of a small host array (at least one element)."""
-    import pyopencl as cl
-
-    host = np.ascontiguousarray(host) if host.size else np.zeros(1, host.dtype)
-    return cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
-
-
-def _tables_on_device(ctx: Any, call: AttnCall, block_m: int,
-                      block_n: int) -> tuple[Any, Any, int]:
-    """(sequence table, tile table, number of tiles) on the device for ``call``, remembered by
-    the values :func:`_tables` reads: repeated calls of one shape (the common case) skip its ~20
-    small numpy operations and two uploads per call (a large part of the 0.4-1 ms the H200's
-    host spent per prefill call, bench/RESULTS.md). The buffers are never written after they
-    are made, so calls and queues of the context share them."""
-    fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
-              call.q_pos0, call.k_pos0, call.causal_hi)
-    key = ("tables", ctx.int_ptr, block_m, block_n, call.window_left, call.window_right,
-           *(None if f is None else np.asarray(f, np.int64).tobytes() for f in fields))
-
-    def make() -> tuple[Any, Any, int]:
-        seqs, tiles = _tables(call, block_m, block_n)
-        return _device_copy(ctx, seqs), _device_copy(ctx, tiles), tiles.shape[0]
-
-    return _memoised(key, make)
-
-
-def _tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sequence fields for the kernel and the work list of (sequence, first row) tiles,
-    heaviest first (causal blocks near the diagonal see more keys and should start early)."""
-    n = call.n_seq
-    seqs = np.zeros((n, SEQ_FIELDS), np.int64)
-    seqs[:, 0], seqs[:, 1], seqs[:, 2] = call.q_batch, call.q_row0, call.q_len
-    seqs[:, 3], seqs[:, 4], seqs[:, 5] = call.k_batch, call.k_row0, call.k_len
-    seqs[:, 6] = np.asarray(call.q_pos0, np.int64) - np.asarray(call.k_pos0, np.int64)
-    seqs[:, 7] = -call.window_left if call.window_left is not None else -_BIG
-    hi = np.full(n, _BIG, np.int64)
-    if call.causal_hi is not None:
-        hi = np.minimum(hi, np.asarray(call.causal_hi, np.int64))
-    if call.window_right is not None:
-        hi = np.minimum(hi, call.window_right)
-    seqs[:, 8] = hi
-    q_len = np.asarray(call.q_len, np.int64)
-    counts = (q_len + block_m - 1) // block_m
-    sid = np.repeat(np.arange(n, dtype=np.int64), counts)
-    first = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts,
-                                                                    counts)
-    m0 = first * block_m
-    if sid.size:
-        # key tiles each work-group visits (same arithmetic as the kernel), for the order only
-        k_len = seqs[sid, 5]
-        last = np.minimum(m0 + block_m, q_len[sid]) - 1
-        lo = np.clip(m0 + seqs[sid, 6] + seqs[sid, 7], 0, k_len)
-        hi_r = np.clip(last + seqs[sid, 6] + seqs[sid, 8], -1, k_len - 1)
-        work = np.where(hi_r >= lo, hi_r // block_n - lo // block_n + 1, 0)
-        order = np.argsort(-work, kind="stable")
-        sid, m0 = sid[order], m0[order]
-    tiles = np.stack([sid, m0], axis=1).astype(np.int32)
-    return np.ascontiguousarray(seqs), np.ascontiguousarray(tiles)
-
-
-def _view(ctx: Any, x: Any) -> tuple[Any, int, tuple[int, int, int], Any]:
-    """(buffer, element offset, element strides of dims 0..2, keep-alive) of q, k or v."""
-    import pyopencl as cl
-
-    item = x.dtype.itemsize
-    if is_cl_array(x):
-        return x.base_data, x.offset // item, tuple(s // item for s in x.strides[:3]), x
-    h = np.ascontiguousarray(x).view(f"u{item}")
-    if h.size == 0:
-        h = np.zeros(16 // item, h.dtype)
-    buf = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=h)
-    sh = x.shape
-    return buf, 0, (sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]), buf
-
-
-def kernel_inputs(ctx: Any, call: AttnCall) -> tuple[Any, list, list, list]:
-    """What both tensor-core kernels take of a call besides their tables: the ALiBi slopes times
-    log2(e) on the device (memoised), the q, k, v buffers, their (offset, 3 strides) as int64
-    arguments, and (qk_scale, cap) as float32: the scale (over softcap when there is one) and
-    the softcap folded with log2(e) for the exp2-domain softmax."""
-    slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
-              if call.alibi is not None else np.zeros(1, np.float32))
-    alibi_buf = _memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
-                          lambda: _device_copy(ctx, slopes))
-    views = [_view(ctx, x) for x in (call.q, call.k, call.v)]
-    geometry = [np.int64(n) for _, off, strides, _keep in views for n in (off, *strides)]
-    if call.softcap is not None:
-        qk_scale, cap = call.scale / call.softcap, call.softcap * _LOG2E
-    else:
-        qk_scale, cap = call.scale * _LOG2E, 0.0
-    return alibi_buf, [v[0] for v in views], geometry, [np.float32(qk_scale), np.float32(cap)]
-
-
-def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
-    """The call's (out, lse): the Arrays themselves for device inputs, else host copies."""
-    import pyopencl as cl
-
-    if is_dev:
-        return out, lse
-    out_h = np.empty(out.shape, out.dtype)
-    lse_h = np.empty(lse.shape, np.float32)
-    if out_h.size:
-        cl.enqueue_copy(queue, out_h.view(f"u{out_h.itemsize}"), out.base_data)
-        cl.enqueue_copy(queue, lse_h, lse.base_data)
-    return out_h, lse_h
+    """The program of one of the tensor-core kernels (this one, or attn_decode_mma.cl for
+    _nvidia_decode) for ``device``, with NVIDIA's default OpenCL C version (no -cl-std)."""
+    return program(ctx, filename, options, device=device, std=None)
 
 
 def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
@@ -339,7 +179,7 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
                    heads_inner: bool | None = None) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel and its grid order (see :func:`run` for the
     arguments): the one place that picks DEFAULT_OPTIONS_16 and the causal scheduling, for
-    :func:`run` and the repeat-call plans of ``_fastnv``."""
+    :func:`run` and the repeat-call plans of ``_nvidia_plans``."""
     d, dtype = call.head_dim, call.dtype
     causal = call.causal_hi is not None
     scheduled = causal and (dtype != _F32 or d in F32_SCHEDULED)
@@ -400,15 +240,53 @@ class Launch:
         self.name, self.opts, self.make, self.threads = name, opts, make, threads
         self.block_m, self.block_n, self.heads_inner = block_m, block_n, heads_inner
 
+    def key(self, ctx: Any, device: Any) -> tuple:
+        """The key of the kernel object (``_runtime.launch``)."""
+        return (ctx.int_ptr, device.int_ptr, self.name, self.opts)
+
     def grid(self, n_tiles: int, hq: int) -> tuple[int, int]:
         t = self.threads
         return (n_tiles * hq * t, 1) if self.heads_inner else (n_tiles * t, hq)
 
 
+#: the prefill kernel's per-call argument slots: q, k, v, out, lse, tile table, sequence table
+CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6)
+
+
+class PrefillPlan:
+    """A prefill launch without its per-call arguments: the kernel (:class:`Launch`), the key of
+    its kernel object, and the arguments the call's geometry fixes (ALiBi slopes, offsets and
+    strides, sizes, scalars) after the :data:`CALL_SLOTS`. :func:`run` and the repeat-call plans
+    (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
+
+    __slots__ = ("kernel", "key", "args")
+
+    def __init__(self, ctx: Any, device: Any, kernel: Launch, call: AttnCall, alibi_buf: Any,
+                 geometry: list, scalars: list) -> None:
+        _, sq_arr, hq, _ = call.q.shape
+        i32 = np.int32
+        self.kernel, self.key = kernel, kernel.key(ctx, device)
+        self.args = [None] * len(CALL_SLOTS) + [
+            alibi_buf, *geometry, i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]),
+            i32(call.ring), *scalars]
+
+    def enqueue(self, queue: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, tile_buf: Any,
+                seq_buf: Any, n_tiles: int, hq: int, wait_for: Any = None,
+                owner: Any = None) -> Any:
+        """Launch over ``n_tiles`` tiles of ``hq`` heads (buffers: q, k, v, out, lse, tables);
+        ``owner``: the repeat-call plan whose launches set only the call slots."""
+        args = self.args.copy()
+        args[0:7] = [q, k, v, out, lse, tile_buf, seq_buf]
+        kn = self.kernel
+        return launch(self.key, kn.make, kn.name, queue, kn.grid(n_tiles, hq), (kn.threads, 1),
+                      args, wait_for=wait_for, varying=CALL_SLOTS if owner is not None else None,
+                      owner=owner)
+
+
 def wgmma_options(call: AttnCall, wgs: int, block_n: int,
                   heads_inner: bool) -> tuple[str, ...]:
     return (f"-DHEAD_DIM={call.head_dim}", f"-DWGS={wgs}", f"-DBLOCK_N={block_n}",
-            f"-DIS_BF16={int(call.dtype == _BF16)}", f"-DSOFTCAP={int(call.softcap is not None)}",
+            f"-DIS_BF16={int(call.dtype == BF16)}", f"-DSOFTCAP={int(call.softcap is not None)}",
             f"-DALIBI={int(call.alibi is not None)}", f"-DSCALE_POS={int(call.scale > 0)}",
             f"-DHEADS_INNER={int(heads_inner)}")
 
@@ -430,7 +308,7 @@ def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None =
         causal = call.causal_hi is not None
         hi = causal if heads_inner is None else heads_inner
         emulated = () if use_ptx is None or use_ptx else ("-DUSE_PTX=0",)
-        extra = WGMMA_OPTIONS if extra_options is None else tuple(extra_options)
+        extra = () if extra_options is None else tuple(extra_options)
         opts = wgmma_options(call, wgs, block_n, hi) + emulated + extra
         return Launch("attn_fwd_wgmma", opts,
                       lambda: _nvidia_wgmma.get_program(ctx, device, opts, block_n,
@@ -467,20 +345,17 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
                        wgmma_config=wgmma_config)
     dtype = call.dtype
     bq, sq_arr, hq, _ = call.q.shape
-    hkv = call.k.shape[2]
     is_dev = is_cl_array(call.q)
     out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
 
-    seq_buf, tile_buf, n_tiles = _tables_on_device(ctx, call, plan.block_m, plan.block_n)
+    seq_buf, tile_buf, n_tiles = tables_on_device(ctx, call, plan.block_m, plan.block_n)
     out = _pool.empty(queue, out_shape, dtype)
     lse = _pool.empty(queue, lse_shape, np.float32)
     if n_tiles and hq:
         alibi_buf, bufs, geometry, scalars = kernel_inputs(ctx, call)
-        i32 = np.int32
-        args = [*bufs, out.base_data, lse.base_data, tile_buf, seq_buf, alibi_buf, *geometry,
-                i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring), *scalars]
-        evt = launch(_kernels, (ctx.int_ptr, device.int_ptr, plan.opts), plan.make, plan.name,
-                     queue, plan.grid(n_tiles, hq), (plan.threads, 1), args, wait_for=wait_for)
+        prefill = PrefillPlan(ctx, device, plan, call, alibi_buf, geometry, scalars)
+        evt = prefill.enqueue(queue, *bufs, out.base_data, lse.base_data, tile_buf, seq_buf,
+                              n_tiles, hq, wait_for=wait_for)
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:
@@ -488,6 +363,6 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     return results(queue, out, lse, is_dev)
 
 
-#: the dispatch's fast plans (_fastnv) launch this kernel themselves; a bench that wraps ``run``
-#: (bench/gpu/probe.py records its events) makes them hand the call to ``run`` instead
+#: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``
+#: (to record its events) makes them hand the call to ``run`` instead
 run._attnlib_original = True  # type: ignore[attr-defined]

@@ -2,7 +2,7 @@
 from OpenCL through a PTX rewrite at build time.
 
 NVIDIA's OpenCL C compiler targets ``sm_90`` and refuses ``wgmma`` (it needs ``sm_90a``), but the
-driver takes PTX text as a program binary (``../shared/gpu/README.md``). So
+driver takes PTX text as a program binary. So
 ``kernels/attn_fwd_wgmma.cl`` is built from OpenCL C with *markers*: inline-asm PTX comments such
 as ``// @WGSS f16 {%f1, ..., %f32}, %rd4, %rd5, %r9;`` that carry the registers the compiler gave
 the operands. :func:`rewrite_ptx` turns each marker into the instruction it names, retargets the
@@ -25,15 +25,12 @@ they list up to 64 accumulator registers, which no one writes by hand.
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
-from ._runtime import KernelBuildError, build_program, kernel_source
+from ._runtime import KernelBuildError, build_program, kernel_source, program
 
 __all__ = ["marker_macros", "rewrite_ptx", "get_program", "build"]
 
-_lock = threading.Lock()
-_programs: dict[tuple, Any] = {}
 
 
 def _acc_operands(name: str, n_tiles: int) -> str:
@@ -140,15 +137,9 @@ def source(n_tiles_s: int, n_tiles_o: int, markers: bool = True) -> str:
 def get_program(ctx: Any, device: Any, options: tuple[str, ...], block_n: int,
                 head_dim: int) -> Any:
     """The program of attn_fwd_wgmma.cl for ``options``, built (:func:`build`) once per
-    context, device and options."""
-    key = (ctx.int_ptr, device.int_ptr, options)
-    with _lock:
-        prg = _programs.get(key)
-    if prg is not None:
-        return prg
-    prg = build(ctx, device, options, block_n, head_dim)[0]
-    with _lock:
-        return _programs.setdefault(key, prg)
+    context, device and options (in ``_runtime``'s program cache)."""
+    return program(ctx, "attn_fwd_wgmma.cl", options, device=device, std=None,
+                   build=lambda: build(ctx, device, options, block_n, head_dim)[0])
 
 
 def build(ctx: Any, device: Any, options: tuple[str, ...], block_n: int,

@@ -2,8 +2,8 @@
 
 A decode step's append (k and v written; with RoPE, q and the new k rotated at their positions
 first) runs as one launch of rope.cl's ``rope_append`` through an ``_AppendPlan``
-(:func:`fused_append`, registered with ``attnlib.kv_cache`` for its repeat entries); the
-(cos, sin) values come from a device table of consecutive positions (``_CosSin``) made once and
+(:func:`fused_append`: the backend's ``cache_append``, which the KV cache's repeat entries call);
+the (cos, sin) values come from a device table of consecutive positions (``_CosSin``) made once and
 widened when a position falls outside it, so a step uploads nothing but its 12-byte (row, slot,
 table row) entry per sequence."""
 
@@ -139,7 +139,7 @@ class _Uploads:
     copy, i.e. for every kernel enqueued before it. Handed to the destination Array (a KV
     cache), they made pyopencl's ``Array.add_event``, which waits on the oldest events once it
     holds 12, wait for earlier steps' kernels: every append with RoPE on the per-call path
-    waited for the previous step (~30-55 ms on PoCL at 4-8 K tokens). An upload KEEP uploads
+    waited for the previous step (tens of ms on PoCL at a few K tokens). An upload KEEP uploads
     old is long done when its event is dropped (as _pool.DeviceTable.pending)."""
 
     __slots__ = ("events",)
@@ -436,26 +436,28 @@ def fused_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any
     return out
 
 
-def _fused_guarded(be: OpenCLBackend, *args: Any) -> Any:
-    """fused_append under the backend's device_errors (MemoryError for a full device), as
-    the primitives it replaces run (the package defines it after importing this module)."""
-    errors = _DEVICE_ERRORS[0] if _DEVICE_ERRORS else None
-    if errors is None:
-        from . import device_errors
-
-        _DEVICE_ERRORS.append(device_errors)
-        errors = device_errors
-    with errors("the KV-cache append"):
-        return fused_append(be, *args)
-
-
-_DEVICE_ERRORS: list = []
-
-
-def _register() -> None:
-    from ... import kv_cache
-
-    kv_cache.FUSED_APPEND[f"{__package__}.OpenCLBackend"] = _fused_guarded
+def cache_write_slots(be: OpenCLBackend, buf: Any, src: Any, slot_mapping: np.ndarray,
+                      positions: np.ndarray, rope: RopeSpec | None) -> None:
+    """rope.cl's strided copy (rotating with RoPE) with one token per row: token ``t`` goes to
+    page ``slot_mapping[t] // page_size`` from slot ``slot_mapping[t] % page_size`` on."""
+    t = int(src.shape[0])
+    if t == 0:
+        return
+    if is_cl_array(src) and not src.flags.c_contiguous:
+        src = src.get()
+    src4 = src.reshape((t, 1) + tuple(src.shape[1:]))
+    ps = int(buf.shape[1])
+    slots = np.asarray(slot_mapping, np.int64)
+    pos = np.asarray(positions, np.int64)[:, None] if rope is not None else None
+    _rope_copy(be, be.queue_for(buf), src4, buf, slots // ps, slots % ps, ps, pos, rope)
 
 
-_register()
+def copy_pages(be: OpenCLBackend, buf: Any, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+    """Copy whole pages within the pool (distinct source and destination pages: no overlap),
+    through rope.cl's strided copy: a kernel's writes, which Oclgrind's uninitialised-value
+    checks follow (they do not follow clEnqueueCopyBuffer)."""
+    queue = be.queue_for(buf)
+    ps = int(buf.shape[1])
+    for s, d in zip(np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist()):
+        _rope_copy(be, queue, buf[s:s + 1], buf, np.array([d], np.int64),
+                   np.zeros(1, np.int64), ps, None, None)

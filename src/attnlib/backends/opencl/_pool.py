@@ -2,8 +2,8 @@
 
 Why: creating and releasing a buffer per call (``clCreateBuffer`` / ``clReleaseMemObject``)
 costs far more than a small kernel on some drivers — on NVIDIA, freeing device memory
-synchronises, and the H200 run (bench/RESULTS.md) showed about 0.5 ms of fixed cost per decode
-call and 1–1.7 ms per prefill call outside the kernels. A pool keeps released blocks for reuse,
+synchronises, which costs a fixed part of a millisecond per call outside the kernels
+(bench/RESULTS.md). A pool keeps released blocks for reuse,
 as PyTorch's caching allocator does.
 
 One pool per command queue: a block released while a kernel on that queue may still read it is
@@ -30,13 +30,34 @@ def pool_for(queue: Any) -> Any:
         return hit[0]
     import pyopencl.tools as clt
 
+    from ._runtime import is_simulator
+
     with _lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = clt.MemoryPool(clt.ImmediateAllocator(queue))
+            if is_simulator(queue.device):
+                pool = ExactAllocator(queue)
+            else:
+                pool = clt.MemoryPool(clt.ImmediateAllocator(queue))
             _pools[key] = (pool, queue)  # keep the queue alive as long as its pool
             return pool
         return pool[0]
+
+
+class ExactAllocator:
+    """What a simulator's queue (Oclgrind) gets instead of a pool: a fresh ``pyopencl.Buffer``
+    of exactly the size asked for. A pool's size bins leave spare room past the end of a
+    buffer, where an over-run would stay invisible to the simulator's bounds check."""
+
+    def __init__(self, queue: Any) -> None:
+        self._context = queue.context
+
+    def allocate(self, nbytes: int) -> Any:
+        import pyopencl as cl
+
+        return cl.Buffer(self._context, cl.mem_flags.READ_WRITE, max(1, int(nbytes)))
+
+    __call__ = allocate
 
 
 #: (queue, shape, dtype) -> the attributes of an Array of that shape, less its memory and events
@@ -52,7 +73,7 @@ def empty(queue: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     queue's pool.
 
     pyopencl's checked constructor (``cla.empty``) validated the shape with several numpy calls:
-    ~15 us of the ~120 us a decode call spends on the H200's host (bench/RESULTS.md); its fast
+    a large part of a decode call's host time (bench/RESULTS.md); its fast
     constructor (what its ``_new_like_me`` uses) still cost ~5 us here. The first Array of a
     (queue, shape, dtype) is made by that constructor; later ones copy its attributes with a
     fresh allocation and event list (~1 us), when the Array holds exactly the attributes that

@@ -12,7 +12,6 @@ keyed by source, options and driver; on top of that one in-memory memo per
 from __future__ import annotations
 
 import functools
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ... import _config
 from ...errors import BackendUnavailableError, KernelBuildError
 
 _SIMULATOR_PLATFORMS = ("oclgrind",)
@@ -60,12 +60,13 @@ def choose_context() -> Any:
     """A context on the device the SPEC's rule picks (PYOPENCL_CTX first)."""
     import pyopencl as cl
 
-    if os.environ.get("PYOPENCL_CTX"):
+    wanted = _config.pyopencl_ctx()
+    if wanted:
         try:
             return cl.create_some_context(interactive=False)
         except Exception as exc:
             raise BackendUnavailableError(
-                f"opencl: PYOPENCL_CTX={os.environ['PYOPENCL_CTX']!r} selects no usable device "
+                f"opencl: PYOPENCL_CTX={wanted!r} selects no usable device "
                 f"({exc}); unset it to let attnlib choose"
             ) from exc
     devices = [d for d in list_devices() if not is_simulator(d)]
@@ -124,31 +125,37 @@ def _options(cfg: KernelConfig) -> tuple[str, ...]:
     return tuple(sorted(defs))
 
 
-class ProgramCache:
-    """One built program per (context, file, options); thread-safe."""
+_program_lock = threading.Lock()
+#: every built program of the process, by (context, device or None, file, options, std)
+_programs: dict[tuple, Any] = {}
+_sources: dict[str, str] = {}
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._programs: dict[tuple, Any] = {}
-        self._sources: dict[str, str] = {}
 
-    def get(self, ctx: Any, filename: str, options: tuple[str, ...]) -> Any:
-        key = (ctx.int_ptr, filename, options)
-        prg = self._programs.get(key)
-        if prg is not None:
-            return prg
-        with self._lock:
-            prg = self._programs.get(key)
-            if prg is None:
-                prg = build_program(ctx, filename, self._source(filename), options)
-                self._programs[key] = prg
+def program(ctx: Any, filename: str, options: tuple[str, ...], *, device: Any = None,
+            std: str | None = "CL1.2", build: Any = None) -> Any:
+    """The program of kernels/<filename> built with ``options``: one per context, device, file,
+    options and OpenCL C version for the whole process (the one program cache of the backend;
+    pyopencl keeps the binaries on disk, keyed by source, options and device, so a new process
+    compiles nothing it compiled before). Built by :func:`build_program` for ``device`` (None:
+    every device of ``ctx``), or by ``build()`` for a program not built from the file's text
+    alone (the warpgroup-MMA kernel, built through its PTX)."""
+    key = (ctx.int_ptr, None if device is None else device.int_ptr, filename, options, std)
+    prg = _programs.get(key)
+    if prg is not None:
         return prg
-
-    def _source(self, filename: str) -> str:
-        src = self._sources.get(filename)
-        if src is None:
-            src = self._sources[filename] = kernel_source(filename)
-        return src
+    with _program_lock:
+        prg = _programs.get(key)
+        if prg is None:
+            if build is None:
+                src = _sources.get(filename)
+                if src is None:
+                    src = _sources[filename] = kernel_source(filename)
+                prg = build_program(ctx, filename, src, options, std=std,
+                                    devices=None if device is None else [device])
+            else:
+                prg = build()
+            _programs[key] = prg
+    return prg
 
 
 def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...], *,
@@ -171,7 +178,7 @@ def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...]
 
 
 # clSetKernelArg on a kernel object is not thread-safe: arguments are set and the kernel
-# enqueued under one lock, shared by every launch of the backend (re-entrant: a plan's fast path
+# enqueued under one lock, shared by every launch of the backend (re-entrant: a repeat-call plan
 # rewrites its device tables and launches under it, see _attention and _nvidia_decode)
 launch_lock = threading.RLock()
 
@@ -276,12 +283,18 @@ _POOLED: Any = None
 _PACK_CHARS = frozenset(c.encode() for c in "cbBhHiIlLfd")
 
 
-def launch(kernels: dict, key: Any, make_program: Any, name: str, queue: Any, gsize: tuple,
+#: every kernel object of the process (a KernelSlot), by the key its launches give
+kernels: dict[tuple, KernelSlot] = {}
+
+
+def launch(key: tuple, make_program: Any, name: str, queue: Any, gsize: tuple,
            lsize: tuple | None, args: Sequence[Any], wait_for: Any = None,
            varying: Sequence[int] | None = None, owner: Any = None) -> Any:
-    """Enqueue kernel ``name`` and return its event. ``kernels`` holds one :class:`KernelSlot`
-    per ``key``, made on first use from ``make_program()``: a fresh ``cl.Kernel`` per call makes
-    pyopencl generate its argument invoker again (~0.7 ms a call on the H200's host,
+    """Enqueue kernel ``name`` and return its event. :data:`kernels` holds one
+    :class:`KernelSlot` per ``key`` (the context, the program's file and options, the kernel:
+    what fixes the object), made on first use from ``make_program()``: a fresh ``cl.Kernel`` per
+    call makes
+    pyopencl generate its argument invoker again (a large cost per call on a GPU host,
     bench/RESULTS.md). Only the arguments that changed since the object's last launch are set;
     with ``owner`` (a plan whose other arguments are fixed) only its ``varying`` slots are
     compared when that plan launched the object last."""

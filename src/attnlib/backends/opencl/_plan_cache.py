@@ -1,10 +1,11 @@
-"""Repeat calls of the OpenCL attention primitive (decode steps) without the per-call planning.
+"""The cache of attention plans for device-array calls: what a call's kernel launch needs that
+does not depend on its per-sequence values, found by one key, so that repeat calls (decode
+steps, a model's layers) skip the planning.
 
 A decode step repeats one geometry thousands of times: the same array shapes, strides and
-options, per-sequence values that change by one length per step (or not at all). The full path
-(:func:`_attention.attention`, :func:`_nvidia_decode.run`) re-derives its tiling, kernel options,
-argument list and device tables every call; here a *fast plan*, found by a key of everything
-those decisions read except the per-sequence values, holds them:
+options, per-sequence values that change by one length per step (or not at all). A plan, found
+by a key of everything the kernel choice and its launch read except the per-sequence values,
+holds the tiling, kernel options, argument list and device tables:
 
 * the key: backend (and its facts and options), queue, dtype, the shapes, strides and offsets of
   q, k and v, the number of sequences, ring, scale, softcap, window, whether the call is causal
@@ -15,9 +16,10 @@ those decisions read except the per-sequence values, holds them:
   and nothing is uploaded; different, it is derived again and the plan's device tables are
   rewritten in place (``_pool.DeviceTable``: one fill of at most 128 bytes for one sequence).
 
-Calls with device arrays only, no mask and no ALiBi take it, on each of the three kernels the
-full path would pick (portable, NVIDIA tensor-core decode and prefill); every other call goes the
-full way (this returns None for them).
+Calls with device arrays only, no mask and no ALiBi take it, on each of the three kernel
+families the dispatch (``_dispatch.kernel_family``) picks: portable (here), NVIDIA tensor-core
+decode and prefill (``_nvidia_plans``); every other call takes its family's ``run`` (this
+returns None for them).
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from . import _attention as A
-from . import _pool
-from ._arrays import acc_dtype, dummy_buffer, store_kind
+from . import _nvidia_plans, _pool
+from ._arrays import acc_dtype, dummy_buffer
 from ._runtime import launch_lock
 
 _FIELDS = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0", "k_pos0")
 _I64, _I32 = np.int64, np.int32
-_NOT = False  # a key whose calls never take the fast path
+_NOT = False  # a key whose calls never take a cached plan
 _FAST_MAX = 256
 
 
@@ -59,14 +61,20 @@ class _Plan:
         self.group, self.n = group, n
 
 
-def run(be: Any, call: Any) -> tuple[Any, Any] | None:
-    """``(out, lse)`` of ``call`` through its fast plan, or None (take the full path)."""
+#: the plans by key
+plans: dict[tuple, Any] = {}
+
+
+def run(be: Any, call: Any, family: Any) -> tuple[Any, Any] | None:
+    """``(out, lse)`` of ``call`` through its plan, or None (take the family's ``run``);
+    ``family(be, call, max_rows)`` is the dispatch's choice of the kernel family."""
     if not _ARRAY:
         _ARRAY.append(_array_type())
     arr = _ARRAY[0]
     q, k, v = call.q, call.k, call.v
     if (type(q) is not arr or type(k) is not arr or type(v) is not arr
-            or call.mask_view is not None or call.alibi is not None or q.queue is None):
+            or call.mask_view is not None or call.alibi is not None or q.queue is None
+            or call.block_table is not None):
         return None
     chi = call.causal_hi
     n = call.q_len.shape[0]
@@ -75,12 +83,12 @@ def run(be: Any, call: Any) -> tuple[Any, Any] | None:
            q.shape, q.strides, q.offset, k.shape, k.strides, k.offset, v.shape, v.strides,
            v.offset, n, call.ring, call.scale, call.softcap, call.window_left,
            call.window_right, chi is None, call.need_lse)
-    fp = A._fast.get(key)
+    fp = plans.get(key)
     if fp is None:
         fp = _new_plan(be, call, queue)
-        if len(A._fast) >= _FAST_MAX:
-            A._fast.clear()
-        A._fast[key] = fp
+        if len(plans) >= _FAST_MAX:
+            plans.clear()
+        plans[key] = fp
     if fp is _NOT:
         return None
     parts = [call.q_batch.tobytes(), call.q_row0.tobytes(), call.q_len.tobytes(),
@@ -93,7 +101,8 @@ def run(be: Any, call: Any) -> tuple[Any, Any] | None:
     if sig != state[0]:
         if len(sig) != 8 * n * len(parts):  # per-sequence fields that are not int64
             return None
-        state = (sig, _derive(fp, call, np.frombuffer(sig, np.int64).reshape(len(parts), n)))
+        state = (sig, _derive(fp, call, np.frombuffer(sig, np.int64).reshape(len(parts), n),
+                              family))
         fp.state = state
     derived = state[1]
     if derived is None:
@@ -102,7 +111,7 @@ def run(be: Any, call: Any) -> tuple[Any, Any] | None:
 
 
 def _new_plan(be: Any, call: Any, queue: Any) -> Any:
-    """A fast plan for this key, or _NOT: empty calls, out-of-order queues, zero sizes."""
+    """A plan for this key, or _NOT: empty calls, out-of-order queues, zero sizes."""
     import pyopencl as cl
 
     q, k, v = call.q, call.k, call.v
@@ -115,9 +124,9 @@ def _new_plan(be: Any, call: Any, queue: Any) -> Any:
     return _Plan(be, queue, int(call.q_len.shape[0]), call.n_heads // call.n_kv_heads)
 
 
-def _derive(fp: _Plan, call: Any, vals: np.ndarray) -> Any:
+def _derive(fp: _Plan, call: Any, vals: np.ndarray, family: Any) -> Any:
     """What the per-sequence values ``vals`` (rows: the fields of _FIELDS, then causal_hi when
-    the call is causal) give: a _Portable or _Decode step, or None (full path)."""
+    the call is causal) give: a _Portable or _Decode step, or None (the family's run)."""
     if fp.n == 1:  # Python ints: numpy's operations on 1-element arrays cost ~1 us each
         col = vals[:, 0].tolist()
         rows, max_rows = None, col[2] * fp.group
@@ -127,62 +136,43 @@ def _derive(fp: _Plan, call: Any, vals: np.ndarray) -> Any:
     if max_rows == 0:
         return None
     route = fp.subs.get(("route", max_rows))
-    if route is None:  # the dispatch of _attention.attention; the key and max_rows fix it
-        route = fp.subs[("route", max_rows)] = _route(fp.be, call, max_rows)
+    if route is None:  # the key and max_rows fix the dispatch's choice
+        route = fp.subs[("route", max_rows)] = family(fp.be, call, max_rows)
     if route == "decode":
-        from . import _fastnv
-
-        return _fastnv.decode_step(fp, call, vals, col)
+        return _nvidia_plans.decode_step(fp, call, vals, col)
     if route == "portable":
         return _portable_step(fp, call, vals, col, rows, max_rows)
-    from . import _fastnv
-
-    return _fastnv.mma_step(fp, call, vals)
-
-
-def _route(be: Any, call: Any, max_rows: int) -> str:
-    if be.use_mma and max_rows > A.DECODE_ROWS:
-        from . import _nvidia_mma
-
-        if _nvidia_mma.applicable(be.device, call):
-            return "mma"
-    if be.use_mma and max_rows <= 16:
-        from . import _nvidia_decode
-
-        if _nvidia_decode.applicable(be.device, call):
-            return "decode"
-    return "portable"
+    return _nvidia_plans.mma_step(fp, call, vals)
 
 
 # ---- the portable kernel (attn_fwd.cl) ----------------------------------------------------------
 class _PortableSub:
-    """Per (plan, packed rows): the tiling, the argument list with everything but q, k, v and the
-    outputs filled in, the kernel options of each split mode and the descriptor table."""
+    """Per (plan, packed rows): the portable kernel's plan, its argument list with everything
+    but q, k, v and the outputs filled in, and the descriptor table."""
 
-    __slots__ = ("plan", "args", "opts", "table", "owners")
+    __slots__ = ("plan", "args", "table", "owners")
 
     def __init__(self, fp: _Plan, call: Any, max_rows: int) -> None:
         from ._arrays import device_view
 
         ctx = fp.ctx
         views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
-        key = A._plan_key(fp.be, fp.queue, call, views, max_rows, 0)
-        plan = A._plans.get(key)
+        key = A.plan_key(fp.be, fp.queue, call, views, max_rows, 0)
+        plan = A.plans.get(key)
         if plan is None:
-            plan = A._make_plan(fp.be, call, views, max_rows, 0)
-            if len(A._plans) >= A._PLANS_MAX:
-                dict.clear(A._plans)  # the fast plans stay: they hold their own plans
-            A._plans[key] = plan
+            plan = A.make_plan(fp.be, call, views, max_rows, 0)
+            if len(A.plans) >= A.PLANS_MAX:
+                A.plans.clear()  # the repeat-call plans stay: they hold their own
+            A.plans[key] = plan
         self.plan = plan
         bm = plan.tiles[0]
         args = plan.args.copy()
         n = fp.n
         cap = 9 * n + 2 * n * -(-max_rows // bm)
         self.table = _pool.DeviceTable(ctx, 4 * cap, not fp.facts.simulator)
-        args[A._DESC] = self.table.buf
-        args[A._ALIBI] = args[A._MASK] = dummy_buffer(ctx)
+        args[A.ARG_DESC] = self.table.buf
+        args[A.ARG_ALIBI] = args[A.ARG_MASK] = dummy_buffer(ctx)
         self.args = args
-        self.opts = tuple(c.options() for c in plan.cfgs)
         self.owners = (object(), object())  # the KernelSlot owner of each split mode
 
 
@@ -193,46 +183,24 @@ class _Portable:
         self.sub, self.desc, self.n_groups, self.splits = sub, desc, n_groups, splits
 
     def run(self, fp: _Plan, call: Any) -> tuple[Any, Any]:
-        sub, queue, be = self.sub, fp.queue, fp.be
+        sub, queue = self.sub, fp.queue
         q = call.q
         bq, sq_arr, hq, _ = q.shape
-        dtype = q.dtype
-        acc = acc_dtype(dtype)
-        dv = call.v.shape[3]
-        hkv = call.k.shape[2]
-        n_out_rows = bq * sq_arr * hq
-        out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
+        acc = acc_dtype(q.dtype)
+        out = _pool.empty(queue, (bq, sq_arr, hq, call.v.shape[3]), q.dtype)
         if call.need_lse:
             lse = _pool.empty(queue, (bq, hq, sq_arr), acc)
             lse_buf = lse.base_data
         else:
-            lse, lse_buf = None, _pool.scratch(queue, n_out_rows * acc.itemsize)
+            lse, lse_buf = None, _pool.scratch(queue, bq * sq_arr * hq * acc.itemsize)
         args = sub.args.copy()
-        args[A._Q], args[A._K], args[A._V] = q.base_data, call.k.base_data, call.v.base_data
-        splits = self.splits
-        if splits > 1:
-            part_o = _pool.scratch(queue, splits * n_out_rows * dv * acc.itemsize)
-            part_l = _pool.scratch(queue, splits * n_out_rows * acc.itemsize)
-            args[A._DST], args[A._DST + 1] = part_o, part_l
-        else:
-            args[A._DST], args[A._DST + 1] = out.base_data, lse_buf
-        split = splits > 1
-        nt = sub.plan.tiles[2] * sub.plan.tiles[3]
-        ctx = fp.ctx
+        args[A.ARG_Q], args[A.ARG_K] = q.base_data, call.k.base_data
+        args[A.ARG_V] = call.v.base_data
         with launch_lock:
             sub.table.put(queue, self.desc)
-            be.launch(ctx, queue, "attn_fwd.cl", sub.opts[split], "attn_fwd",
-                      (self.n_groups * nt, hkv, splits), (nt, 1, 1), args,
-                      varying=_PORTABLE_VARYING, owner=sub.owners[split])
-        if split:
-            A.launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
-                           (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
-                           out.base_data, lse_buf, store_kind(acc), store_kind(dtype),
-                           int(acc == np.float64))
+            sub.plan.enqueue(fp.be, queue, args, out.base_data, lse_buf, self.n_groups,
+                             self.splits, owner=sub.owners)
         return out, lse
-
-
-_PORTABLE_VARYING = (A._Q, A._K, A._V, A._DST, A._DST + 1)
 
 
 def _portable_step(fp: _Plan, call: Any, vals: np.ndarray, col: list | None, rows: Any,
@@ -243,13 +211,13 @@ def _portable_step(fp: _Plan, call: Any, vals: np.ndarray, col: list | None, row
     bm, bn = sub.plan.tiles[0], sub.plan.tiles[1]
     n = fp.n
     if n == 1:
-        head = col if len(col) == 9 else col + [A._INT_MAX]
+        head = col if len(col) == 9 else col + [A.INT_MAX]
         nb = -(-max_rows // bm)
         table = [x for g in range(nb) for x in (0, g * bm)]
         desc, n_groups = np.array(head + table, np.int32), nb
         max_k = col[5]
     else:
-        desc, n_groups = A._descriptor(call, rows, bm)
+        desc, n_groups = A.descriptor(call, rows, bm)
         max_k = int(vals[5].max())
     if n_groups == 0:
         return None

@@ -1,0 +1,42 @@
+"""Where the numba backend's compiled functions are cached on disk.
+
+numba keeps a ``cache=True`` function's cache next to its source file unless
+``numba.config.CACHE_DIR`` is set, and chooses the directory when the function is decorated.
+:func:`njit` decorates with ``CACHE_DIR`` set to :func:`attnlib._config.numba_cache_dir` for
+that moment only (other libraries' numba functions keep their own places), so that a read-only
+install (a system site-packages) caches in the user's cache directory. Where no directory can
+be written at all, the function is compiled without a disk cache, in every process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numba
+from numba.core import config
+
+from ... import _config
+
+_lock = threading.Lock()
+
+
+def njit(**options: Any) -> Callable:
+    """``numba.njit(cache=True, **options)`` caching in attnlib's directory (see the module
+    doc); plain ``numba.njit(**options)`` when no cache directory is writable."""
+
+    def decorate(fn: Callable) -> Callable:
+        with _lock:
+            saved = config.CACHE_DIR
+            config.CACHE_DIR = _config.numba_cache_dir()
+            try:
+                return numba.njit(cache=True, **options)(fn)
+            except RuntimeError as e:  # numba: "no locator available" (nowhere to write)
+                if "no locator" not in str(e):
+                    raise
+            finally:
+                config.CACHE_DIR = saved
+        return numba.njit(**options)(fn)
+
+    return decorate

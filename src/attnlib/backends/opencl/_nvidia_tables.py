@@ -1,0 +1,147 @@
+"""What both NVIDIA tensor-core kernels (``_nvidia_mma``, ``_nvidia_decode``) take of a call
+besides their options: the per-sequence table and the work list of (sequence, first row) tiles
+on the device (memoised by the values they are made from), the q, k, v buffers with their
+offsets and strides, the ALiBi slopes and the softmax scalars, and the results handed back."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from ..base import AttnCall
+from ._arrays import is_cl_array
+
+SEQ_FIELDS = 9
+BIG = 1 << 40  # an unbounded side of the visible key range
+_LOG2E = 1.4426950408889634
+
+_lock = threading.Lock()
+#: device tables and slopes, by the values they are made from; the last _MEMO_MAX
+_memo: OrderedDict[tuple, Any] = OrderedDict()
+_MEMO_MAX = 256
+
+
+def _memoised(key: tuple, make: Any) -> Any:
+    """``make()``, remembered under ``key`` (least recently used dropped past _MEMO_MAX)."""
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            _memo.move_to_end(key)
+            return hit
+    value = make()
+    with _lock:
+        _memo[key] = value
+        while len(_memo) > _MEMO_MAX:
+            _memo.popitem(last=False)
+    return value
+
+
+def _device_copy(ctx: Any, host: np.ndarray) -> Any:
+    """A read-only device copy of a small host array (at least one element)."""
+    import pyopencl as cl
+
+    host = np.ascontiguousarray(host) if host.size else np.zeros(1, host.dtype)
+    return cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
+
+
+def tables_on_device(ctx: Any, call: AttnCall, block_m: int,
+                      block_n: int) -> tuple[Any, Any, int]:
+    """(sequence table, tile table, number of tiles) on the device for ``call``, remembered by
+    the values :func:`tables` reads: repeated calls of one shape (the common case) skip its ~20
+    small numpy operations and two uploads per call (a large part of the host's cost of a
+    prefill call, bench/RESULTS.md). The buffers are never written after they
+    are made, so calls and queues of the context share them."""
+    fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
+              call.q_pos0, call.k_pos0, call.causal_hi)
+    key = ("tables", ctx.int_ptr, block_m, block_n, call.window_left, call.window_right,
+           *(None if f is None else np.asarray(f, np.int64).tobytes() for f in fields))
+
+    def make() -> tuple[Any, Any, int]:
+        seqs, tiles = tables(call, block_m, block_n)
+        return _device_copy(ctx, seqs), _device_copy(ctx, tiles), tiles.shape[0]
+
+    return _memoised(key, make)
+
+
+def tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sequence fields for the kernel and the work list of (sequence, first row) tiles,
+    heaviest first (causal blocks near the diagonal see more keys and should start early)."""
+    n = call.n_seq
+    seqs = np.zeros((n, SEQ_FIELDS), np.int64)
+    seqs[:, 0], seqs[:, 1], seqs[:, 2] = call.q_batch, call.q_row0, call.q_len
+    seqs[:, 3], seqs[:, 4], seqs[:, 5] = call.k_batch, call.k_row0, call.k_len
+    seqs[:, 6] = np.asarray(call.q_pos0, np.int64) - np.asarray(call.k_pos0, np.int64)
+    seqs[:, 7] = -call.window_left if call.window_left is not None else -BIG
+    hi = np.full(n, BIG, np.int64)
+    if call.causal_hi is not None:
+        hi = np.minimum(hi, np.asarray(call.causal_hi, np.int64))
+    if call.window_right is not None:
+        hi = np.minimum(hi, call.window_right)
+    seqs[:, 8] = hi
+    q_len = np.asarray(call.q_len, np.int64)
+    counts = (q_len + block_m - 1) // block_m
+    sid = np.repeat(np.arange(n, dtype=np.int64), counts)
+    first = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts,
+                                                                    counts)
+    m0 = first * block_m
+    if sid.size:
+        # key tiles each work-group visits (same arithmetic as the kernel), for the order only
+        k_len = seqs[sid, 5]
+        last = np.minimum(m0 + block_m, q_len[sid]) - 1
+        lo = np.clip(m0 + seqs[sid, 6] + seqs[sid, 7], 0, k_len)
+        hi_r = np.clip(last + seqs[sid, 6] + seqs[sid, 8], -1, k_len - 1)
+        work = np.where(hi_r >= lo, hi_r // block_n - lo // block_n + 1, 0)
+        order = np.argsort(-work, kind="stable")
+        sid, m0 = sid[order], m0[order]
+    tiles = np.stack([sid, m0], axis=1).astype(np.int32)
+    return np.ascontiguousarray(seqs), np.ascontiguousarray(tiles)
+
+
+def _view(ctx: Any, x: Any) -> tuple[Any, int, tuple[int, int, int], Any]:
+    """(buffer, element offset, element strides of dims 0..2, keep-alive) of q, k or v."""
+    import pyopencl as cl
+
+    item = x.dtype.itemsize
+    if is_cl_array(x):
+        return x.base_data, x.offset // item, tuple(s // item for s in x.strides[:3]), x
+    h = np.ascontiguousarray(x).view(f"u{item}")
+    if h.size == 0:
+        h = np.zeros(16 // item, h.dtype)
+    buf = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=h)
+    sh = x.shape
+    return buf, 0, (sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]), buf
+
+
+def kernel_inputs(ctx: Any, call: AttnCall) -> tuple[Any, list, list, list]:
+    """What both tensor-core kernels take of a call besides their tables: the ALiBi slopes times
+    log2(e) on the device (memoised), the q, k, v buffers, their (offset, 3 strides) as int64
+    arguments, and (qk_scale, cap) as float32: the scale (over softcap when there is one) and
+    the softcap folded with log2(e) for the exp2-domain softmax."""
+    slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
+              if call.alibi is not None else np.zeros(1, np.float32))
+    alibi_buf = _memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
+                          lambda: _device_copy(ctx, slopes))
+    views = [_view(ctx, x) for x in (call.q, call.k, call.v)]
+    geometry = [np.int64(n) for _, off, strides, _keep in views for n in (off, *strides)]
+    if call.softcap is not None:
+        qk_scale, cap = call.scale / call.softcap, call.softcap * _LOG2E
+    else:
+        qk_scale, cap = call.scale * _LOG2E, 0.0
+    return alibi_buf, [v[0] for v in views], geometry, [np.float32(qk_scale), np.float32(cap)]
+
+
+def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
+    """The call's (out, lse): the Arrays themselves for device inputs, else host copies."""
+    import pyopencl as cl
+
+    if is_dev:
+        return out, lse
+    out_h = np.empty(out.shape, out.dtype)
+    lse_h = np.empty(lse.shape, np.float32)
+    if out_h.size:
+        cl.enqueue_copy(queue, out_h.view(f"u{out_h.itemsize}"), out.base_data)
+        cl.enqueue_copy(queue, lse_h, lse.base_data)
+    return out_h, lse_h
