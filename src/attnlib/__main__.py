@@ -13,20 +13,12 @@ def _opencl_devices() -> list[str]:
         import pyopencl as cl
     except Exception as exc:  # pyopencl missing or its ICD loader broken
         return [f"(pyopencl not usable: {exc})"]
-    lines = []
+    from attnlib.backends.opencl._runtime import describe_platforms
+
     try:
-        platforms = cl.get_platforms()
-    except Exception as exc:
+        lines = describe_platforms()
+    except cl.Error as exc:
         return [f"(no OpenCL platform: {exc})"]
-    for p in platforms:
-        try:
-            devices = p.get_devices()
-        except Exception:
-            devices = []
-        for d in devices:
-            kind = cl.device_type.to_string(d.type)
-            lines.append(f"{p.name} | {d.name} | {kind} | OpenCL {d.version.split()[1]} | "
-                         f"{d.max_compute_units} CUs | {d.global_mem_size / 2**30:.1f} GiB")
     return lines or ["(no OpenCL devices)"]
 
 
