@@ -6,6 +6,7 @@
 #   .ci/opencl-impls.sh install      install both into the active venv / the system (as root),
 #                                    write the ICD folder, and fail loudly unless each shows a device
 #   .ci/opencl-impls.sh suite NAME   the whole conformance suite on intel, rusticl or pocl
+#   .ci/opencl-impls.sh suites NAME.. those suites side by side, each log printed when it is done
 #
 # How the implementations are found: pyopencl's wheel ships its own ICD loader (ocl-icd), which
 # reads the .icd files of the folder named by OCL_ICD_VENDORS (default /etc/OpenCL/vendors) and,
@@ -74,8 +75,32 @@ suite() {
     python -m pytest -q -p no:cacheprovider --pyargs attnlib.testing --attnlib-backend opencl
 }
 
+# several suites side by side, each with its own log, time and exit status (rusticl's time is
+# mostly llvmpipe compiling each kernel variant on one core: the other core runs the other suite)
+suites() {
+  local name logs pids=() names=() t0 rc=0 i
+  logs=$(mktemp -d)
+  t0=$(date +%s)
+  for name in "$@"; do
+    ( s0=$(date +%s); set +e; suite "$name"; r=$?
+      echo "== conformance suite on $name: exit $r, $(( $(date +%s) - s0 )) s"; exit $r
+    ) > "$logs/$name.log" 2>&1 &
+    pids+=($!)
+    names+=("$name")
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || rc=1
+    echo "== conformance suite, opencl on ${names[$i]}"
+    cat "$logs/${names[$i]}.log"
+  done
+  rm -rf "$logs"
+  echo "== suites on $*: $(( $(date +%s) - t0 )) s in all"
+  [ "$rc" = 0 ] || fail "the conformance suite failed on at least one implementation (above)"
+}
+
 case "${1:-}" in
   install) install ;;
   suite) suite "${2:-}" ;;
-  *) echo "usage: $0 install | suite intel|rusticl|pocl" >&2; exit 2 ;;
+  suites) shift; suites "$@" ;;
+  *) echo "usage: $0 install | suite intel|rusticl|pocl | suites NAME..." >&2; exit 2 ;;
 esac
