@@ -422,18 +422,13 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 
     int row_ok[TM], row_i[TM], row_h[TM];
     long qpos[TM];
-    acc_t slope[TM], m_i[TM], l_i[TM], acc[TM][DV_PER] ALIGN8;
+    acc_t m_i[TM], l_i[TM], acc[TM][DV_PER] ALIGN8;
     for (int r = 0; r < TM; ++r) {
         const int m = m0 + tm + THREADS_M * r;
         row_ok[r] = m < rows;
         row_i[r] = m / group;
-        row_h[r] = hk * group + m % group;
+        row_h[r] = hk * group + m % group; /* a valid head on padding rows too */
         qpos[r] = q_pos0 + row_i[r];
-#if HAS_ALIBI
-        slope[r] = row_ok[r] ? (acc_t)alibi[(long)seq * n_heads + row_h[r]] : 0;
-#else
-        slope[r] = 0;
-#endif
         m_i[r] = NEG_INF;
         l_i[r] = 0;
         for (int c = 0; c < DV_PER; ++c) acc[r][c] = 0;
@@ -535,6 +530,15 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
             if (cpu_fast) continue;
 #endif
             mx[r] = NEG_INF;
+#if HAS_ALIBI
+            /* The slope is loaded here, inside the tile loop after its barriers, and not kept in
+             * a private variable from before the loop: Intel's CPU OpenCL compiler (2026.2)
+             * hoists the negated slope out of the loop and its barrier lowering then keeps that
+             * value in a register across the barrier, so every work-item used the slope of the
+             * last work-item (or SIMD group) that ran before the barrier. A value loaded after
+             * the barrier lives in the same barrier region as its uses. */
+            const acc_t slope = (acc_t)alibi[(long)seq * n_heads + row_h[r]];
+#endif
             for (int c = 0; c < TN; ++c) {
                 const long j = n0 + tn + THREADS_N * c;
 #if CPU_VEC
@@ -547,7 +551,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 #endif
 #if HAS_ALIBI
                 const long dist = k_pos0 + j - qpos[r];
-                x -= slope[r] * (acc_t)(dist < 0 ? -dist : dist);
+                x -= slope * (acc_t)(dist < 0 ? -dist : dist);
 #endif
                 if (!full) {
                     const long dlt = k_pos0 + j - qpos[r];

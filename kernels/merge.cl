@@ -62,13 +62,11 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
     }
     m = red[0];
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (m == NEG_INF) { /* every state empty (uniform across the work-group) */
-        const int c = get_group_id(0) * CW + lid;
-        if (lid < CW && c < DV) ST(out, r * DV + c, (acc_t)0);
-        if (lid == 0 && get_group_id(0) == 0) lse_out[(b * H + h) * S + s] = NEG_INF;
-        return;
-    }
-    /* -- sum of the weights exp(lse_i - m); empty states weigh 0 */
+    /* -- sum of the weights exp(lse_i - m); empty states weigh 0, so the sum is 0 exactly when
+     *    every state is empty (m = -inf). That case runs the same path as the others and is told
+     *    apart at the end: an early return between the barriers (legal, being uniform) was
+     *    miscompiled by Intel's CPU OpenCL compiler (2026.2) when it does not vectorise the
+     *    kernel (CL_CONFIG_CPU_VECTORIZER_MODE=1): wrong or NaN results for non-empty states. */
     acc_t sum = 0;
     for (int i = lid; i < n_states; i += WG) {
         const acc_t li = lses[i * l_stride + loff];
@@ -124,6 +122,7 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
         for (int g2 = 1; g2 < G; ++g2) o += red[g2 * CW + lid];
     }
 #endif
-    if (grp == 0 && c < DV) ST(out, r * DV + c, o / sum);
-    if (lid == 0 && get_group_id(0) == 0) lse_out[(b * H + h) * S + s] = m + log(sum);
+    if (grp == 0 && c < DV) ST(out, r * DV + c, sum == 0 ? (acc_t)0 : o / sum);
+    if (lid == 0 && get_group_id(0) == 0)
+        lse_out[(b * H + h) * S + s] = sum == 0 ? NEG_INF : m + log(sum);
 }

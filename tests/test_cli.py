@@ -101,8 +101,11 @@ def test_info_prints_opencl_device_types_as_words():
     for line in lines:
         if line.strip().startswith("("):  # no pyopencl / no platform: said in words
             continue
-        kind = line.split(" | ")[2]
-        assert set(kind.split(" + ")) <= words, line
+        cols = line.split(" | ")
+        if cols[1].startswith("no device"):  # a platform that lists no device
+            continue
+        kind = cols[2]
+        assert set(kind.split(", ")) <= words, line
         assert "_is_bitfield" not in line and "ALL" not in kind
 
 

@@ -205,7 +205,7 @@ def test_device_memory_errors_are_memoryerror(be):
 def test_head_dims_beyond_local_memory_are_unsupported(monkeypatch):
     mine = OpenCLBackend()
     monkeypatch.setattr(mine, "facts", mine.facts.__class__(**{**vars(mine.facts),
-                                                               "local_budget": 4096}))
+                                                               "local_budget": 2048}))
     q = np.ones((1, 20, 1, 64), np.float32)
     with pytest.raises(attnlib.UnsupportedError, match="__local memory"):
         attnlib.attention(q, q, q, backend=mine)

@@ -7,39 +7,18 @@ import os
 import platform
 import sys
 
-_DEVICE_TYPES = (("GPU", "GPU"), ("CPU", "CPU"), ("ACCELERATOR", "accelerator"),
-                 ("CUSTOM", "custom"))
-
-
-def _device_type_words(cl, bits: int) -> str:
-    """An OpenCL device-type bitfield as words ("GPU", "CPU", "GPU + accelerator")."""
-    words = [word for attr, word in _DEVICE_TYPES if bits & getattr(cl.device_type, attr, 0)]
-    return " + ".join(words) or f"unknown type {bits}"
-
 
 def _opencl_devices() -> list[str]:
     try:
         import pyopencl as cl
     except Exception as exc:  # pyopencl missing or its ICD loader broken
         return [f"(pyopencl not usable: {exc})"]
-    lines = []
+    from attnlib.backends.opencl._runtime import describe_platforms
+
     try:
-        platforms = cl.get_platforms()
-    except Exception as exc:
+        lines = describe_platforms()
+    except cl.Error as exc:
         return [f"(no OpenCL platform: {exc})"]
-    for p in platforms:
-        try:
-            devices = p.get_devices()
-        except Exception:
-            devices = []
-        for d in devices:
-            try:
-                lines.append(f"{p.name.strip()} | {d.name.strip()} | "
-                             f"{_device_type_words(cl, d.type)} | {d.version.strip()} | "
-                             f"{d.max_compute_units} compute units | "
-                             f"{d.global_mem_size / 2**30:.1f} GiB")
-            except Exception as exc:  # a driver that fails a query still gets its line
-                lines.append(f"{p.name.strip()} | (device query failed: {exc})")
     return lines or ["(no OpenCL devices)"]
 
 

@@ -62,7 +62,13 @@ import numpy as np
 from ..base import AttnCall, Backend, RopeSpec
 from . import _dispatch, _ops, _runtime
 from ._arrays import is_cl_array
-from ._runtime import KernelConfig, choose_context, has_gpu, is_simulator
+from ._runtime import (
+    KernelConfig,
+    choose_context,
+    device_type_words,
+    has_gpu,
+    is_simulator,
+)
 
 __all__ = ["OpenCLBackend"]
 
@@ -182,18 +188,22 @@ class OpenCLBackend(Backend):
         return 100 if cls._gpu else 5
 
     def info(self) -> dict:
+        """The implementation (platform name and version) and device this backend runs on, its
+        type in words ("CPU", "GPU"), OpenCL version, driver and the limits the tiling uses."""
         import pyopencl as cl
 
         d = self.device
         return {
             "pyopencl": cl.VERSION_TEXT,
             "platform": d.platform.name.strip(),
+            "platform_version": d.platform.version.strip(),
             "device": self.facts.name,
-            "type": cl.device_type.to_string(d.type),
+            "type": device_type_words(d.type),
+            "opencl": d.version.strip(),
+            "driver": d.driver_version.strip(),
             "compute_units": self.facts.compute_units,
             "local_mem_bytes": self.facts.local_mem,
             "fp64": self.facts.fp64,
-            "driver": d.driver_version,
         }
 
     # ---- arrays -------------------------------------------------------------------------------

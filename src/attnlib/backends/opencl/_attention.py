@@ -123,6 +123,11 @@ def cpu_vec(facts: Any, tiles: tuple, d: int, dv: int, dtype: np.dtype) -> int:
     return next((w for w in (16, 8) if d % w == 0 and dv % w == 0 and tiles[1] % w == 0), 0)
 
 
+#: the fallbacks every device tries last, largest first: (8, 4, 2, 4) keeps D = Dv = 256 within
+#: 32 KiB of __local memory in float64 too (25856 bytes; float32 at (8, 8, 2, 4): 17216)
+SMALL_TILES = [(16, 16, 4, 4), (8, 8, 2, 4), (8, 4, 2, 4)]
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -139,31 +144,33 @@ def choose_tiles(
     if override is not None:
         return tuple(override)  # type: ignore[return-value]
     if facts.simulator:  # Oclgrind interprets every work-item: small tiles, several per call
-        return (min(_next_pow2(rows), 8), 8, min(_next_pow2(rows), 4), 4)
-    if rows <= DECODE_ROWS:
+        cands = [(min(_next_pow2(rows), 8), 8, min(_next_pow2(rows), 4), 4)]
+    elif rows <= DECODE_ROWS:
         bm = _next_pow2(rows)
         if facts.is_cpu:
             cands = [(bm, 32, bm, 8)]
         else:  # all packed rows in one work-item row, 64 work-items streaming the keys
             cands = [(bm, 64, 1, 64), (bm, 32, 1, 32), (bm, 16, 1, 16)]
     elif facts.is_cpu:  # PoCL: larger per-work-item tiles measured faster than many items
-        cands = [(32, 32, 8, 4), (16, 16, 4, 4)]
+        cands = [(32, 32, 8, 4)]
         if acc_bytes == 4 and kv_bytes == 4 and d % 8 == 0 and dv % 8 == 0:
             # float32: the CPU_VEC kernel (see cpu_vec)
             cands.insert(0, CPU_VEC_TILES_TALL if rows >= 1024 else CPU_VEC_TILES)
     else:
-        cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8), (16, 16, 4, 4), (8, 8, 2, 4)]
+        cands = [(64, 64, 8, 16), (32, 32, 8, 8), (16, 32, 4, 8)]
         if d <= 64 and dv <= 64:  # faster on the H200 at float32 D=64 (bench/RESULTS.md)
             cands.insert(0, (128, 64, 16, 8))
+    cands += SMALL_TILES
     for bm, bn, tm, tn in cands:
         if local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget:
             return bm, bn, tm, tn
-    bm, bn, tm, tn = cands[-1]
-    need = local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes)
+    smallest = cands[-1]
+    need = local_bytes(smallest[0], smallest[1], smallest[3], d, dv, acc_bytes, kv_bytes)
     raise UnsupportedError(
         f"opencl: head dims D={d}, Dv={dv} need {need} bytes of __local memory even with the "
-        f"smallest tiling; device {facts.name!r} allows {facts.local_budget}. Use the numba or "
-        "numpy backend for these head dims"
+        f"smallest tiling {smallest} (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N); device "
+        f"{facts.name!r} allows {facts.local_budget}. Use the numba or numpy backend for these "
+        "head dims"
     )
 
 

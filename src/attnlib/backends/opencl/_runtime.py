@@ -44,6 +44,52 @@ def list_devices() -> list[Any]:
     return devices
 
 
+#: device-type bits (cl.device_type) in words, as ``attnlib info`` prints them
+_TYPE_WORDS = ((2, "CPU"), (4, "GPU"), (8, "accelerator"), (16, "custom"))
+_ALL_TYPES = 0xFFFFFFFF
+
+
+def device_type_words(bits: int) -> str:
+    """``CL_DEVICE_TYPE`` bits in words: "CPU", "GPU", "CPU, GPU", ... (the DEFAULT bit is left
+    out; a device that sets every bit, as Oclgrind does, is "every type")."""
+    bits = int(bits)
+    if bits & _ALL_TYPES == _ALL_TYPES:
+        return "every type (all type bits set)"
+    words = [w for bit, w in _TYPE_WORDS if bits & bit]
+    return ", ".join(words) or "unknown type"
+
+
+def describe_device(device: Any) -> str:
+    """One line naming a device's implementation (platform and its version), the device, its
+    type in words, OpenCL version, driver and the limits attnlib's tiling depends on."""
+    p = device.platform
+    fp64 = "fp64" if "cl_khr_fp64" in device.extensions else "no fp64"
+    return (f"{p.name.strip()} ({p.version.strip()}) | {device.name.strip()} | "
+            f"{device_type_words(device.type)} | {device.version.strip()} | "
+            f"driver {device.driver_version.strip()} | {device.max_compute_units} compute units | "
+            f"{device.local_mem_size // 1024} KiB local | "
+            f"{device.global_mem_size / 2**30:.1f} GiB | {fp64}")
+
+
+def describe_platforms() -> list[str]:
+    """A line per OpenCL device of every platform (:func:`describe_device`), and one per platform
+    that lists no device (Mesa's rusticl lists devices only for the drivers RUSTICL_ENABLE
+    names, e.g. RUSTICL_ENABLE=llvmpipe)."""
+    import pyopencl as cl
+
+    lines = []
+    for p in cl.get_platforms():
+        try:
+            devices = p.get_devices()
+        except cl.Error:
+            devices = []
+        lines += [describe_device(d) for d in devices]
+        if not devices:
+            hint = " (set RUSTICL_ENABLE, e.g. llvmpipe)" if "rusticl" in p.name.lower() else ""
+            lines.append(f"{p.name.strip()} ({p.version.strip()}) | no device{hint}")
+    return lines
+
+
 def has_gpu() -> bool:
     """True when a non-simulator GPU is present; never raises."""
     try:

@@ -1,0 +1,79 @@
+"""The opencl backend within 32 KiB of __local memory (many GPUs, Mesa's rusticl): every head dim up
+to 256 runs, in every dtype, on prefill, decode and split-KV shapes; below what the smallest tiling
+needs, the refusal names both numbers. The device's own limit is replaced by a smaller one through
+the backend's DeviceFacts, so this runs on any OpenCL device (PoCL in CI)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib.testing._helpers import check_dense, qkv, rng_for
+
+pytest.importorskip("pyopencl")
+
+from attnlib.backends.opencl import OpenCLBackend, _attention  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not OpenCLBackend.is_available(), reason="no OpenCL device (pyopencl[pocl] provides one)"
+)
+
+KIB32 = 32 * 1024
+
+
+def budget_backend(limit: int, **options) -> OpenCLBackend:
+    """A fresh backend on the default device that may use at most ``limit`` bytes of __local
+    memory per work-group (a fresh instance: no plan of another budget is reused)."""
+    be = OpenCLBackend(**options)
+    be.facts = dataclasses.replace(be.facts, local_budget=min(be.facts.local_budget, limit))
+    return be
+
+
+@pytest.fixture(scope="module")
+def be32():
+    return budget_backend(KIB32)
+
+
+def dtypes(be):
+    """float32 and float16 everywhere; float64 only where the device has it (elsewhere the
+    conformance suite checks the UnsupportedError)."""
+    return ["float32", "float16"] + (["float64"] if be.facts.fp64 else [])
+
+
+@pytest.mark.parametrize("d,dv", [(256, 256), (255, 256), (256, 129), (200, 256)])
+@pytest.mark.parametrize("rows", [1, 4, 19])  # decode tilings (<= 8 packed rows) and prefill
+def test_every_dtype_fits_32kib(be32, d, dv, rows):
+    for dtype in dtypes(be32):
+        acc = 8 if dtype == "float64" else 4
+        kv = 2 if dtype == "float16" else acc
+        tiles = _attention.choose_tiles(be32.facts, 2 * rows, d, dv, acc, kv, None)
+        assert _attention.local_bytes(tiles[0], tiles[1], tiles[3], d, dv, acc, kv) <= KIB32
+        rng = rng_for("32k", d, dv, rows, dtype)
+        q, k, v = qkv(rng, 1, rows, 37, 4, 2, d, dv, dtype=dtype)
+        check_dense(be32, q, k, v, causal=True, alibi_slopes=np.array(
+            [0.05, 0.1, 0.2, 0.3], np.float32))
+
+
+def test_split_kv_decode_fits_32kib():
+    be = budget_backend(KIB32, num_splits=3)
+    rng = rng_for("32k split")
+    for dtype in dtypes(be):
+        q, k, v = qkv(rng, 2, 1, 301, 4, 1, 256, dtype=dtype)
+        check_dense(be, q, k, v, causal=True, softcap=5.0)
+
+
+def test_too_little_local_memory_names_both_numbers():
+    limit = 4096
+    be = budget_backend(limit)
+    smallest = _attention.SMALL_TILES[-1]
+    need = _attention.local_bytes(smallest[0], smallest[1], smallest[3], 256, 256, 4, 4)
+    assert need > limit
+    rng = rng_for("32k refusal")
+    q, k, v = qkv(rng, 1, 9, 21, 2, 1, 256)
+    with pytest.raises(attnlib.UnsupportedError) as info:
+        attnlib.attention(q, k, v, backend=be)
+    msg = str(info.value)
+    assert f"need {need} bytes" in msg and f"allows {limit}" in msg and str(smallest) in msg
