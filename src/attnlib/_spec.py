@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from .backends.base import AttnCall
-from .errors import ArgumentError, DTypeError, ShapeError
+from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BFLOAT16)
@@ -434,3 +434,201 @@ def check_page_table(block_table: Any, seq_lens: Any, n_seq: int, num_pages: int
                 f"[0, {num_pages})"
             )
     return block_table, lens
+
+
+# ---- the KV cache (SPEC section 7) ---------------------------------------------------------------
+def check_cache_rows(index: Any, name: str, b: int | None, max_batch_size: int) -> np.ndarray:
+    """Cache rows as int64: ``None`` is every row (or the first ``b``), else an int, a list /
+    tuple of ints or an int array ``(b,)``, each in ``[0, max_batch_size)``."""
+    if index is None:
+        return np.arange(max_batch_size if b is None else b, dtype=np.int64)
+    if is_array(index):
+        idx = host(index)
+        if idx.dtype.kind not in "iu" or idx.ndim != 1:
+            raise ArgumentError(
+                f"{name} must be an int array (B,), got {idx.dtype} {idx.shape}"
+            )
+        idx = idx.astype(np.int64)
+    elif isinstance(index, (list, tuple)):
+        idx = np.array([check_int(i, name) for i in index], dtype=np.int64)
+    else:
+        idx = np.array([check_int(index, name)], dtype=np.int64)
+    if b is not None and idx.shape != (b,):
+        raise ShapeError(f"{name} has shape {idx.shape}; expected ({b},)")
+    if idx.size and (idx.min() < 0 or idx.max() >= max_batch_size):
+        raise ArgumentError(
+            f"{name}={idx.tolist()} has entries outside [0, {max_batch_size})"
+        )
+    return idx
+
+
+def check_distinct_rows(rows: np.ndarray) -> None:
+    """A write names each cache row at most once."""
+    if rows.shape[0] > 1 and len(np.unique(rows)) != rows.shape[0]:
+        raise ArgumentError(f"batch_idx={rows.tolist()} writes one cache row twice")
+
+
+def check_cache_kv(k: Any, v: Any, b: int | None, dtype: np.dtype, n_kv_heads: int,
+                   head_dim: int, head_dim_v: int, max_batch_size: int) -> int:
+    """New keys ``(B, S_new, n_kv_heads, head_dim)`` and values ``(..., head_dim_v)`` of the
+    cache's dtype; ``b``: q's batch when there is a q. Returns B."""
+    for name, x, d in (("k", k, head_dim), ("v", v, head_dim_v)):
+        check_array(x, name, ndim=4)
+        if np.dtype(x.dtype) != dtype:
+            raise DTypeError(f"{name} has dtype {x.dtype}; this cache holds {dtype}")
+        if x.shape[2] != n_kv_heads or x.shape[3] != d:
+            raise ShapeError(
+                f"{name} has shape {tuple(x.shape)}; expected "
+                f"(B, S_new, {n_kv_heads}, {d})"
+            )
+    if tuple(k.shape[:2]) != tuple(v.shape[:2]):
+        raise ShapeError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")
+    if b is not None and k.shape[0] != b:
+        raise ShapeError(f"k has batch {k.shape[0]} but q has {b}")
+    if k.shape[0] > max_batch_size:
+        raise ShapeError(f"k has batch {k.shape[0]} > max_batch_size={max_batch_size}")
+    return k.shape[0]
+
+
+def check_start_pos(start_pos: Any, b: int) -> np.ndarray:
+    """``start_pos`` (an int or an int array ``(b,)``, each >= 0) as int64 ``(b,)``."""
+    if is_array(start_pos):
+        sp = host(start_pos)
+        if sp.dtype.kind not in "iu":
+            raise ArgumentError(f"start_pos has dtype {sp.dtype}; expected an int or int array")
+        if sp.shape != (b,):
+            raise ArgumentError(f"start_pos has shape {sp.shape}; expected ({b},)")
+        sp = sp.astype(np.int64)
+    else:
+        sp = np.full(b, check_int(start_pos, "start_pos"), dtype=np.int64)
+    if (sp < 0).any():
+        raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0")
+    return sp
+
+
+def _first(bad: np.ndarray) -> int:
+    """Index of the first offending row, for the error message."""
+    return int(np.flatnonzero(bad)[0])
+
+
+def check_cache_write(rows: np.ndarray, start: np.ndarray, cur: np.ndarray, lo: np.ndarray,
+                      n_new: int, cap: int, ring: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Writing ``n_new`` tokens at ``start`` into cache ``rows`` that hold positions
+    ``[lo, cur)``: no gap; within ``cap`` slots (``ring=False``), or at most ``cap`` tokens and
+    no position the ring no longer holds. Returns (new lengths, new first held positions)."""
+    gap = start > cur
+    if gap.any():
+        i = _first(gap)
+        raise ArgumentError(
+            f"start_pos={int(start[i])} for cache row {int(rows[i])} leaves a gap: that row "
+            f"holds {int(cur[i])} tokens, so start_pos must be <= {int(cur[i])}"
+        )
+    end = start + n_new
+    if not ring:
+        over = end > cap
+        if over.any():
+            i = _first(over)
+            raise CacheOverflowError(
+                f"writing {n_new} tokens at start_pos={int(start[i])} into cache row "
+                f"{int(rows[i])} needs {int(end[i])} slots > max_seq_len={cap} (ring=False); "
+                "the cache is unchanged"
+            )
+        return end, lo.copy()
+    if n_new > cap:
+        raise CacheOverflowError(
+            f"k has {n_new} new tokens but a ring cache holds at most max_seq_len={cap} "
+            "per update; the cache is unchanged"
+        )
+    stale = start < lo
+    if stale.any():
+        i = _first(stale)
+        raise ArgumentError(
+            f"start_pos={int(start[i])} for cache row {int(rows[i])} rewrites a position no "
+            f"longer held (this ring holds positions {int(lo[i])}..{int(cur[i]) - 1})"
+        )
+    return end, np.maximum(lo, end - cap)
+
+
+def check_cache_append_one(row: int, cur: int, lo: int, n_new: int, cap: int,
+                           ring: bool) -> tuple[int, int]:
+    """:func:`check_cache_write` for one cache row appending at its length (the decode step),
+    on plain ints; a failing check raises through :func:`check_cache_write`."""
+    end = cur + n_new
+    if ring:
+        if n_new > cap:
+            _raise_append(row, cur, lo, n_new, cap, ring)
+        return end, max(lo, end - cap)
+    if end > cap:
+        _raise_append(row, cur, lo, n_new, cap, ring)
+    return end, lo
+
+
+def _raise_append(row: int, cur: int, lo: int, n_new: int, cap: int, ring: bool) -> None:
+    one = np.array([cur], np.int64)
+    check_cache_write(np.array([row], np.int64), one, one, np.array([lo], np.int64), n_new,
+                      cap, ring)
+
+
+def check_cache_query(q: Any, dtype: np.dtype, head_dim: int, n_kv_heads: int,
+                      max_batch_size: int, rows_given: bool) -> tuple[int, int, int, int]:
+    """q ``(B, Sq, Hq, head_dim)`` of the cache's dtype, ``Hq`` a multiple of ``n_kv_heads``,
+    ``B <= max_batch_size`` unless ``batch_idx`` maps it. Returns q's shape."""
+    check_array(q, "q", ndim=4)
+    if np.dtype(q.dtype) != dtype:
+        raise DTypeError(f"q has dtype {q.dtype}; this cache holds {dtype}")
+    b, sq, hq, d = q.shape
+    if d != head_dim:
+        raise ShapeError(f"q has head dim {d}; this cache holds head_dim={head_dim}")
+    if hq < 1 or hq % n_kv_heads:
+        raise ShapeError(f"q has {hq} heads; need a multiple of n_kv_heads={n_kv_heads}")
+    if b > max_batch_size and not rows_given:
+        raise ShapeError(f"q has batch {b} > max_batch_size={max_batch_size}")
+    return b, sq, hq, d
+
+
+def check_cache_instance(cache: Any, cls: type) -> None:
+    if not isinstance(cache, cls):
+        raise ArgumentError(f"cache must be an attnlib.KVCache, got {type(cache).__name__}")
+
+
+def check_cache_backend(backend: Any, chosen: Any, be: Any) -> None:
+    """``backend=`` beside a cache (``chosen``: what it names) must be the cache's ``be``."""
+    if backend is not None and chosen is not be:
+        raise ArgumentError(
+            f"backend={backend!r} differs from the cache's backend {be.name!r}; attention over a "
+            "cache runs where the cache lives"
+        )
+
+
+def check_kv_given(k: Any, v: Any, start_pos: Any) -> None:
+    """``k`` and ``v`` together or neither; ``start_pos`` only with them."""
+    if (k is None) != (v is None):
+        raise ArgumentError("k and v must be given together (or both left out)")
+    if k is None and start_pos is not None:
+        raise ArgumentError("start_pos was given without k and v; there is nothing to write")
+
+
+def check_held(rows: np.ndarray, new_len: np.ndarray, sq: int) -> None:
+    """Each cache row holds at least Sq tokens (after the append)."""
+    short = new_len < sq
+    if short.any():
+        i = _first(short)
+        raise ShapeError(
+            f"q has Sq={sq} rows but cache row {int(rows[i])} holds only {int(new_len[i])} "
+            "tokens; Sq must be <= each sequence's length"
+        )
+
+
+def check_held_one(row: int, length: int, sq: int) -> None:
+    """:func:`check_held` for one cache row, on plain ints."""
+    if length < sq:
+        check_held(np.array([row], np.int64), np.array([length], np.int64), sq)
+
+
+def check_readable(x: Any, name: str, be: Any) -> None:
+    """A device array ``x`` must belong to the backend ``be`` (the cache's)."""
+    if is_device_array(x) and not be.owns(x):
+        raise ArgumentError(
+            f"{name} is a {type(x).__module__}.{type(x).__name__} array, which the cache's "
+            f"backend {be.name!r} cannot read"
+        )
