@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from .backends.base import AttnCall
-from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
+from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError, UnsupportedError
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BFLOAT16)
@@ -632,3 +632,131 @@ def check_readable(x: Any, name: str, be: Any) -> None:
             f"{name} is a {type(x).__module__}.{type(x).__name__} array, which the cache's "
             f"backend {be.name!r} cannot read"
         )
+
+
+# ---- the backend a call runs on ------------------------------------------------------------------
+def check_backend_reads(device: list[Any], be: Any) -> None:
+    """The chosen backend ``be`` owns the call's device arrays (``device``; none: numpy)."""
+    if device and not be.owns(device[0]):
+        raise ArgumentError(
+            f"inputs are {type(device[0]).__module__}.{type(device[0]).__name__} arrays, which "
+            f"backend {be.name!r} cannot read; choose the backend that owns them or pass "
+            "attnlib.to_numpy(x)"
+        )
+
+
+def check_backend_dtype(be: Any, dtype: Any) -> None:
+    """The backend ``be`` can run ``dtype`` (asked every call: a device's facts may change)."""
+    reason = be.unsupported_dtype_reason(np.dtype(dtype))
+    if reason:
+        raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
+
+
+def check_queue(queue: Any, queue_type: type | None) -> None:
+    """``queue=`` is a ``pyopencl.CommandQueue`` (``queue_type``; None: pyopencl is absent)."""
+    if queue_type is None or not isinstance(queue, queue_type):
+        raise ArgumentError(
+            f"queue must be a pyopencl.CommandQueue, got {type(queue).__module__}."
+            f"{type(queue).__name__}"
+        )
+
+
+def check_queue_backend(backend: Any, be: Any, queue: Any) -> None:
+    """``backend=`` beside ``queue=`` (``be``: what it names) is the opencl backend on it."""
+    on = getattr(be, "queue", None)
+    if be.name != "opencl" or on is None or on.int_ptr != queue.int_ptr:
+        where = "on another queue" if be.name == "opencl" else f"is {be.name!r}"
+        raise ArgumentError(
+            f"queue= and backend= disagree: queue= means the opencl backend on that queue, but "
+            f"backend={backend!r} {where}; pass one of them (backend=attnlib.get_backend("
+            f"'opencl', queue=queue) is the same as queue=queue)"
+        )
+
+
+def check_host_array(x: Any) -> None:
+    """``to_device`` copies numpy arrays only."""
+    if not isinstance(x, np.ndarray):
+        raise DTypeError(f"x must be a numpy array, got {type(x).__name__}")
+
+
+def check_any_array(x: Any) -> None:
+    """``to_numpy`` takes numpy and device arrays."""
+    if not is_array(x):
+        raise DTypeError(f"x must be an array, got {type(x).__name__}")
+
+
+# ---- softmax, merge_states, rope -----------------------------------------------------------------
+def check_axis(x: Any, axis: Any) -> int:
+    """``axis`` of ``x`` (negative counts from the end) as an index in ``[0, x.ndim)``."""
+    axis = check_int(axis, "axis")
+    nd = len(x.shape)
+    if nd == 0:
+        raise ShapeError("x must have at least 1 dim, got a 0-d array")
+    if not -nd <= axis < nd:
+        raise ArgumentError(f"axis={axis} is out of range for x with {nd} dims")
+    return axis % nd
+
+
+def check_states(outs: Any, lses: Any, layout: str) -> tuple[list[Any], np.dtype]:
+    """``merge_states``' partial states: equal-length lists of ``out (B, Sq, H, Dv)`` (in
+    ``layout``) and ``lse (B, H, Sq)``, one shape each. Returns the outs in bshd and their
+    dtype."""
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise ArgumentError("outs and lses must be lists (or tuples) of arrays")
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ArgumentError(
+            f"outs and lses must be non-empty and of equal length, got {len(outs)} and {len(lses)}"
+        )
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        check_array(o, f"outs[{i}]", ndim=4)
+        check_array(lse, f"lses[{i}]", ndim=3)
+        check_float_dtype(lse, f"lses[{i}]")
+    dt = same_dtype({f"outs[{i}]": o for i, o in enumerate(outs)})
+    outs = [to_bshd(o, layout) for o in outs]
+    b, sq, h, _ = outs[0].shape
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        if tuple(o.shape) != tuple(outs[0].shape):
+            raise ShapeError(
+                f"outs[{i}] has shape {tuple(o.shape)}; expected {tuple(outs[0].shape)}"
+            )
+        if tuple(lse.shape) != (b, h, sq):
+            raise ShapeError(f"lses[{i}] has shape {tuple(lse.shape)}; expected {(b, h, sq)}")
+    return outs, dt
+
+
+def check_rotary_dim(rotary_dim: Any) -> int | None:
+    """``RoPE(rotary_dim=)``: None (all of D) or an even int >= 2."""
+    if rotary_dim is None:
+        return None
+    rotary_dim = check_int(rotary_dim, "rotary_dim", minimum=2)
+    if rotary_dim % 2:
+        raise ArgumentError(f"rotary_dim={rotary_dim} must be even")
+    return rotary_dim
+
+
+def check_rotary_fits(rotary_dim: int | None, head_dim: int) -> int:
+    """The dims that rotate (``rotary_dim``, None: the head dim): even and <= the head dim."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    if r > head_dim or r % 2:
+        raise ArgumentError(
+            f"rotary_dim={r} must be even and <= the head dim {head_dim}"
+            + (" (the default rotary_dim is D)" if rotary_dim is None else "")
+        )
+    return r
+
+
+def check_rope_type(rope_arg: Any, rope_type: type) -> None:
+    """``rope=`` is None or an ``attnlib.RoPE`` (``rope_type``)."""
+    if rope_arg is not None and not isinstance(rope_arg, rope_type):
+        raise ArgumentError(f"rope must be None or an attnlib.RoPE, got {type(rope_arg).__name__}")
+
+
+def check_positions(positions: Any, b: int, s: int) -> np.ndarray:
+    """Rotary positions, int ``(s,)`` or ``(b, s)``, as int64 ``(b, s)``."""
+    check_array(positions, "positions", ndim=(1, 2))
+    p = host(positions)
+    if p.dtype.kind not in "iu":
+        raise DTypeError(f"positions has dtype {p.dtype}; expected an integer dtype")
+    if p.shape not in ((s,), (b, s)):
+        raise ShapeError(f"positions has shape {p.shape}; expected ({s},) or ({b}, {s})")
+    return np.ascontiguousarray(np.broadcast_to(p.astype(np.int64), (b, s)))
