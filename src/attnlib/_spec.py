@@ -500,6 +500,11 @@ def check_cache_kv(k: Any, v: Any, b: int | None, dtype: np.dtype, n_kv_heads: i
 
 def check_start_pos(start_pos: Any, b: int) -> np.ndarray:
     """``start_pos`` (an int or an int array ``(b,)``, each >= 0) as int64 ``(b,)``."""
+    if type(start_pos) is int:  # the common case, without the generic checks' cost
+        sp = np.full(b, start_pos, dtype=np.int64)
+        if start_pos < 0:
+            raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0")
+        return sp
     if is_array(start_pos):
         sp = host(start_pos)
         if sp.dtype.kind not in "iu":
