@@ -253,9 +253,10 @@ _COPY_CALL = _frozen_fields_ok()
 
 class _FastEntry:
     """What a successful call fixed for its key: the batch, query rows, the new tokens, RoPE,
-    and the AttnCall fields that do not depend on the cache's lengths. ``run`` repeats the
-    length-dependent checks, and those of ``start_pos`` / ``batch_idx`` values (``_mapped``; a
-    failing one hands the call to the full path, which raises the error), and builds the
+    and the AttnCall fields that do not depend on the cache's lengths (the key fixes everything
+    else the front door checks). ``run`` runs the checks that depend on the cache's lengths and
+    on the values of ``start_pos`` / ``batch_idx`` (``_mapped``), the same _spec checks the
+    full path runs (a failing one raises its error, the cache untouched), and builds the
     AttnCall from them. An append goes through the backend's ``cache_append`` first (one launch
     on backends that fuse it)."""
 
