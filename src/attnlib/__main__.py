@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 
@@ -52,7 +51,7 @@ def cmd_info(_args) -> int:
 
     import attnlib
     from attnlib import registry
-    from attnlib._config import env_backend
+    from attnlib._config import env_backend, shown_variables
 
     print(f"attnlib {attnlib.__version__} | Python {platform.python_version()} | "
           f"numpy {np.__version__} | {platform.machine()} {platform.system()}")
@@ -92,7 +91,7 @@ def cmd_info(_args) -> int:
     print("OpenCL devices:")
     for line in _opencl_devices():
         print("  " + line)
-    shown = {k: os.environ[k] for k in ("ATTNLIB_BACKEND", "PYOPENCL_CTX") if k in os.environ}
+    shown = shown_variables(("ATTNLIB_BACKEND", "PYOPENCL_CTX"))
     if shown:
         print("environment: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     return 0

@@ -10,7 +10,6 @@ import numpy as np
 
 from . import _spec, registry
 from .backends.base import AttnCall, Backend, RopeSpec
-from .errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
 
 __all__ = [
     "attention",
@@ -39,16 +38,9 @@ def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None, *,
     if choice is None and device:
         choice = "opencl"
     be = registry.get_backend("auto" if choice is None else choice)
-    if device and not be.owns(device[0]):
-        raise ArgumentError(
-            f"inputs are {type(device[0]).__module__}.{type(device[0]).__name__} arrays, which "
-            f"backend {be.name!r} cannot read; choose the backend that owns them or pass "
-            "attnlib.to_numpy(x)"
-        )
+    _spec.check_backend_reads(device, be)
     if dtype is not None:
-        reason = be.unsupported_dtype_reason(np.dtype(dtype))
-        if reason:
-            raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
+        _spec.check_backend_dtype(be, dtype)
     return be
 
 
@@ -59,22 +51,11 @@ def _queue_backend(backend: Any, queue: Any) -> Backend:
         import pyopencl as cl
     except ImportError:
         cl = None
-    if cl is None or not isinstance(queue, cl.CommandQueue):
-        raise ArgumentError(
-            f"queue must be a pyopencl.CommandQueue, got {type(queue).__module__}."
-            f"{type(queue).__name__}"
-        )
+    _spec.check_queue(queue, None if cl is None else cl.CommandQueue)
     if backend is None:
         return registry.get_backend("opencl", queue=queue)
     be = registry.get_backend(backend)
-    on = getattr(be, "queue", None)
-    if be.name != "opencl" or on is None or on.int_ptr != queue.int_ptr:
-        where = "on another queue" if be.name == "opencl" else f"is {be.name!r}"
-        raise ArgumentError(
-            f"queue= and backend= disagree: queue= means the opencl backend on that queue, but "
-            f"backend={backend!r} {where}; pass one of them (backend=attnlib.get_backend("
-            f"'opencl', queue=queue) is the same as queue=queue)"
-        )
+    _spec.check_queue_backend(backend, be, queue)
     return be
 
 
@@ -98,8 +79,11 @@ def _from_bshd(x: Any, layout: str, be: Backend) -> Any:
     return _device_contiguous(xt, be)
 
 
-def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, softcap=None,
-              alibi_slopes=None, layout="bshd", return_lse=False, backend=None):
+def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
+              causal: bool | str = False, window: tuple[int | None, int | None] | None = None,
+              mask: Any = None, softcap: float | None = None, alibi_slopes: Any = None,
+              layout: str = "bshd", return_lse: bool = False,
+              backend: str | Backend | None = None) -> Any:
     """Exact softmax attention, computed tile by tile with an online softmax (no Sq x Sk matrix).
 
     Shapes (``layout="bshd"``, the default): ``q (B, Sq, Hq, D)``, ``k (B, Sk, Hkv, D)``,
@@ -136,9 +120,12 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, soft
         hit = _dense_entries.get(key) if key is not None else None
         if hit is not None:
             # the backend is resolved every call (use_backend / set_backend may have changed)
-            be = hit.be if _resolves_to(backend, hit) else pick_backend(backend, (q, k, v),
-                                                                         hit.dtype)
-            if be is hit.be and not be.unsupported_dtype_reason(hit.dtype):
+            if _resolves_to(backend, hit):
+                be = hit.be
+                _spec.check_backend_dtype(be, hit.dtype)  # pick_backend's, asked every call
+            else:
+                be = pick_backend(backend, (q, k, v), hit.dtype)
+            if be is hit.be:
                 out, lse = _run(be, hit.call(q, k, v, layout))
                 out = _from_bshd(out, layout, be)
                 return (out, lse) if return_lse else out
@@ -236,9 +223,11 @@ def _run(be: Backend, call: AttnCall):
     return be.attention(call)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
-                     window=None, softcap=None, alibi_slopes=None, return_lse=False,
-                     backend=None):
+def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     scale: float | None = None, causal: bool | str = False,
+                     window: tuple[int | None, int | None] | None = None,
+                     softcap: float | None = None, alibi_slopes: Any = None,
+                     return_lse: bool = False, backend: str | Backend | None = None) -> Any:
     """Attention over a ragged batch packed without padding.
 
     ``q (total_q, Hq, D)``, ``k (total_k, Hkv, D)``, ``v (total_k, Hkv, Dv)``; sequence ``b``
@@ -256,17 +245,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     return (out[0], lse[0]) if return_lse else out[0]
 
 
-def _check_axis(x, axis) -> int:
-    axis = _spec.check_int(axis, "axis")
-    nd = len(x.shape)
-    if nd == 0:
-        raise ShapeError("x must have at least 1 dim, got a 0-d array")
-    if not -nd <= axis < nd:
-        raise ArgumentError(f"axis={axis} is out of range for x with {nd} dims")
-    return axis % nd
-
-
-def softmax(x, axis=-1, *, backend=None):
+def softmax(x: Any, axis: int = -1, *, backend: str | Backend | None = None) -> Any:
     """Softmax along ``axis`` in one streaming pass (online max and sum); x's dtype out.
 
     An all -inf row gives zeros (not NaN); NaN propagates.
@@ -277,20 +256,21 @@ def softmax(x, axis=-1, *, backend=None):
     """
     _spec.check_array(x, "x")
     dt = _spec.check_float_dtype(x, "x")
-    axis = _check_axis(x, axis)
+    axis = _spec.check_axis(x, axis)
     return pick_backend(backend, (x,), dt).softmax(x, axis, False)
 
 
-def logsumexp(x, axis=-1, *, backend=None):
+def logsumexp(x: Any, axis: int = -1, *, backend: str | Backend | None = None) -> Any:
     """``log(sum(exp(x)))`` along ``axis``: float32 (float64 for float64 x); -inf for an all
     -inf row."""
     _spec.check_array(x, "x")
     dt = _spec.check_float_dtype(x, "x")
-    axis = _check_axis(x, axis)
+    axis = _spec.check_axis(x, axis)
     return pick_backend(backend, (x,), dt).softmax(x, axis, True)
 
 
-def merge_states(outs, lses, *, layout="bshd", backend=None):
+def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, layout: str = "bshd",
+                 backend: str | Backend | None = None) -> tuple[Any, Any]:
     """Merge partial attention states over disjoint key sets (FlashInfer's ``merge_state``).
 
     Given ``(o_i, lse_i)`` from ``attention(q, k_i, v_i, return_lse=True)``, returns exactly
@@ -299,26 +279,7 @@ def merge_states(outs, lses, *, layout="bshd", backend=None):
     only empty states gives (0, -inf).
     """
     layout = _spec.check_layout(layout)
-    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
-        raise ArgumentError("outs and lses must be lists (or tuples) of arrays")
-    if len(outs) == 0 or len(outs) != len(lses):
-        raise ArgumentError(
-            f"outs and lses must be non-empty and of equal length, got {len(outs)} and {len(lses)}"
-        )
-    for i, (o, lse) in enumerate(zip(outs, lses)):
-        _spec.check_array(o, f"outs[{i}]", ndim=4)
-        _spec.check_array(lse, f"lses[{i}]", ndim=3)
-        _spec.check_float_dtype(lse, f"lses[{i}]")
-    dt = _spec.same_dtype({f"outs[{i}]": o for i, o in enumerate(outs)})
-    outs = [_spec.to_bshd(o, layout) for o in outs]
-    b, sq, h, _ = outs[0].shape
-    for i, (o, lse) in enumerate(zip(outs, lses)):
-        if tuple(o.shape) != tuple(outs[0].shape):
-            raise ShapeError(
-                f"outs[{i}] has shape {tuple(o.shape)}; expected {tuple(outs[0].shape)}"
-            )
-        if tuple(lse.shape) != (b, h, sq):
-            raise ShapeError(f"lses[{i}] has shape {tuple(lse.shape)}; expected {(b, h, sq)}")
+    outs, dt = _spec.check_states(outs, lses, layout)
     be = pick_backend(backend, list(outs) + list(lses), dt)
     if layout == "bhsd":
         outs = [o if isinstance(o, np.ndarray) else _device_contiguous(o, be) for o in outs]
@@ -334,49 +295,29 @@ class RoPE:
     """
 
     def __init__(self, theta: float = 10000.0, interleaved: bool = False,
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None) -> None:
         self.theta = _spec.check_real(theta, "theta", positive=True)
         self.interleaved = _spec.check_bool(interleaved, "interleaved")
-        if rotary_dim is not None:
-            rotary_dim = _spec.check_int(rotary_dim, "rotary_dim", minimum=2)
-            if rotary_dim % 2:
-                raise ArgumentError(f"rotary_dim={rotary_dim} must be even")
-        self.rotary_dim = rotary_dim
+        self.rotary_dim = _spec.check_rotary_dim(rotary_dim)
 
     def __repr__(self) -> str:
         return (f"RoPE(theta={self.theta}, interleaved={self.interleaved}, "
                 f"rotary_dim={self.rotary_dim})")
 
     def spec(self, head_dim: int) -> RopeSpec:
-        r = head_dim if self.rotary_dim is None else self.rotary_dim
-        if r > head_dim or r % 2:
-            raise ArgumentError(
-                f"rotary_dim={r} must be even and <= the head dim {head_dim}"
-                + (" (the default rotary_dim is D)" if self.rotary_dim is None else "")
-            )
-        return RopeSpec(self.theta, self.interleaved, r)
+        return RopeSpec(self.theta, self.interleaved,
+                        _spec.check_rotary_fits(self.rotary_dim, head_dim))
 
 
 def check_rope(rope_arg: Any, head_dim: int) -> RopeSpec | None:
-    if rope_arg is None:
-        return None
-    if not isinstance(rope_arg, RoPE):
-        raise ArgumentError(f"rope must be None or an attnlib.RoPE, got {type(rope_arg).__name__}")
-    return rope_arg.spec(head_dim)
+    """The RopeSpec of ``rope=`` (None or an attnlib.RoPE) for ``head_dim``."""
+    _spec.check_rope_type(rope_arg, RoPE)
+    return None if rope_arg is None else rope_arg.spec(head_dim)
 
 
-def check_positions(positions: Any, b: int, s: int) -> np.ndarray:
-    _spec.check_array(positions, "positions", ndim=(1, 2))
-    p = _spec.host(positions)
-    if p.dtype.kind not in "iu":
-        raise DTypeError(f"positions has dtype {p.dtype}; expected an integer dtype")
-    if p.shape not in ((s,), (b, s)):
-        raise ShapeError(f"positions has shape {p.shape}; expected ({s},) or ({b}, {s})")
-    return np.ascontiguousarray(np.broadcast_to(p.astype(np.int64), (b, s)))
-
-
-def rope(x, positions, *, theta=10000.0, interleaved=False, rotary_dim=None, layout="bshd",
-         backend=None):
+def rope(x: Any, positions: Any, *, theta: float = 10000.0, interleaved: bool = False,
+         rotary_dim: int | None = None, layout: str = "bshd",
+         backend: str | Backend | None = None) -> Any:
     """Rotate ``x (B, S, H, D)`` (or ``(B, H, S, D)`` with ``layout="bhsd"``) at ``positions``
     (int ``(S,)`` or ``(B, S)``); returns a new array of x's dtype."""
     layout = _spec.check_layout(layout)
@@ -384,25 +325,23 @@ def rope(x, positions, *, theta=10000.0, interleaved=False, rotary_dim=None, lay
     dt = _spec.check_float_dtype(x, "x")
     xb = _spec.to_bshd(x, layout)
     spec = RoPE(theta, interleaved, rotary_dim).spec(xb.shape[3])
-    pos = check_positions(positions, xb.shape[0], xb.shape[1])
+    pos = _spec.check_positions(positions, xb.shape[0], xb.shape[1])
     be = pick_backend(backend, (x,), dt)
     return _from_bshd(be.rope(xb, pos, spec), layout, be)
 
 
-def to_device(x, *, backend=None, queue=None):
+def to_device(x: Any, *, backend: str | Backend | None = None, queue: Any = None) -> Any:
     """Copy a numpy array to the backend's device (numpy backends return it unchanged).
     ``queue=`` (a ``pyopencl.CommandQueue``) copies to that queue's device, in its order."""
     be = pick_backend(backend, (), None, queue=queue)
-    if not isinstance(x, np.ndarray):
-        raise DTypeError(f"x must be a numpy array, got {type(x).__name__}")
+    _spec.check_host_array(x)
     return be.to_device(x)
 
 
-def to_numpy(x):
+def to_numpy(x: Any) -> np.ndarray:
     """A numpy array from a numpy or device array (a device array is copied to the host)."""
     if isinstance(x, np.ndarray):
         return x
-    if _spec.is_array(x):
-        return np.asarray(x.get())
-    raise DTypeError(f"x must be an array, got {type(x).__name__}")
+    _spec.check_any_array(x)
+    return np.asarray(x.get())
 

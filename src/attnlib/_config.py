@@ -13,6 +13,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "all available",
         "comma-separated backends the conformance suite runs (pytest plugin)",
     ),
+    "ATTNLIB_TEST_EXAMPLES": (
+        "25", "Hypothesis examples per random test of the conformance suite; read at import",
+    ),
+    "ATTNLIB_BENCH_DEBUG": (
+        "unset", "set: ``attnlib bench`` prints the traceback of a case that failed",
+    ),
     "PYOPENCL_CTX": ("unset", "pyopencl's device choice, honoured by the opencl backend"),
     "ATTNLIB_OPENCL_CP_ASYNC": (
         "unset",
@@ -53,6 +59,21 @@ def env_test_backends() -> list[str] | None:
     if not value:
         return None
     return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def test_backends_value() -> str:
+    """ATTNLIB_TEST_BACKENDS as set ("" when unset): the pytest plugin splits it itself."""
+    return os.environ.get("ATTNLIB_TEST_BACKENDS", "")
+
+
+def test_examples() -> int:
+    """ATTNLIB_TEST_EXAMPLES: Hypothesis examples per random test (25 when unset or empty)."""
+    return int(os.environ.get("ATTNLIB_TEST_EXAMPLES", "") or 25)
+
+
+def shown_variables(names: tuple[str, ...]) -> dict[str, str]:
+    """The variables of ``names`` that are set, with their values (``attnlib info``)."""
+    return {k: os.environ[k] for k in names if k in os.environ}
 
 
 def env_bench_debug() -> bool:

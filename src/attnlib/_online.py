@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import _spec
 from ._api import _from_bshd, pick_backend
-from .backends.base import AttnCall
-from .errors import ArgumentError, ShapeError
+from .backends.base import AttnCall, Backend
 
 
 class OnlineAttention:
@@ -25,8 +26,9 @@ class OnlineAttention:
     [[[-inf]]]
     """
 
-    def __init__(self, q, *, scale=None, causal=False, softcap=None, layout="bshd",
-                 backend=None, total_keys=None):
+    def __init__(self, q: Any, *, scale: float | None = None, causal: bool | str = False,
+                 softcap: float | None = None, layout: str = "bshd",
+                 backend: str | Backend | None = None, total_keys: int | None = None) -> None:
         self._layout = _spec.check_layout(layout)
         _spec.check_array(q, "q", ndim=4)
         self._dtype = _spec.check_float_dtype(q, "q")
@@ -34,14 +36,7 @@ class OnlineAttention:
         self._scale = _spec.check_scale(scale, self._q.shape[3])
         self._softcap = _spec.check_softcap(softcap)
         self._causal = _spec.check_causal(causal)
-        if total_keys is not None:
-            total_keys = _spec.check_int(total_keys, "total_keys", minimum=0)
-        if self._causal is not None and total_keys is None:
-            raise ArgumentError(
-                "causal=True needs total_keys (the final number of keys) so that the "
-                "bottom-right alignment is known; got total_keys=None"
-            )
-        self._total = total_keys
+        self._total = _spec.check_total_keys(total_keys, self._causal)
         self._backend = pick_backend(backend, (q,), self._dtype)
         self._seen = 0
         self._state = None  # (out float32/64 bshd, lse)
@@ -50,32 +45,17 @@ class OnlineAttention:
     def keys_seen(self) -> int:
         return self._seen
 
-    def update(self, k_chunk, v_chunk) -> None:
+    def update(self, k_chunk: Any, v_chunk: Any) -> None:
         """Fold one chunk ``k (B, n, Hkv, D)``, ``v (B, n, Hkv, Dv)`` (layout as for q) in."""
-        _spec.check_array(k_chunk, "k_chunk", ndim=4)
-        _spec.check_array(v_chunk, "v_chunk", ndim=4)
-        k = _spec.to_bshd(k_chunk, self._layout)
-        v = _spec.to_bshd(v_chunk, self._layout)
-        _spec.same_dtype({"q": self._q, "k_chunk": k, "v_chunk": v})
-        _spec.check_heads(self._q.shape, k.shape, v.shape, names=("q", "k_chunk", "v_chunk"))
+        dv_before = None if self._state is None else self._state[0].shape[3]
+        k, v = _spec.check_online_chunk(self._q, k_chunk, v_chunk, self._layout, dv_before,
+                                        self._seen, self._total)
         b, sq = self._q.shape[:2]
-        if k.shape[0] != b:
-            raise ShapeError(f"k_chunk has batch {k.shape[0]} but q has {b}")
-        if self._state is not None and v.shape[3] != self._state[0].shape[3]:
-            raise ShapeError(
-                f"v_chunk has head dim {v.shape[3]} but earlier chunks had "
-                f"{self._state[0].shape[3]}"
-            )
         n = k.shape[1]
-        if self._total is not None and self._seen + n > self._total:
-            raise ArgumentError(
-                f"this chunk brings the keys to {self._seen + n}, past total_keys={self._total}"
-            )
         if n == 0:
             return
         be = self._backend
-        if not be.owns(k) and _spec.is_device_array(k):
-            raise ArgumentError("k_chunk is a device array of another backend")
+        _spec.check_chunk_readable(k, be)
         off = (self._total if self._total is not None else self._seen + n) - sq
         ones = np.ones(b, dtype=np.int64)
         idx = np.arange(b, dtype=np.int64)
@@ -96,7 +76,7 @@ class OnlineAttention:
             self._state = be.merge_states([self._state[0], out], [self._state[1], lse])
         self._seen += n
 
-    def result(self, return_lse: bool = False):
+    def result(self, return_lse: bool = False) -> Any:
         """``out`` (layout as for q, q's dtype), or ``(out, lse)``; before any update: zeros and
         -inf (the empty state)."""
         return_lse = _spec.check_bool(return_lse, "return_lse")

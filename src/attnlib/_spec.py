@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from .backends.base import AttnCall
-from .errors import ArgumentError, DTypeError, ShapeError
+from .errors import (
+    ArgumentError,
+    BackendUnavailableError,
+    CacheOverflowError,
+    DTypeError,
+    ShapeError,
+    UnsupportedError,
+)
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BFLOAT16)
@@ -434,3 +442,459 @@ def check_page_table(block_table: Any, seq_lens: Any, n_seq: int, num_pages: int
                 f"[0, {num_pages})"
             )
     return block_table, lens
+
+
+# ---- the KV cache (SPEC section 7) ---------------------------------------------------------------
+def check_cache_rows(index: Any, name: str, b: int | None, max_batch_size: int) -> np.ndarray:
+    """Cache rows as int64: ``None`` is every row (or the first ``b``), else an int, a list /
+    tuple of ints or an int array ``(b,)``, each in ``[0, max_batch_size)``."""
+    if index is None:
+        return np.arange(max_batch_size if b is None else b, dtype=np.int64)
+    if is_array(index):
+        idx = host(index)
+        if idx.dtype.kind not in "iu" or idx.ndim != 1:
+            raise ArgumentError(
+                f"{name} must be an int array (B,), got {idx.dtype} {idx.shape}"
+            )
+        idx = idx.astype(np.int64)
+    elif isinstance(index, (list, tuple)):
+        idx = np.array([check_int(i, name) for i in index], dtype=np.int64)
+    else:
+        idx = np.array([check_int(index, name)], dtype=np.int64)
+    if b is not None and idx.shape != (b,):
+        raise ShapeError(f"{name} has shape {idx.shape}; expected ({b},)")
+    if idx.size and (idx.min() < 0 or idx.max() >= max_batch_size):
+        raise ArgumentError(
+            f"{name}={idx.tolist()} has entries outside [0, {max_batch_size})"
+        )
+    return idx
+
+
+def check_distinct_rows(rows: np.ndarray) -> None:
+    """A write names each cache row at most once."""
+    if rows.shape[0] > 1 and len(np.unique(rows)) != rows.shape[0]:
+        raise ArgumentError(f"batch_idx={rows.tolist()} writes one cache row twice")
+
+
+def check_cache_kv(k: Any, v: Any, b: int | None, dtype: np.dtype, n_kv_heads: int,
+                   head_dim: int, head_dim_v: int, max_batch_size: int) -> int:
+    """New keys ``(B, S_new, n_kv_heads, head_dim)`` and values ``(..., head_dim_v)`` of the
+    cache's dtype; ``b``: q's batch when there is a q. Returns B."""
+    for name, x, d in (("k", k, head_dim), ("v", v, head_dim_v)):
+        check_array(x, name, ndim=4)
+        if np.dtype(x.dtype) != dtype:
+            raise DTypeError(f"{name} has dtype {x.dtype}; this cache holds {dtype}")
+        if x.shape[2] != n_kv_heads or x.shape[3] != d:
+            raise ShapeError(
+                f"{name} has shape {tuple(x.shape)}; expected "
+                f"(B, S_new, {n_kv_heads}, {d})"
+            )
+    if tuple(k.shape[:2]) != tuple(v.shape[:2]):
+        raise ShapeError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")
+    if b is not None and k.shape[0] != b:
+        raise ShapeError(f"k has batch {k.shape[0]} but q has {b}")
+    if k.shape[0] > max_batch_size:
+        raise ShapeError(f"k has batch {k.shape[0]} > max_batch_size={max_batch_size}")
+    return k.shape[0]
+
+
+def check_start_pos(start_pos: Any, b: int) -> np.ndarray:
+    """``start_pos`` (an int or an int array ``(b,)``, each >= 0) as int64 ``(b,)``."""
+    if type(start_pos) is int:  # the common case, without the generic checks' cost
+        sp = np.full(b, start_pos, dtype=np.int64)
+        if start_pos < 0:
+            raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0")
+        return sp
+    if is_array(start_pos):
+        sp = host(start_pos)
+        if sp.dtype.kind not in "iu":
+            raise ArgumentError(f"start_pos has dtype {sp.dtype}; expected an int or int array")
+        if sp.shape != (b,):
+            raise ArgumentError(f"start_pos has shape {sp.shape}; expected ({b},)")
+        sp = sp.astype(np.int64)
+    else:
+        sp = np.full(b, check_int(start_pos, "start_pos"), dtype=np.int64)
+    if (sp < 0).any():
+        raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0")
+    return sp
+
+
+def _first(bad: np.ndarray) -> int:
+    """Index of the first offending row, for the error message."""
+    return int(np.flatnonzero(bad)[0])
+
+
+def check_cache_write(rows: np.ndarray, start: np.ndarray, cur: np.ndarray, lo: np.ndarray,
+                      n_new: int, cap: int, ring: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Writing ``n_new`` tokens at ``start`` into cache ``rows`` that hold positions
+    ``[lo, cur)``: no gap; within ``cap`` slots (``ring=False``), or at most ``cap`` tokens and
+    no position the ring no longer holds. Returns (new lengths, new first held positions)."""
+    gap = start > cur
+    if gap.any():
+        i = _first(gap)
+        raise ArgumentError(
+            f"start_pos={int(start[i])} for cache row {int(rows[i])} leaves a gap: that row "
+            f"holds {int(cur[i])} tokens, so start_pos must be <= {int(cur[i])}"
+        )
+    end = start + n_new
+    if not ring:
+        over = end > cap
+        if over.any():
+            i = _first(over)
+            raise CacheOverflowError(
+                f"writing {n_new} tokens at start_pos={int(start[i])} into cache row "
+                f"{int(rows[i])} needs {int(end[i])} slots > max_seq_len={cap} (ring=False); "
+                "the cache is unchanged"
+            )
+        return end, lo.copy()
+    if n_new > cap:
+        raise CacheOverflowError(
+            f"k has {n_new} new tokens but a ring cache holds at most max_seq_len={cap} "
+            "per update; the cache is unchanged"
+        )
+    stale = start < lo
+    if stale.any():
+        i = _first(stale)
+        raise ArgumentError(
+            f"start_pos={int(start[i])} for cache row {int(rows[i])} rewrites a position no "
+            f"longer held (this ring holds positions {int(lo[i])}..{int(cur[i]) - 1})"
+        )
+    return end, np.maximum(lo, end - cap)
+
+
+def check_cache_append_one(row: int, cur: int, lo: int, n_new: int, cap: int,
+                           ring: bool) -> tuple[int, int]:
+    """:func:`check_cache_write` for one cache row appending at its length (the decode step),
+    on plain ints; a failing check raises through :func:`check_cache_write`."""
+    end = cur + n_new
+    if ring:
+        if n_new > cap:
+            _raise_append(row, cur, lo, n_new, cap, ring)
+        return end, max(lo, end - cap)
+    if end > cap:
+        _raise_append(row, cur, lo, n_new, cap, ring)
+    return end, lo
+
+
+def _raise_append(row: int, cur: int, lo: int, n_new: int, cap: int, ring: bool) -> None:
+    one = np.array([cur], np.int64)
+    check_cache_write(np.array([row], np.int64), one, one, np.array([lo], np.int64), n_new,
+                      cap, ring)
+
+
+def check_cache_query(q: Any, dtype: np.dtype, head_dim: int, n_kv_heads: int,
+                      max_batch_size: int, rows_given: bool) -> tuple[int, int, int, int]:
+    """q ``(B, Sq, Hq, head_dim)`` of the cache's dtype, ``Hq`` a multiple of ``n_kv_heads``,
+    ``B <= max_batch_size`` unless ``batch_idx`` maps it. Returns q's shape."""
+    check_array(q, "q", ndim=4)
+    if np.dtype(q.dtype) != dtype:
+        raise DTypeError(f"q has dtype {q.dtype}; this cache holds {dtype}")
+    b, sq, hq, d = q.shape
+    if d != head_dim:
+        raise ShapeError(f"q has head dim {d}; this cache holds head_dim={head_dim}")
+    if hq < 1 or hq % n_kv_heads:
+        raise ShapeError(f"q has {hq} heads; need a multiple of n_kv_heads={n_kv_heads}")
+    if b > max_batch_size and not rows_given:
+        raise ShapeError(f"q has batch {b} > max_batch_size={max_batch_size}")
+    return b, sq, hq, d
+
+
+def check_cache_instance(cache: Any, cls: type) -> None:
+    if not isinstance(cache, cls):
+        raise ArgumentError(f"cache must be an attnlib.KVCache, got {type(cache).__name__}")
+
+
+def check_cache_backend(backend: Any, chosen: Any, be: Any) -> None:
+    """``backend=`` beside a cache (``chosen``: what it names) must be the cache's ``be``."""
+    if backend is not None and chosen is not be:
+        raise ArgumentError(
+            f"backend={backend!r} differs from the cache's backend {be.name!r}; attention over a "
+            "cache runs where the cache lives"
+        )
+
+
+def check_kv_given(k: Any, v: Any, start_pos: Any) -> None:
+    """``k`` and ``v`` together or neither; ``start_pos`` only with them."""
+    if (k is None) != (v is None):
+        raise ArgumentError("k and v must be given together (or both left out)")
+    if k is None and start_pos is not None:
+        raise ArgumentError("start_pos was given without k and v; there is nothing to write")
+
+
+def check_held(rows: np.ndarray, new_len: np.ndarray, sq: int) -> None:
+    """Each cache row holds at least Sq tokens (after the append)."""
+    short = new_len < sq
+    if short.any():
+        i = _first(short)
+        raise ShapeError(
+            f"q has Sq={sq} rows but cache row {int(rows[i])} holds only {int(new_len[i])} "
+            "tokens; Sq must be <= each sequence's length"
+        )
+
+
+def check_held_one(row: int, length: int, sq: int) -> None:
+    """:func:`check_held` for one cache row, on plain ints."""
+    if length < sq:
+        check_held(np.array([row], np.int64), np.array([length], np.int64), sq)
+
+
+def check_readable(x: Any, name: str, be: Any) -> None:
+    """A device array ``x`` must belong to the backend ``be`` (the cache's)."""
+    if is_device_array(x) and not be.owns(x):
+        raise ArgumentError(
+            f"{name} is a {type(x).__module__}.{type(x).__name__} array, which the cache's "
+            f"backend {be.name!r} cannot read"
+        )
+
+
+# ---- the backend a call runs on ------------------------------------------------------------------
+def check_backend_reads(device: list[Any], be: Any) -> None:
+    """The chosen backend ``be`` owns the call's device arrays (``device``; none: numpy)."""
+    if device and not be.owns(device[0]):
+        raise ArgumentError(
+            f"inputs are {type(device[0]).__module__}.{type(device[0]).__name__} arrays, which "
+            f"backend {be.name!r} cannot read; choose the backend that owns them or pass "
+            "attnlib.to_numpy(x)"
+        )
+
+
+def check_backend_dtype(be: Any, dtype: Any) -> None:
+    """The backend ``be`` can run ``dtype`` (asked every call: a device's facts may change)."""
+    reason = be.unsupported_dtype_reason(np.dtype(dtype))
+    if reason:
+        raise UnsupportedError(f"backend {be.name!r} cannot run dtype {dtype}: {reason}")
+
+
+def check_queue(queue: Any, queue_type: type | None) -> None:
+    """``queue=`` is a ``pyopencl.CommandQueue`` (``queue_type``; None: pyopencl is absent)."""
+    if queue_type is None or not isinstance(queue, queue_type):
+        raise ArgumentError(
+            f"queue must be a pyopencl.CommandQueue, got {type(queue).__module__}."
+            f"{type(queue).__name__}"
+        )
+
+
+def check_queue_backend(backend: Any, be: Any, queue: Any) -> None:
+    """``backend=`` beside ``queue=`` (``be``: what it names) is the opencl backend on it."""
+    on = getattr(be, "queue", None)
+    if be.name != "opencl" or on is None or on.int_ptr != queue.int_ptr:
+        where = "on another queue" if be.name == "opencl" else f"is {be.name!r}"
+        raise ArgumentError(
+            f"queue= and backend= disagree: queue= means the opencl backend on that queue, but "
+            f"backend={backend!r} {where}; pass one of them (backend=attnlib.get_backend("
+            f"'opencl', queue=queue) is the same as queue=queue)"
+        )
+
+
+def check_host_array(x: Any) -> None:
+    """``to_device`` copies numpy arrays only."""
+    if not isinstance(x, np.ndarray):
+        raise DTypeError(f"x must be a numpy array, got {type(x).__name__}")
+
+
+def check_any_array(x: Any) -> None:
+    """``to_numpy`` takes numpy and device arrays."""
+    if not is_array(x):
+        raise DTypeError(f"x must be an array, got {type(x).__name__}")
+
+
+# ---- softmax, merge_states, rope -----------------------------------------------------------------
+def check_axis(x: Any, axis: Any) -> int:
+    """``axis`` of ``x`` (negative counts from the end) as an index in ``[0, x.ndim)``."""
+    axis = check_int(axis, "axis")
+    nd = len(x.shape)
+    if nd == 0:
+        raise ShapeError("x must have at least 1 dim, got a 0-d array")
+    if not -nd <= axis < nd:
+        raise ArgumentError(f"axis={axis} is out of range for x with {nd} dims")
+    return axis % nd
+
+
+def check_states(outs: Any, lses: Any, layout: str) -> tuple[list[Any], np.dtype]:
+    """``merge_states``' partial states: equal-length lists of ``out (B, Sq, H, Dv)`` (in
+    ``layout``) and ``lse (B, H, Sq)``, one shape each. Returns the outs in bshd and their
+    dtype."""
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise ArgumentError("outs and lses must be lists (or tuples) of arrays")
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ArgumentError(
+            f"outs and lses must be non-empty and of equal length, got {len(outs)} and {len(lses)}"
+        )
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        check_array(o, f"outs[{i}]", ndim=4)
+        check_array(lse, f"lses[{i}]", ndim=3)
+        check_float_dtype(lse, f"lses[{i}]")
+    dt = same_dtype({f"outs[{i}]": o for i, o in enumerate(outs)})
+    outs = [to_bshd(o, layout) for o in outs]
+    b, sq, h, _ = outs[0].shape
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        if tuple(o.shape) != tuple(outs[0].shape):
+            raise ShapeError(
+                f"outs[{i}] has shape {tuple(o.shape)}; expected {tuple(outs[0].shape)}"
+            )
+        if tuple(lse.shape) != (b, h, sq):
+            raise ShapeError(f"lses[{i}] has shape {tuple(lse.shape)}; expected {(b, h, sq)}")
+    return outs, dt
+
+
+def check_rotary_dim(rotary_dim: Any) -> int | None:
+    """``RoPE(rotary_dim=)``: None (all of D) or an even int >= 2."""
+    if rotary_dim is None:
+        return None
+    rotary_dim = check_int(rotary_dim, "rotary_dim", minimum=2)
+    if rotary_dim % 2:
+        raise ArgumentError(f"rotary_dim={rotary_dim} must be even")
+    return rotary_dim
+
+
+def check_rotary_fits(rotary_dim: int | None, head_dim: int) -> int:
+    """The dims that rotate (``rotary_dim``, None: the head dim): even and <= the head dim."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    if r > head_dim or r % 2:
+        raise ArgumentError(
+            f"rotary_dim={r} must be even and <= the head dim {head_dim}"
+            + (" (the default rotary_dim is D)" if rotary_dim is None else "")
+        )
+    return r
+
+
+def check_rope_type(rope_arg: Any, rope_type: type) -> None:
+    """``rope=`` is None or an ``attnlib.RoPE`` (``rope_type``)."""
+    if rope_arg is not None and not isinstance(rope_arg, rope_type):
+        raise ArgumentError(f"rope must be None or an attnlib.RoPE, got {type(rope_arg).__name__}")
+
+
+def check_positions(positions: Any, b: int, s: int) -> np.ndarray:
+    """Rotary positions, int ``(s,)`` or ``(b, s)``, as int64 ``(b, s)``."""
+    check_array(positions, "positions", ndim=(1, 2))
+    p = host(positions)
+    if p.dtype.kind not in "iu":
+        raise DTypeError(f"positions has dtype {p.dtype}; expected an integer dtype")
+    if p.shape not in ((s,), (b, s)):
+        raise ShapeError(f"positions has shape {p.shape}; expected ({s},) or ({b}, {s})")
+    return np.ascontiguousarray(np.broadcast_to(p.astype(np.int64), (b, s)))
+
+
+# ---- OnlineAttention -----------------------------------------------------------------------------
+def check_total_keys(total_keys: Any, causal: str | None) -> int | None:
+    """``total_keys`` (None or an int >= 0), required with ``causal``."""
+    if total_keys is not None:
+        total_keys = check_int(total_keys, "total_keys", minimum=0)
+    if causal is not None and total_keys is None:
+        raise ArgumentError(
+            "causal=True needs total_keys (the final number of keys) so that the "
+            "bottom-right alignment is known; got total_keys=None"
+        )
+    return total_keys
+
+
+def check_online_chunk(q: Any, k_chunk: Any, v_chunk: Any, layout: str, dv_before: int | None,
+                       seen: int, total: int | None) -> tuple[Any, Any]:
+    """One chunk for ``OnlineAttention.update`` (``q`` in bshd; ``dv_before``: the head dim of
+    earlier chunks' values, None before the first): k, v in bshd."""
+    check_array(k_chunk, "k_chunk", ndim=4)
+    check_array(v_chunk, "v_chunk", ndim=4)
+    k = to_bshd(k_chunk, layout)
+    v = to_bshd(v_chunk, layout)
+    same_dtype({"q": q, "k_chunk": k, "v_chunk": v})
+    check_heads(q.shape, k.shape, v.shape, names=("q", "k_chunk", "v_chunk"))
+    b = q.shape[0]
+    if k.shape[0] != b:
+        raise ShapeError(f"k_chunk has batch {k.shape[0]} but q has {b}")
+    if dv_before is not None and v.shape[3] != dv_before:
+        raise ShapeError(
+            f"v_chunk has head dim {v.shape[3]} but earlier chunks had {dv_before}"
+        )
+    n = k.shape[1]
+    if total is not None and seen + n > total:
+        raise ArgumentError(
+            f"this chunk brings the keys to {seen + n}, past total_keys={total}"
+        )
+    return k, v
+
+
+def check_chunk_readable(k: Any, be: Any) -> None:
+    """A device chunk belongs to the accumulator's backend ``be``."""
+    if not be.owns(k) and is_device_array(k):
+        raise ArgumentError("k_chunk is a device array of another backend")
+
+
+# ---- backend names and classes (the registry's arguments) ----------------------------------------
+def backend_origin(name: Any, from_env: bool) -> str:
+    """Where a backend name came from, for messages: ``backend=`` or ATTNLIB_BACKEND."""
+    if from_env:
+        return f"the environment variable ATTNLIB_BACKEND={str(name)!r}"
+    return f"backend={name!r}"
+
+
+def _unknown_backend(name: Any, known: list[str], from_env: bool) -> ArgumentError:
+    valid = ", ".join(["auto"] + known)
+    hint = " (or unset it)" if from_env else ""
+    return ArgumentError(
+        f"{backend_origin(name, from_env)} is not a known backend; expected one of: "
+        f"{valid}{hint}"
+    )
+
+
+def check_backend_str(name: Any, known: Callable[[], list[str]]) -> None:
+    """A backend name is a str (``known``: the registry's names, for the message)."""
+    if not isinstance(name, str):
+        raise _unknown_backend(name, known(), False)
+
+
+def check_backend_known(name: str, known: Callable[[], list[str]], from_env: bool = False,
+                        allow_auto: bool = False) -> None:
+    """``name`` (stripped) is one of ``known()`` (or "auto" with ``allow_auto``)."""
+    if not (allow_auto and name == "auto") and name not in known():
+        raise _unknown_backend(name, known(), from_env)
+
+
+def check_backend_choice_type(name: Any) -> None:
+    """``set_backend`` / ``use_backend`` take a name or a Backend instance (checked before)."""
+    if not isinstance(name, str):
+        raise ArgumentError(
+            f"backend must be a backend name (str) or a Backend instance, got {type(name).__name__}"
+        )
+
+
+def check_backend_not_none(name: Any) -> None:
+    """``use_backend(None)`` has nothing to use."""
+    if name is None:
+        raise ArgumentError("use_backend: backend must be a name or a Backend instance, not None")
+
+
+def check_backend_register_name(name: Any) -> None:
+    """``register_backend``'s name: a non-empty string other than "auto"."""
+    if not isinstance(name, str) or not name.strip() or name == "auto":
+        raise ArgumentError(f"register_backend: name must be a non-empty string, not {name!r}")
+
+
+def check_backend_class(name: str, cls: Any, required: tuple[str, ...]) -> None:
+    """A backend class: a class with every method of the Backend protocol in ``required``."""
+    if not isinstance(cls, type):
+        raise ArgumentError(f"register_backend: cls for {name!r} must be a class, got {cls!r}")
+    missing = [m for m in required if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ArgumentError(
+            f"register_backend: class {cls.__name__} for backend {name!r} lacks the methods "
+            f"{missing}; expected the attnlib.backends.base.Backend protocol"
+        )
+
+
+def check_backend_importable(cls: Any, origin: str, name: str) -> None:
+    """The class of a known backend ``name`` could be imported (``cls`` None: it could not)."""
+    if cls is None:
+        raise BackendUnavailableError(
+            f"{origin}: backend {str(name)!r} cannot be imported here (is its package "
+            f"installed? e.g. pip install 'attnlib[{name}]')"
+        )
+
+
+def check_backend_available(ok: bool, origin: str, name: str,
+                            available: Callable[[], list[str]]) -> None:
+    """The backend ``name`` can run on this machine (``ok``: its ``is_available()``)."""
+    if not ok:
+        raise BackendUnavailableError(
+            f"{origin}: backend {str(name)!r} is not available on this machine; available "
+            f"here: {', '.join(available())}"
+        )

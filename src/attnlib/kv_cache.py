@@ -10,20 +10,15 @@ exactly those ``>= e - max_seq_len``, so ``_lo = max(_lo, e - max_seq_len)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 
 from . import _spec, registry
-from ._api import check_rope, pick_backend
-from .backends.base import AttnCall, RopeSpec
-from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
+from ._api import RoPE, check_rope, pick_backend
+from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["KVCache", "attention_with_kvcache"]
-
-
-def _first(bad: np.ndarray) -> int:
-    """Index of the first offending row, for the error message."""
-    return int(np.flatnonzero(bad)[0])
 
 
 @dataclass(frozen=True)
@@ -50,8 +45,9 @@ class KVCache:
     queue=queue)``: the buffers live in that queue's context and the work is enqueued there.
     """
 
-    def __init__(self, max_batch_size, max_seq_len, n_kv_heads, head_dim, *, head_dim_v=None,
-                 dtype="float32", ring=False, backend=None, queue=None):
+    def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int, *,
+                 head_dim_v: int | None = None, dtype: Any = "float32", ring: bool = False,
+                 backend: str | Backend | None = None, queue: Any = None) -> None:
         self.max_batch_size = _spec.check_int(max_batch_size, "max_batch_size", minimum=1)
         self.max_seq_len = _spec.check_int(max_seq_len, "max_seq_len", minimum=1)
         self.n_kv_heads = _spec.check_int(n_kv_heads, "n_kv_heads", minimum=1)
@@ -85,116 +81,41 @@ class KVCache:
         """The first position each row still holds (0 unless a ring has wrapped)."""
         return self._lo.copy()
 
-    def reset(self, batch_index=None) -> None:
+    def reset(self, batch_index: Any = None) -> None:
         """Forget everything (``None``), or the rows given by an int or a sequence of ints."""
         rows = self._rows(batch_index, "batch_index", None)
         self._len[rows] = 0
         self._lo[rows] = 0
 
-    def update(self, k, v, start_pos, *, batch_idx=None) -> None:
+    def update(self, k: Any, v: Any, start_pos: Any, *, batch_idx: Any = None) -> None:
         """Write ``k (B, S_new, Hkv, D)``, ``v (B, S_new, Hkv, Dv)`` at ``start_pos`` (an int or
         an int array ``(B,)``); sets each row's length to ``start_pos + S_new``. Writing before
         the current length rewrites (rollback); a gap is an ArgumentError."""
         self._commit(self._plan(k, v, start_pos, batch_idx), None)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _rows(self, index, name: str, b: int | None) -> np.ndarray:
-        if index is None:
-            return np.arange(self.max_batch_size if b is None else b, dtype=np.int64)
-        if _spec.is_array(index):
-            idx = _spec.host(index)
-            if idx.dtype.kind not in "iu" or idx.ndim != 1:
-                raise ArgumentError(
-                    f"{name} must be an int array (B,), got {idx.dtype} {idx.shape}"
-                )
-            idx = idx.astype(np.int64)
-        elif isinstance(index, (list, tuple)):
-            idx = np.array([_spec.check_int(i, name) for i in index], dtype=np.int64)
-        else:
-            idx = np.array([_spec.check_int(index, name)], dtype=np.int64)
-        if b is not None and idx.shape != (b,):
-            raise ShapeError(f"{name} has shape {idx.shape}; expected ({b},)")
-        if idx.size and (idx.min() < 0 or idx.max() >= self.max_batch_size):
-            raise ArgumentError(
-                f"{name}={idx.tolist()} has entries outside [0, {self.max_batch_size})"
-            )
-        return idx
+    def _rows(self, index: Any, name: str, b: int | None) -> np.ndarray:
+        return _spec.check_cache_rows(index, name, b, self.max_batch_size)
 
-    def _check_kv(self, k, v, b: int | None = None) -> int:
-        for name, x, d in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
-            _spec.check_array(x, name, ndim=4)
-            if np.dtype(x.dtype) != self.dtype:
-                raise DTypeError(f"{name} has dtype {x.dtype}; this cache holds {self.dtype}")
-            if x.shape[2] != self.n_kv_heads or x.shape[3] != d:
-                raise ShapeError(
-                    f"{name} has shape {tuple(x.shape)}; expected "
-                    f"(B, S_new, {self.n_kv_heads}, {d})"
-                )
-        if tuple(k.shape[:2]) != tuple(v.shape[:2]):
-            raise ShapeError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")
-        if b is not None and k.shape[0] != b:
-            raise ShapeError(f"k has batch {k.shape[0]} but q has {b}")
-        if k.shape[0] > self.max_batch_size:
-            raise ShapeError(f"k has batch {k.shape[0]} > max_batch_size={self.max_batch_size}")
-        return k.shape[0]
-
-    def _start(self, start_pos, rows: np.ndarray) -> np.ndarray:
-        b = rows.shape[0]
-        if start_pos is None:
-            return self._len[rows].copy()
-        if _spec.is_array(start_pos):
-            sp = _spec.host(start_pos)
-            if sp.dtype.kind not in "iu":
-                raise ArgumentError(f"start_pos has dtype {sp.dtype}; expected an int or int array")
-            if sp.shape != (b,):
-                raise ArgumentError(f"start_pos has shape {sp.shape}; expected ({b},)")
-            sp = sp.astype(np.int64)
-        else:
-            sp = np.full(b, _spec.check_int(start_pos, "start_pos"), dtype=np.int64)
-        if (sp < 0).any():
-            raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0")
-        return sp
-
-    def _plan(self, k, v, start_pos, batch_idx, b: int | None = None) -> _Write:
-        b = self._check_kv(k, v, b)
+    def _plan(self, k: Any, v: Any, start_pos: Any, batch_idx: Any,
+              b: int | None = None) -> _Write:
+        b = _spec.check_cache_kv(k, v, b, self.dtype, self.n_kv_heads, self.head_dim,
+                                 self.head_dim_v, self.max_batch_size)
         rows = self._rows(batch_idx, "batch_idx", b)
-        if len(np.unique(rows)) != b:
-            raise ArgumentError(f"batch_idx={rows.tolist()} writes one cache row twice")
-        start = self._start(start_pos, rows)
-        n_new = k.shape[1]
-        cur, lo = self._len[rows], self._lo[rows]
-        gap = start > cur
-        if gap.any():
-            i = _first(gap)
-            raise ArgumentError(
-                f"start_pos={int(start[i])} for cache row {int(rows[i])} leaves a gap: that row "
-                f"holds {int(cur[i])} tokens, so start_pos must be <= {int(cur[i])}"
-            )
-        end = start + n_new
-        cap = self.max_seq_len
-        if not self.ring:
-            over = end > cap
-            if over.any():
-                i = _first(over)
-                raise CacheOverflowError(
-                    f"writing {n_new} tokens at start_pos={int(start[i])} into cache row "
-                    f"{int(rows[i])} needs {int(end[i])} slots > max_seq_len={cap} (ring=False); "
-                    "the cache is unchanged"
-                )
-            return _Write(k, v, rows, start, end, lo.copy())
-        if n_new > cap:
-            raise CacheOverflowError(
-                f"k has {n_new} new tokens but a ring cache holds at most max_seq_len={cap} "
-                "per update; the cache is unchanged"
-            )
-        stale = start < lo
-        if stale.any():
-            i = _first(stale)
-            raise ArgumentError(
-                f"start_pos={int(start[i])} for cache row {int(rows[i])} rewrites a position no "
-                f"longer held (this ring holds positions {int(lo[i])}..{int(cur[i]) - 1})"
-            )
-        return _Write(k, v, rows, start, end, np.maximum(lo, end - cap))
+        _spec.check_distinct_rows(rows)
+        start, end, lo = self._place(rows, start_pos, k.shape[1])
+        return _Write(k, v, rows, start, end, lo)
+
+    def _place(self, rows: np.ndarray, start_pos: Any,
+               n_new: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The checks of a write of ``n_new`` tokens into ``rows`` (distinct) at ``start_pos``
+        (None: each row's length): (start, new lengths, new first held positions)."""
+        cur = self._len[rows]
+        start = cur.copy() if start_pos is None else _spec.check_start_pos(start_pos,
+                                                                            rows.shape[0])
+        end, lo = _spec.check_cache_write(rows, start, cur, self._lo[rows], n_new,
+                                          self.max_seq_len, self.ring)
+        return start, end, lo
 
     def _commit(self, w: _Write, rope: RopeSpec | None) -> None:
         if w.k.shape[1] > 0:
@@ -204,9 +125,13 @@ class KVCache:
         self._lo[w.rows] = np.minimum(w.new_lo, w.new_len)
 
 
-def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_idx=None,
-                           rope=None, causal=True, scale=None, window=None, softcap=None,
-                           alibi_slopes=None, return_lse=False, backend=None):
+def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None, *,
+                           start_pos: Any = None, batch_idx: Any = None, rope: RoPE | None = None,
+                           causal: bool = True, scale: float | None = None,
+                           window: tuple[int | None, int | None] | None = None,
+                           softcap: float | None = None, alibi_slopes: Any = None,
+                           return_lse: bool = False,
+                           backend: str | Backend | None = None) -> Any:
     """Append ``k``, ``v`` (if given) at ``start_pos`` (default: the current lengths), then attend
     ``q (B, Sq, Hq, D)`` over each sequence's held tokens (FlashAttention's
     ``flash_attn_with_kvcache``).
@@ -226,45 +151,24 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
             res = entry.run(cache, q, k, v, start_pos, batch_idx)
             if res is not None:
                 return res
-    if not isinstance(cache, KVCache):
-        raise ArgumentError(f"cache must be an attnlib.KVCache, got {type(cache).__name__}")
+    _spec.check_cache_instance(cache, KVCache)
     be = cache.backend
-    if backend is not None and registry.get_backend(backend) is not be:
-        raise ArgumentError(
-            f"backend={backend!r} differs from the cache's backend {be.name!r}; attention over a "
-            "cache runs where the cache lives"
-        )
+    _spec.check_cache_backend(backend, None if backend is None else registry.get_backend(backend),
+                              be)
     return_lse = _spec.check_bool(return_lse, "return_lse")
-    _spec.check_array(q, "q", ndim=4)
-    if np.dtype(q.dtype) != cache.dtype:
-        raise DTypeError(f"q has dtype {q.dtype}; this cache holds {cache.dtype}")
-    b, sq, hq, d = q.shape
-    if d != cache.head_dim:
-        raise ShapeError(f"q has head dim {d}; this cache holds head_dim={cache.head_dim}")
-    if hq < 1 or hq % cache.n_kv_heads:
-        raise ShapeError(f"q has {hq} heads; need a multiple of n_kv_heads={cache.n_kv_heads}")
-    if b > cache.max_batch_size and batch_idx is None:
-        raise ShapeError(f"q has batch {b} > max_batch_size={cache.max_batch_size}")
+    b, sq, hq, d = _spec.check_cache_query(q, cache.dtype, cache.head_dim, cache.n_kv_heads,
+                                           cache.max_batch_size, batch_idx is not None)
     causal = _spec.check_causal(causal, allow_top_left=False)
     left, right = _spec.check_window(window)
     rope_spec = check_rope(rope, d)
-    if (k is None) != (v is None):
-        raise ArgumentError("k and v must be given together (or both left out)")
+    _spec.check_kv_given(k, v, start_pos)
     if k is None:
-        if start_pos is not None:
-            raise ArgumentError("start_pos was given without k and v; there is nothing to write")
         rows = cache._rows(batch_idx, "batch_idx", b)
         write, new_len, lo = None, cache._len[rows], cache._lo[rows]
     else:
         write = cache._plan(k, v, start_pos, batch_idx, b)
         rows, new_len, lo = write.rows, write.new_len, np.minimum(write.new_lo, write.new_len)
-    short = new_len < sq
-    if short.any():
-        i = _first(short)
-        raise ShapeError(
-            f"q has Sq={sq} rows but cache row {int(rows[i])} holds only {int(new_len[i])} "
-            "tokens; Sq must be <= each sequence's length"
-        )
+    _spec.check_held(rows, new_len, sq)
     call = AttnCall(
         q=q, k=cache.k, v=cache.v,
         q_batch=np.arange(b, dtype=np.int64), q_row0=np.zeros(b, dtype=np.int64),
@@ -278,11 +182,7 @@ def attention_with_kvcache(q, cache, k=None, v=None, *, start_pos=None, batch_id
     )
     # the cache's backend was chosen, and its dtype checked, at construction: only q's array kind
     # is left to check (the decode hot path skips the full backend resolution)
-    if _spec.is_device_array(q) and not be.owns(q):
-        raise ArgumentError(
-            f"q is a {type(q).__module__}.{type(q).__name__} array, which the cache's backend "
-            f"{be.name!r} cannot read"
-        )
+    _spec.check_readable(q, "q", be)
     # -- everything is checked: only now touch the cache
     if write is not None:
         cache._commit(write, rope_spec)
@@ -353,9 +253,10 @@ _COPY_CALL = _frozen_fields_ok()
 
 class _FastEntry:
     """What a successful call fixed for its key: the batch, query rows, the new tokens, RoPE,
-    and the AttnCall fields that do not depend on the cache's lengths. ``run`` repeats the
-    length-dependent checks, and those of ``start_pos`` / ``batch_idx`` values (``_mapped``; a
-    failing one hands the call to the full path, which raises the error), and builds the
+    and the AttnCall fields that do not depend on the cache's lengths (the key fixes everything
+    else the front door checks). ``run`` runs the checks that depend on the cache's lengths and
+    on the values of ``start_pos`` / ``batch_idx`` (``_mapped``), the same _spec checks the
+    full path runs (a failing one raises its error, the cache untouched), and builds the
     AttnCall from them. An append goes through the backend's ``cache_append`` first (one launch
     on backends that fuse it)."""
 
@@ -378,43 +279,30 @@ class _FastEntry:
         self.consts = (self.rows, np.zeros(b, np.int64), np.full(b, sq, np.int64),
                        None if call.causal_hi is None else np.zeros(b, np.int64))
 
-    def run(self, cache: KVCache, q, k, v, start_pos=None, batch_idx=None):
+    def run(self, cache: KVCache, q: Any, k: Any, v: Any, start_pos: Any = None,
+            batch_idx: Any = None) -> Any:
         b, sq, cap, n_new = self.b, self.sq, cache.max_seq_len, self.n_new
         rows = self.rows
         if start_pos is not None or batch_idx is not None:
-            got = self._mapped(cache, start_pos, batch_idx)
-            if got is None:
-                return None  # a check fails (or an unusual argument): the full path
-            rows, start, new_len, lo_arr = got
-            if (new_len < sq).any():
-                return None
+            rows, start, new_len, lo_arr = self._mapped(cache, start_pos, batch_idx)
+            _spec.check_held(rows, new_len, sq)
             k_row0, k_len, q_pos0, k_pos0 = lo_arr % cap, new_len - lo_arr, new_len - sq, lo_arr
-        elif b == 1:
+        elif b == 1:  # the decode step: the same checks on plain ints
             length, lo = int(cache._len[0]), int(cache._lo[0])
             start = length
             if n_new is not None:
-                length += n_new
-                if not cache.ring and length > cap:
-                    return None  # overflow: the full path raises CacheOverflowError
-                if cache.ring:
-                    lo = max(lo, length - cap)
-            if length < sq:
-                return None  # the full path raises ShapeError
+                length, lo = _spec.check_cache_append_one(0, length, lo, n_new, cap, cache.ring)
+            _spec.check_held_one(0, length, sq)
             per = np.array([[lo % cap], [length - lo], [length - sq], [lo], [start], [length]],
                            np.int64)
             k_row0, k_len, q_pos0, k_pos0, start, new_len = per
             lo_arr = k_pos0
         else:
-            new_len, lo_arr = cache._len[:b].copy(), cache._lo[:b].copy()
-            if n_new is not None:
-                start = new_len
-                new_len = start + n_new
-                if not cache.ring and (new_len > cap).any():
-                    return None
-                if cache.ring:
-                    lo_arr = np.maximum(lo_arr, new_len - cap)
-            if (new_len < sq).any():
-                return None
+            if n_new is None:
+                new_len, lo_arr = cache._len[:b].copy(), cache._lo[:b].copy()
+            else:
+                start, new_len, lo_arr = cache._place(rows, None, n_new)
+            _spec.check_held(rows, new_len, sq)
             k_row0, k_len, q_pos0, k_pos0 = lo_arr % cap, new_len - lo_arr, new_len - sq, lo_arr
         be = self.be
         q_rot = None
@@ -447,45 +335,17 @@ class _FastEntry:
         out, lse = be.attention(call)
         return (out, lse) if self.need_lse else out
 
-    def _mapped(self, cache: KVCache, start_pos, batch_idx):
-        """The checks of ``KVCache._plan`` / the front door for a call with ``start_pos`` or
-        ``batch_idx``, on plain ints and int numpy arrays only: (cache rows, start, new
-        lengths, first held positions), or None (a failing check or another argument kind:
-        the full path raises or serves it)."""
-        b, n_new, cap = self.b, self.n_new, cache.max_seq_len
+    def _mapped(self, cache: KVCache, start_pos: Any,
+                batch_idx: Any) -> tuple[np.ndarray, Any, np.ndarray, np.ndarray]:
+        """The cache's own checks of ``batch_idx`` and ``start_pos`` (a failing one raises the
+        front door's error, the cache untouched): (cache rows, start, new lengths, first held
+        positions)."""
         rows = self.rows
         if batch_idx is not None:
-            rows = _plain_ints(batch_idx, b)
-            if rows is None or rows.min() < 0 or rows.max() >= cache.max_batch_size:
-                return None
-            if n_new is not None and b > 1 and np.unique(rows).size != b:
-                return None  # one cache row written twice
-        cur, lo = cache._len[rows], cache._lo[rows]
-        if n_new is None:
-            return None if start_pos is not None else (rows, None, cur, lo)
-        start = cur if start_pos is None else _plain_ints(start_pos, b, scalar=True)
-        if start is None or (start < 0).any() or (start > cur).any():
-            return None  # a gap
-        end = start + n_new
-        if cache.ring:
-            if n_new > cap or (start < lo).any():
-                return None  # too many tokens, or a position no longer held
-            lo = np.maximum(lo, end - cap)
-        elif (end > cap).any():
-            return None  # overflow
+            rows = cache._rows(batch_idx, "batch_idx", self.b)
+            if self.n_new is not None:
+                _spec.check_distinct_rows(rows)
+        if self.n_new is None:
+            return rows, None, cache._len[rows], cache._lo[rows]
+        start, end, lo = cache._place(rows, start_pos, self.n_new)
         return rows, start, end, np.minimum(lo, end)
-
-
-def _plain_ints(x, b: int, scalar: bool = False) -> np.ndarray | None:
-    """``x`` as a fresh int64 array (b,) when it is an int numpy array of that shape, a list or
-    tuple of b ints (batch_idx), or a single int (one row, or any b with ``scalar``: start_pos);
-    None for anything else (the full path checks it)."""
-    t = type(x)
-    if t is np.ndarray:
-        return x.astype(np.int64) if x.dtype.kind in "iu" and x.shape == (b,) else None
-    if t is int or t is np.int64:
-        return np.full(b, x, np.int64) if scalar or b == 1 else None
-    if (t is list or t is tuple) and not scalar and len(x) == b and all(
-            type(i) is int for i in x):
-        return np.array(x, np.int64)
-    return None

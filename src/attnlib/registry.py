@@ -15,9 +15,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from . import _config
+from . import _config, _spec
 from .backends.base import Backend
-from .errors import ArgumentError, BackendUnavailableError
 
 __all__ = [
     "available_backends",
@@ -76,17 +75,6 @@ def known_backends() -> list[str]:
         return list(_BUILTINS) + [n for n in _registered if n not in _BUILTINS]
 
 
-def _check_protocol(name: str, cls: Any) -> None:
-    if not isinstance(cls, type):
-        raise ArgumentError(f"register_backend: cls for {name!r} must be a class, got {cls!r}")
-    missing = [m for m in _REQUIRED_METHODS if not callable(getattr(cls, m, None))]
-    if missing:
-        raise ArgumentError(
-            f"register_backend: class {cls.__name__} for backend {name!r} lacks the methods "
-            f"{missing}; expected the attnlib.backends.base.Backend protocol"
-        )
-
-
 def _load_class(name: str) -> type[Backend] | None:
     """The class for ``name``, or None when its module cannot be imported (warns for plug-ins)."""
     if name in _classes:
@@ -102,7 +90,7 @@ def _load_class(name: str) -> type[Backend] | None:
             cls = target
         else:  # an entry point
             cls = target.load()
-        _check_protocol(name, cls)
+        _spec.check_backend_class(name, cls, _REQUIRED_METHODS)
     except Exception as exc:
         if name not in _BUILTINS:
             warnings.warn(
@@ -144,9 +132,8 @@ def available_backends() -> list[str]:
 
 def register_backend(name: str, cls: type[Backend]) -> None:
     """Add a third-party backend class under ``name`` (replacing a previous registration)."""
-    if not isinstance(name, str) or not name.strip() or name == "auto":
-        raise ArgumentError(f"register_backend: name must be a non-empty string, not {name!r}")
-    _check_protocol(name, cls)
+    _spec.check_backend_register_name(name)
+    _spec.check_backend_class(name, cls, _REQUIRED_METHODS)
     with _lock:
         _load_entry_points()
         _registered[name] = cls
@@ -160,17 +147,7 @@ class _FromEnv(str):
 
 
 def _origin(name: Any) -> str:
-    if isinstance(name, _FromEnv):
-        return f"the environment variable ATTNLIB_BACKEND={str(name)!r}"
-    return f"backend={name!r}"
-
-
-def _unknown(name: Any) -> ArgumentError:
-    valid = ", ".join(["auto"] + known_backends())
-    hint = " (or unset it)" if isinstance(name, _FromEnv) else ""
-    return ArgumentError(
-        f"{_origin(name)} is not a known backend; expected one of: {valid}{hint}"
-    )
+    return _spec.backend_origin(name, isinstance(name, _FromEnv))
 
 
 def get_backend(name: str = "auto", **options: Any) -> Backend:
@@ -178,33 +155,23 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
     with options (e.g. ``get_backend("opencl", queue=q)``) a new instance is made."""
     if isinstance(name, Backend):
         return name
-    if not isinstance(name, str):
-        raise _unknown(name)
+    _spec.check_backend_str(name, known_backends)
     origin = _origin(name)
     name = _FromEnv(name.strip()) if isinstance(name, _FromEnv) else name.strip()
     if name == "auto":
         avail = available_backends()
         name = avail[0]
     with _lock:
-        if name not in known_backends():
-            raise _unknown(name)
+        _spec.check_backend_known(name, known_backends, isinstance(name, _FromEnv))
         name = str(name)
         cls = _load_class(name)
-        if cls is None:
-            raise BackendUnavailableError(
-                f"{origin}: backend {str(name)!r} cannot be imported here (is its package "
-                f"installed? e.g. pip install 'attnlib[{name}]')"
-            )
+        _spec.check_backend_importable(cls, origin, name)
         if options:
             return cls(**options)
         inst = _instances.get(name)
         if inst is not None:
             return inst
-        if not _safe_available(cls):
-            raise BackendUnavailableError(
-                f"{origin}: backend {str(name)!r} is not available on this machine; available "
-                f"here: {', '.join(available_backends())}"
-            )
+        _spec.check_backend_available(_safe_available(cls), origin, name, available_backends)
         inst = cls()
         _instances[name] = inst
         return inst
@@ -213,13 +180,9 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
 def _validate_choice(name: Any) -> str | Backend | None:
     if name is None or isinstance(name, Backend):
         return name
-    if not isinstance(name, str):
-        raise ArgumentError(
-            f"backend must be a backend name (str) or a Backend instance, got {type(name).__name__}"
-        )
+    _spec.check_backend_choice_type(name)
     name = name.strip()
-    if name != "auto" and name not in known_backends():
-        raise _unknown(name)
+    _spec.check_backend_known(name, known_backends, allow_auto=True)
     return name
 
 
@@ -232,8 +195,7 @@ def set_backend(name: str | Backend | None) -> None:
 @contextlib.contextmanager
 def use_backend(name: str | Backend) -> Iterator[None]:
     """Use ``name`` inside the ``with`` block (per thread / asyncio task)."""
-    if name is None:
-        raise ArgumentError("use_backend: backend must be a name or a Backend instance, not None")
+    _spec.check_backend_not_none(name)
     token = _context_choice.set(_validate_choice(name))
     try:
         yield

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import _config
+
 __all__ = ["Ceiling", "cpu_ceiling", "opencl_ceiling", "cuda_ceiling", "opencl_queue"]
 
 
@@ -152,7 +154,7 @@ def opencl_queue(backend: Any = None) -> Any:
         ctx = getattr(backend, attr, None)
         if isinstance(ctx, cl.Context):
             return cl.CommandQueue(ctx)
-    if os.environ.get("PYOPENCL_CTX"):
+    if _config.pyopencl_ctx():
         return cl.CommandQueue(cl.create_some_context(interactive=False))
     devices = []
     for p in cl.get_platforms():

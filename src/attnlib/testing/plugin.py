@@ -23,12 +23,17 @@ cases are derandomized, so a run is reproducible). With plugin autoloading disab
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 _STASH_KEY = pytest.StashKey[list]()
 ENV_VAR = "ATTNLIB_TEST_BACKENDS"
+
+
+def _env_backends() -> str:
+    """ATTNLIB_TEST_BACKENDS as set ("" when unset), read in attnlib._config."""
+    from attnlib._config import test_backends_value
+
+    return test_backends_value()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,7 +62,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "slow: one of the few large conformance cases (1023x1024, S=2048, Sq = Sk = 10007); "
         "`attnlib check` deselects them with -m 'not slow'",
     )
-    if config.getoption("--attnlib-backend", default=None) or os.environ.get(ENV_VAR, "").strip():
+    if config.getoption("--attnlib-backend", default=None) or _env_backends().strip():
         backends_under_test(config)  # a bad name is a usage error now, not one per test module
 
 
@@ -111,8 +116,8 @@ def backends_under_test(config: pytest.Config) -> list[str]:
     option = config.getoption("--attnlib-backend", default=None)
     if option:
         specs = _split(option)
-    elif os.environ.get(ENV_VAR, "").strip():
-        specs = _split([os.environ[ENV_VAR]])
+    elif _env_backends().strip():
+        specs = _split([_env_backends()])
     else:
         import attnlib
 
@@ -138,6 +143,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     # only when asked for explicitly: resolving the default imports attnlib in every session
-    if config.getoption("--attnlib-backend", default=None) or os.environ.get(ENV_VAR):
+    if config.getoption("--attnlib-backend", default=None) or _env_backends():
         return f"attnlib backends under test: {', '.join(backends_under_test(config))}"
     return None

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from hypothesis import strategies as st
+
+from attnlib import _config
 
 __all__ = ["attention_problems", "varlen_problems", "SETTINGS"]
 
 #: reproducible in CI and bounded in time; shapes stay small (the oracle is dense).
 #: ATTNLIB_TEST_EXAMPLES=N asks for a deeper run (N examples per random test).
 SETTINGS = dict(
-    max_examples=int(os.environ.get("ATTNLIB_TEST_EXAMPLES", "") or 25),
+    max_examples=_config.test_examples(),
     deadline=None,
     derandomize=True,
     print_blob=True,
