@@ -32,3 +32,15 @@ def test_readme_walkthrough_numbers():
     acc.update(logits[:2].reshape(1, 2, 1, 1), values[:2].reshape(1, 2, 1, 1))
     acc.update(logits[2:].reshape(1, 2, 1, 1), values[2:].reshape(1, 2, 1, 1))
     assert round(float(acc.result()[0, 0, 0, 0]), 5) == round(want, 5)
+
+
+def test_readme_lists_every_environment_variable():
+    """The README's table of environment variables names every variable attnlib reads
+    (src/attnlib/_config.py holds them all)."""
+    from attnlib import _config
+
+    text = README.read_text()
+    table = text[text.index("## Environment variables"):]
+    table = table[:table.index("\n## ", 1)]
+    missing = [name for name in _config.VARIABLES if f"`{name}`" not in table]
+    assert not missing, missing
