@@ -444,6 +444,66 @@ def check_page_table(block_table: Any, seq_lens: Any, n_seq: int, num_pages: int
     return block_table, lens
 
 
+def check_truncate_length(length: int, sid: int, held: int) -> None:
+    """``truncate`` only shortens: ``length`` at most the ``held`` tokens of sequence ``sid``."""
+    if length > held:
+        raise ArgumentError(
+            f"length={length} is beyond sequence {sid}'s length {held}; truncate only "
+            "shortens"
+        )
+
+
+def check_paged_kv_agree(k: Any, v: Any, n_k: np.ndarray, n_v: np.ndarray) -> None:
+    """k and v of one append agree in every dim but the last (rows per sequence included)."""
+    if tuple(k.shape[:-2]) != tuple(v.shape[:-2]) or not np.array_equal(n_k, n_v):
+        raise ShapeError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they "
+                         "must agree in every dim but the last")
+
+
+def check_paged_kv_arrays(k: Any, v: Any, be: Any) -> None:
+    """k and v both numpy arrays or both device arrays of the cache's backend ``be``."""
+    if is_device_array(k) != is_device_array(v) or (is_device_array(k) and not be.owns(k)):
+        raise ArgumentError(
+            f"k and v must both be numpy arrays or both arrays of the cache's backend "
+            f"{be.name!r}, got {type(k).__name__} and {type(v).__name__}"
+        )
+
+
+def check_pages_free(taken: int, n_free: int, num_pages: int) -> None:
+    """An append needing ``taken`` pages (copies-on-write included) fits the ``n_free`` free."""
+    if taken > n_free:
+        raise CacheOverflowError(
+            f"this append needs {taken} free pages (copies-on-write included) but "
+            f"{n_free} of {num_pages} are free; the cache is unchanged"
+        )
+
+
+def paged_queries(q: Any, cu_seqlens_q: Any,
+                  n_seq: int) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
+    """q ``(B, Sq, Hq, D)`` or packed ``(total_q, Hq, D)`` with ``cu_seqlens_q``, for ``n_seq``
+    sequences: (q as 4-D, q_batch, q_row0, q_len)."""
+    if cu_seqlens_q is None:
+        check_array(q, "q", ndim=4)
+        if q.shape[0] != n_seq:
+            raise ShapeError(f"q has batch {q.shape[0]} but there are {n_seq} sequences")
+        return (q, np.arange(n_seq, dtype=np.int64), np.zeros(n_seq, np.int64),
+                np.full(n_seq, q.shape[1], np.int64))
+    check_array(q, "q", ndim=3)
+    c = check_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    if c.shape[0] != n_seq + 1:
+        raise ArgumentError(
+            f"cu_seqlens_q has {c.shape[0] - 1} sequences but there are {n_seq}"
+        )
+    return (add_batch_dim(q), np.zeros(n_seq, np.int64), c[:-1].copy(), np.diff(c))
+
+
+def check_page_pool(k_pages: Any) -> None:
+    """A caller-owned pool ``(num_pages, page_size, Hkv, D)`` has a page and a slot."""
+    if int(k_pages.shape[1]) < 1 or int(k_pages.shape[0]) < 1:
+        raise ShapeError(f"k_pages has shape {tuple(k_pages.shape)}; expected at least one "
+                         "page of at least one slot")
+
+
 # ---- the KV cache (SPEC section 7) ---------------------------------------------------------------
 def check_cache_rows(index: Any, name: str, b: int | None, max_batch_size: int) -> np.ndarray:
     """Cache rows as int64: ``None`` is every row (or the first ``b``), else an int, a list /
@@ -587,21 +647,29 @@ def check_cache_query(q: Any, dtype: np.dtype, head_dim: int, n_kv_heads: int,
     """q ``(B, Sq, Hq, head_dim)`` of the cache's dtype, ``Hq`` a multiple of ``n_kv_heads``,
     ``B <= max_batch_size`` unless ``batch_idx`` maps it. Returns q's shape."""
     check_array(q, "q", ndim=4)
-    if np.dtype(q.dtype) != dtype:
-        raise DTypeError(f"q has dtype {q.dtype}; this cache holds {dtype}")
+    check_cache_query_kind(q, dtype, head_dim, n_kv_heads)
     b, sq, hq, d = q.shape
-    if d != head_dim:
-        raise ShapeError(f"q has head dim {d}; this cache holds head_dim={head_dim}")
-    if hq < 1 or hq % n_kv_heads:
-        raise ShapeError(f"q has {hq} heads; need a multiple of n_kv_heads={n_kv_heads}")
     if b > max_batch_size and not rows_given:
         raise ShapeError(f"q has batch {b} > max_batch_size={max_batch_size}")
     return b, sq, hq, d
 
 
+def check_cache_query_kind(q: Any, dtype: np.dtype, head_dim: int, n_kv_heads: int) -> None:
+    """A 4-D q of a cache (KVCache or PagedKVCache): the cache's dtype and head_dim, ``Hq`` a
+    multiple of ``n_kv_heads``."""
+    if np.dtype(q.dtype) != dtype:
+        raise DTypeError(f"q has dtype {q.dtype}; this cache holds {dtype}")
+    hq, d = q.shape[2], q.shape[3]
+    if d != head_dim:
+        raise ShapeError(f"q has head dim {d}; this cache holds head_dim={head_dim}")
+    if hq < 1 or hq % n_kv_heads:
+        raise ShapeError(f"q has {hq} heads; need a multiple of n_kv_heads={n_kv_heads}")
+
+
 def check_cache_instance(cache: Any, cls: type) -> None:
+    """``cache`` is an instance of the cache class ``cls`` (KVCache or PagedKVCache)."""
     if not isinstance(cache, cls):
-        raise ArgumentError(f"cache must be an attnlib.KVCache, got {type(cache).__name__}")
+        raise ArgumentError(f"cache must be an attnlib.{cls.__name__}, got {type(cache).__name__}")
 
 
 def check_cache_backend(backend: Any, chosen: Any, be: Any) -> None:

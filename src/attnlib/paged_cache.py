@@ -21,7 +21,6 @@ import numpy as np
 from . import _cascade, _spec, registry
 from ._api import _device_contiguous, check_rope, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
-from .errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
 
 __all__ = ["PagedKVCache", "attention_with_paged_kvcache", "paged_attention"]
 
@@ -118,11 +117,7 @@ class PagedKVCache:
         pages it no longer needs are released (freed when no other sequence holds them)."""
         s = _spec.check_sid(sid, self._pages)
         length = _spec.check_int(length, "length", minimum=0)
-        if length > self._len[s]:
-            raise ArgumentError(
-                f"length={length} is beyond sequence {s}'s length {self._len[s]}; truncate only "
-                "shortens"
-            )
+        _spec.check_truncate_length(length, s, self._len[s])
         keep = -(-length // self.page_size)
         self._release(self._pages[s][keep:])
         del self._pages[s][keep:]
@@ -171,21 +166,13 @@ class PagedKVCache:
         """Check an append whole (shapes, dtypes, and the pages the batch needs, copies-on-write
         included) and decide every page and slot, touching nothing."""
         n_seq = ids.shape[0]
-        if (k is None) != (v is None):
-            raise ArgumentError("k and v must be given together (or both left out)")
+        _spec.check_kv_given(k, v, None)
         n_new = _spec.check_packed(k, "k", n_seq, cu, cu_name, self.n_kv_heads, self.head_dim,
                                    self.dtype)
         n_v = _spec.check_packed(v, "v", n_seq, cu, cu_name, self.n_kv_heads, self.head_dim_v,
                                  self.dtype, dim_name="head_dim_v")
-        if tuple(k.shape[:-2]) != tuple(v.shape[:-2]) or not np.array_equal(n_new, n_v):
-            raise ShapeError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they "
-                             "must agree in every dim but the last")
-        if _spec.is_device_array(k) != _spec.is_device_array(v) or (
-                _spec.is_device_array(k) and not self.backend.owns(k)):
-            raise ArgumentError(
-                f"k and v must both be numpy arrays or both arrays of the cache's backend "
-                f"{self.backend.name!r}, got {type(k).__name__} and {type(v).__name__}"
-            )
+        _spec.check_paged_kv_agree(k, v, n_new, n_v)
+        _spec.check_paged_kv_arrays(k, v, self.backend)
         ps = self.page_size
         refs: dict[int, int] = {}  # reference counts this append changes
         n_free = len(self._free)
@@ -203,11 +190,7 @@ class PagedKVCache:
             extra = -(-(length + n) // ps) - len(pages)
             taken += extra
             plans.append((first, extra))
-        if taken > n_free:
-            raise CacheOverflowError(
-                f"this append needs {taken} free pages (copies-on-write included) but "
-                f"{n_free} of {self.num_pages} are free; the cache is unchanged"
-            )
+        _spec.check_pages_free(taken, n_free, self.num_pages)
         # pages come off the end of the free stack in pop order
         fresh = self._free[len(self._free) - taken:][::-1]
         it = iter(fresh)
@@ -263,24 +246,6 @@ def _cat(parts: list) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def _queries(q, cu_seqlens_q, n_seq: int, hq_name: str = "q"):
-    """q ``(B, Sq, Hq, D)`` or packed ``(total_q, Hq, D)`` with ``cu_seqlens_q``: (q as 4-D,
-    q_batch, q_row0, q_len)."""
-    if cu_seqlens_q is None:
-        _spec.check_array(q, "q", ndim=4)
-        if q.shape[0] != n_seq:
-            raise ShapeError(f"q has batch {q.shape[0]} but there are {n_seq} sequences")
-        return (q, np.arange(n_seq, dtype=np.int64), np.zeros(n_seq, np.int64),
-                np.full(n_seq, q.shape[1], np.int64))
-    _spec.check_array(q, "q", ndim=3)
-    c = _spec.check_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
-    if c.shape[0] != n_seq + 1:
-        raise ArgumentError(
-            f"cu_seqlens_q has {c.shape[0] - 1} sequences but there are {n_seq}"
-        )
-    return (_spec.add_batch_dim(q), np.zeros(n_seq, np.int64), c[:-1].copy(), np.diff(c))
-
-
 def _options(d: int, hq: int, n_seq: int, causal, scale, window, softcap, alibi_slopes):
     causal = _spec.check_causal(causal, allow_top_left=False)
     left, right = _spec.check_window(window)
@@ -324,34 +289,20 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     once for all of them where that is exact (cascade: float32 / float64, host queries, no ALiBi,
     every row seeing the whole shared prefix; see ``attnlib._cascade``); the result is the same.
     """
-    if not isinstance(cache, PagedKVCache):
-        raise ArgumentError(f"cache must be an attnlib.PagedKVCache, got {type(cache).__name__}")
+    _spec.check_cache_instance(cache, PagedKVCache)
     be = cache.backend
-    if backend is not None and registry.get_backend(backend) is not be:
-        raise ArgumentError(
-            f"backend={backend!r} differs from the cache's backend {be.name!r}; attention over a "
-            "cache runs where the cache lives"
-        )
+    _spec.check_cache_backend(backend, None if backend is None else registry.get_backend(backend),
+                              be)
     return_lse = _spec.check_bool(return_lse, "return_lse")
     ids = _spec.check_sids(sids, cache._pages)
     n_seq = ids.shape[0]
-    q4, q_batch, q_row0, q_len = _queries(q, cu_seqlens_q, n_seq)
-    if np.dtype(q.dtype) != cache.dtype:
-        raise DTypeError(f"q has dtype {q.dtype}; this cache holds {cache.dtype}")
+    q4, q_batch, q_row0, q_len = _spec.paged_queries(q, cu_seqlens_q, n_seq)
+    _spec.check_cache_query_kind(q4, cache.dtype, cache.head_dim, cache.n_kv_heads)
     hq, d = q4.shape[2], q4.shape[3]
-    if d != cache.head_dim:
-        raise ShapeError(f"q has head dim {d}; this cache holds head_dim={cache.head_dim}")
-    if hq < 1 or hq % cache.n_kv_heads:
-        raise ShapeError(f"q has {hq} heads; need a multiple of n_kv_heads={cache.n_kv_heads}")
-    if _spec.is_device_array(q) and not be.owns(q):
-        raise ArgumentError(
-            f"q is a {type(q).__module__}.{type(q).__name__} array, which the cache's backend "
-            f"{be.name!r} cannot read"
-        )
+    _spec.check_readable(q, "q", be)
     opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes)
     rope_spec = check_rope(rope, d)
-    if (k is None) != (v is None):
-        raise ArgumentError("k and v must be given together (or both left out)")
+    _spec.check_kv_given(k, v, None)
     write = None
     if k is None:
         new_len = cache.lengths(ids)
@@ -402,13 +353,11 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
         len(block_table.shape) == 2 else -1
     if n_seq < 0:
         _spec.check_array(block_table, "block_table", ndim=2)
-    q4, q_batch, q_row0, q_len = _queries(q, cu_seqlens_q, n_seq)
+    q4, q_batch, q_row0, q_len = _spec.paged_queries(q, cu_seqlens_q, n_seq)
     dtype = _spec.check_qkv(q4, k_pages, v_pages, ndim=4)
     _spec.check_heads(q4.shape, k_pages.shape, v_pages.shape, ("q", "k_pages", "v_pages"))
+    _spec.check_page_pool(k_pages)
     num_pages, page_size = int(k_pages.shape[0]), int(k_pages.shape[1])
-    if page_size < 1 or num_pages < 1:
-        raise ShapeError(f"k_pages has shape {tuple(k_pages.shape)}; expected at least one "
-                         "page of at least one slot")
     table, lens = _spec.check_page_table(block_table, seq_lens, n_seq, num_pages, page_size)
     _spec.check_query_rows(q_len, lens, "sequence")
     hq, d = q4.shape[2], q4.shape[3]
