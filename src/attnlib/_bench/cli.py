@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", action="store_true",
                    help="run the motivating example instead: S=16384, 32 heads, D=128, float32, "
                         "one subprocess per backend, peak memory beside the naive score matrix "
-                        "(--backends, --causal and the first of --dtypes apply; 2-4 minutes "
-                        "on a 2-core CPU)")
+                        "(--backends, --causal and the first of --dtypes apply; about a minute "
+                        "on a 2-core CPU, several minutes on a busy one)")
     p.add_argument("--memory-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="with --memory: skip a backend predicted slower than this (default: "
                         "120); without --backends the numpy reference and opencl on a CPU are "
