@@ -50,11 +50,8 @@ class KVCache:
                  backend: str | Backend | None = None, queue: Any = None) -> None:
         self.max_batch_size = _spec.check_int(max_batch_size, "max_batch_size", minimum=1)
         self.max_seq_len = _spec.check_int(max_seq_len, "max_seq_len", minimum=1)
-        self.n_kv_heads = _spec.check_int(n_kv_heads, "n_kv_heads", minimum=1)
-        self.head_dim = _spec.check_int(head_dim, "head_dim", minimum=1)
-        self.head_dim_v = (self.head_dim if head_dim_v is None
-                           else _spec.check_int(head_dim_v, "head_dim_v", minimum=1))
-        self.dtype = _spec.parse_dtype(dtype)
+        self.n_kv_heads, self.head_dim, self.head_dim_v, self.dtype = _spec.check_cache_geometry(
+            n_kv_heads, head_dim, head_dim_v, dtype)
         self.ring = _spec.check_bool(ring, "ring")
         self.backend = pick_backend(backend, (), self.dtype, queue=queue)
         shape = (self.max_batch_size, self.max_seq_len, self.n_kv_heads)

@@ -66,11 +66,8 @@ class PagedKVCache:
                  dtype="float32", backend=None, queue=None):
         self.num_pages = _spec.check_int(num_pages, "num_pages", minimum=1)
         self.page_size = _spec.check_int(page_size, "page_size", minimum=1)
-        self.n_kv_heads = _spec.check_int(n_kv_heads, "n_kv_heads", minimum=1)
-        self.head_dim = _spec.check_int(head_dim, "head_dim", minimum=1)
-        self.head_dim_v = (self.head_dim if head_dim_v is None
-                           else _spec.check_int(head_dim_v, "head_dim_v", minimum=1))
-        self.dtype = _spec.parse_dtype(dtype)
+        self.n_kv_heads, self.head_dim, self.head_dim_v, self.dtype = _spec.check_cache_geometry(
+            n_kv_heads, head_dim, head_dim_v, dtype)
         self.backend: Backend = pick_backend(backend, (), self.dtype, queue=queue)
         shape = (self.num_pages, self.page_size, self.n_kv_heads)
         self.k_pages = self.backend.page_alloc(shape + (self.head_dim,), self.dtype)

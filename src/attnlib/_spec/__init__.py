@@ -51,6 +51,7 @@ from ._backends import (
 from ._cache import (
     check_cache_append_one,
     check_cache_backend,
+    check_cache_geometry,
     check_cache_instance,
     check_cache_kv,
     check_cache_query,
@@ -113,6 +114,7 @@ __all__ = [
     "check_bool",
     "check_cache_append_one",
     "check_cache_backend",
+    "check_cache_geometry",
     "check_cache_instance",
     "check_cache_kv",
     "check_cache_query",

@@ -7,11 +7,28 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
-from ._arrays import check_array, check_int, check_seqlens, host, is_array, is_device_array
+from ._arrays import (
+    check_array,
+    check_int,
+    check_seqlens,
+    host,
+    is_array,
+    is_device_array,
+    parse_dtype,
+)
 from ._calls import add_batch_dim
 
-
 # ---- the KV cache (SPEC section 7) ---------------------------------------------------------------
+
+def check_cache_geometry(n_kv_heads: Any, head_dim: Any, head_dim_v: Any,
+                         dtype: Any) -> tuple[int, int, int, np.dtype]:
+    """(n_kv_heads, head_dim, head_dim_v, dtype) of a KV cache, contiguous or paged; head_dim_v
+    None means head_dim."""
+    hkv = check_int(n_kv_heads, "n_kv_heads", minimum=1)
+    d = check_int(head_dim, "head_dim", minimum=1)
+    dv = d if head_dim_v is None else check_int(head_dim_v, "head_dim_v", minimum=1)
+    return hkv, d, dv, parse_dtype(dtype)
+
 def check_cache_rows(index: Any, name: str, b: int | None, max_batch_size: int) -> np.ndarray:
     """Cache rows as int64: ``None`` is every row (or the first ``b``), else an int, a list /
     tuple of ints or an int array ``(b,)``, each in ``[0, max_batch_size)``."""

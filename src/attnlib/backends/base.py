@@ -64,6 +64,7 @@ __all__ = [
     "AttnCall",
     "RopeSpec",
     "Backend",
+    "HostPages",
 ]
 
 
@@ -276,3 +277,19 @@ class Backend:
     def cache_read(self, buf: Any) -> np.ndarray:
         """The whole buffer as a numpy array (tests and debugging)."""
         return self.to_numpy(buf)
+
+
+class HostPages:
+    """The paged KV cache's writes for backends whose arrays are numpy arrays on the host (mixed
+    in by the numpy and numba backends; each rotates with its own :meth:`Backend.rope`)."""
+
+    def cache_write_slots(self, buf: np.ndarray, src: Any, slot_mapping: np.ndarray,
+                          positions: np.ndarray, rope: RopeSpec | None) -> None:
+        chunk = np.asarray(src)
+        if rope is not None:
+            chunk = self.rope(chunk[None], np.asarray(positions, np.int64)[None], rope)[0]
+        ps = buf.shape[1]
+        buf[slot_mapping // ps, slot_mapping % ps] = chunk
+
+    def copy_pages(self, buf: np.ndarray, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+        buf[dst_pages] = buf[src_pages]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import AttnCall, Backend, RopeSpec
+from .base import AttnCall, Backend, HostPages, RopeSpec
 
 # Each chunk holds a few (rows, k_len) float64 arrays: scores, visibility, probabilities.
 _WORKSPACE_BYTES = 256 * 2**20
@@ -31,7 +31,7 @@ def _rows_per_chunk(k_len: int) -> int:
     return max(1, _WORKSPACE_BYTES // (_ARRAYS_PER_CHUNK * 8 * max(k_len, 1)))
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(HostPages, Backend):
     """Float64-accumulating reference. Exact, slow, and the oracle of the conformance suite."""
 
     name = "numpy"
@@ -184,16 +184,6 @@ class NumpyBackend(Backend):
             if rope is not None:
                 chunk = self.rope(chunk[None], pos[None], rope)[0]
             buf[int(rows[b]), pos % cap] = chunk
-
-    def cache_write_slots(self, buf, src, slot_mapping, positions, rope: RopeSpec | None) -> None:
-        chunk = np.asarray(src)
-        if rope is not None:
-            chunk = self.rope(chunk[None], np.asarray(positions, np.int64)[None], rope)[0]
-        ps = buf.shape[1]
-        buf[slot_mapping // ps, slot_mapping % ps] = chunk
-
-    def copy_pages(self, buf, src_pages, dst_pages) -> None:
-        buf[dst_pages] = buf[src_pages]
 
 
 def _paged_rows(call: AttnCall, s: int, rows: np.ndarray):

@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from ..base import AttnCall, Backend, RopeSpec
+from ..base import AttnCall, Backend, HostPages, RopeSpec
 from . import _launch
 
 _available: bool | None = None
 
 
-class NumbaBackend(Backend):
+class NumbaBackend(HostPages, Backend):
     """CPU backend: FlashAttention tiling in numba, BLAS gemms on the tiles (see module doc)."""
 
     name = "numba"
@@ -101,18 +101,6 @@ class NumbaBackend(Backend):
         scattered page is one streaming read, not page_size rows a whole token apart)."""
         p, ps, h, d = shape
         return np.zeros((p, h, ps, d), dtype=dtype).transpose(0, 2, 1, 3)
-
-    def cache_write_slots(self, buf, src, slot_mapping, positions, rope: RopeSpec | None) -> None:
-        from . import _ops
-
-        chunk = np.asarray(src)
-        if rope is not None:
-            chunk = _ops.rope(chunk[None], np.asarray(positions, np.int64)[None], rope)[0]
-        ps = buf.shape[1]
-        buf[slot_mapping // ps, slot_mapping % ps] = chunk
-
-    def copy_pages(self, buf, src_pages, dst_pages) -> None:
-        buf[dst_pages] = buf[src_pages]
 
     def cache_write(self, buf, src, rows, start_pos, rope: RopeSpec | None) -> None:
         from . import _ops
