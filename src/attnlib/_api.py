@@ -79,6 +79,7 @@ def _from_bshd(x: Any, layout: str, be: Backend) -> Any:
     return _device_contiguous(xt, be)
 
 
+@_spec.front_door
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
               causal: bool | str = False, window: tuple[int | None, int | None] | None = None,
               mask: Any = None, softcap: float | None = None, alibi_slopes: Any = None,
@@ -223,6 +224,7 @@ def _run(be: Backend, call: AttnCall):
     return be.attention(call)
 
 
+@_spec.front_door
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
                      scale: float | None = None, causal: bool | str = False,
                      window: tuple[int | None, int | None] | None = None,
@@ -245,6 +247,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     return (out[0], lse[0]) if return_lse else out[0]
 
 
+@_spec.front_door
 def softmax(x: Any, axis: int = -1, *, backend: str | Backend | None = None) -> Any:
     """Softmax along ``axis`` in one streaming pass (online max and sum); x's dtype out.
 
@@ -260,6 +263,7 @@ def softmax(x: Any, axis: int = -1, *, backend: str | Backend | None = None) -> 
     return pick_backend(backend, (x,), dt).softmax(x, axis, False)
 
 
+@_spec.front_door
 def logsumexp(x: Any, axis: int = -1, *, backend: str | Backend | None = None) -> Any:
     """``log(sum(exp(x)))`` along ``axis``: float32 (float64 for float64 x); -inf for an all
     -inf row."""
@@ -269,6 +273,7 @@ def logsumexp(x: Any, axis: int = -1, *, backend: str | Backend | None = None) -
     return pick_backend(backend, (x,), dt).softmax(x, axis, True)
 
 
+@_spec.front_door
 def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, layout: str = "bshd",
                  backend: str | Backend | None = None) -> tuple[Any, Any]:
     """Merge partial attention states over disjoint key sets (FlashInfer's ``merge_state``).
@@ -315,6 +320,7 @@ def check_rope(rope_arg: Any, head_dim: int) -> RopeSpec | None:
     return None if rope_arg is None else rope_arg.spec(head_dim)
 
 
+@_spec.front_door
 def rope(x: Any, positions: Any, *, theta: float = 10000.0, interleaved: bool = False,
          rotary_dim: int | None = None, layout: str = "bshd",
          backend: str | Backend | None = None) -> Any:
@@ -330,6 +336,7 @@ def rope(x: Any, positions: Any, *, theta: float = 10000.0, interleaved: bool = 
     return _from_bshd(be.rope(xb, pos, spec), layout, be)
 
 
+@_spec.front_door(wrap=False)
 def to_device(x: Any, *, backend: str | Backend | None = None, queue: Any = None) -> Any:
     """Copy a numpy array to the backend's device (numpy backends return it unchanged).
     ``queue=`` (a ``pyopencl.CommandQueue``) copies to that queue's device, in its order."""
@@ -338,6 +345,7 @@ def to_device(x: Any, *, backend: str | Backend | None = None, queue: Any = None
     return be.to_device(x)
 
 
+@_spec.front_door(wrap=False)
 def to_numpy(x: Any) -> np.ndarray:
     """A numpy array from a numpy or device array (a device array is copied to the host)."""
     if isinstance(x, np.ndarray):

@@ -26,6 +26,7 @@ class OnlineAttention:
     [[[-inf]]]
     """
 
+    @_spec.front_door(remember=True)
     def __init__(self, q: Any, *, scale: float | None = None, causal: bool | str = False,
                  softcap: float | None = None, layout: str = "bshd",
                  backend: str | Backend | None = None, total_keys: int | None = None) -> None:
@@ -45,6 +46,7 @@ class OnlineAttention:
     def keys_seen(self) -> int:
         return self._seen
 
+    @_spec.front_door(method=True)
     def update(self, k_chunk: Any, v_chunk: Any) -> None:
         """Fold one chunk ``k (B, n, Hkv, D)``, ``v (B, n, Hkv, Dv)`` (layout as for q) in."""
         dv_before = None if self._state is None else self._state[0].shape[3]
@@ -76,6 +78,7 @@ class OnlineAttention:
             self._state = be.merge_states([self._state[0], out], [self._state[1], lse])
         self._seen += n
 
+    @_spec.front_door(method=True)
     def result(self, return_lse: bool = False) -> Any:
         """``out`` (layout as for q, q's dtype), or ``(out, lse)``; before any update: zeros and
         -inf (the empty state)."""

@@ -78,12 +78,14 @@ class KVCache:
         """The first position each row still holds (0 unless a ring has wrapped)."""
         return self._lo.copy()
 
+    @_spec.front_door
     def reset(self, batch_index: Any = None) -> None:
         """Forget everything (``None``), or the rows given by an int or a sequence of ints."""
         rows = self._rows(batch_index, "batch_index", None)
         self._len[rows] = 0
         self._lo[rows] = 0
 
+    @_spec.front_door
     def update(self, k: Any, v: Any, start_pos: Any, *, batch_idx: Any = None) -> None:
         """Write ``k (B, S_new, Hkv, D)``, ``v (B, S_new, Hkv, Dv)`` at ``start_pos`` (an int or
         an int array ``(B,)``); sets each row's length to ``start_pos + S_new``. Writing before
@@ -122,6 +124,7 @@ class KVCache:
         self._lo[w.rows] = np.minimum(w.new_lo, w.new_len)
 
 
+@_spec.front_door
 def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None, *,
                            start_pos: Any = None, batch_idx: Any = None, rope: RoPE | None = None,
                            causal: bool = True, scale: float | None = None,

@@ -109,6 +109,7 @@ class PagedKVCache:
             self._refs[p] += 1
         return child
 
+    @_spec.front_door
     def truncate(self, sid, length) -> None:
         """Keep the first ``length`` tokens of ``sid`` (rollback, as in speculative decoding);
         pages it no longer needs are released (freed when no other sequence holds them)."""
@@ -126,17 +127,20 @@ class PagedKVCache:
         self._release(self._pages.pop(s))
         del self._len[s]
 
+    @_spec.front_door
     def lengths(self, sids) -> np.ndarray:
         """Tokens held per sequence: int64 ``(B,)``."""
         ids = _spec.check_sids(sids, self._pages)
         return np.array([self._len[i] for i in ids.tolist()], np.int64)
 
+    @_spec.front_door
     def block_table(self, sids) -> np.ndarray:
         """int32 ``(B, max_pages)``, ``max_pages`` the most pages any of them holds; -1 past
         each sequence's last page."""
         ids = _spec.check_sids(sids, self._pages)
         return self._table(ids.tolist())
 
+    @_spec.front_door
     def append(self, sids, k, v, *, cu_seqlens=None) -> None:
         """Append ``k (B, S_new, Hkv, D)``, ``v (B, S_new, Hkv, Dv)`` to the B sequences
         ``sids``, or packed ``k (total, Hkv, D)`` split by ``cu_seqlens`` (int32 ``(B + 1,)``,
@@ -266,6 +270,7 @@ def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):
     return (out, lse) if return_lse else out
 
 
+@_spec.front_door
 def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q=None, rope=None,
                                  causal=True, scale=None, window=None, softcap=None,
                                  alibi_slopes=None, return_lse=False, backend=None):
@@ -325,6 +330,7 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     return _finish(be, call, cu_seqlens_q is not None, return_lse)
 
 
+@_spec.front_door
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=None, causal=True,
                     scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False,
                     backend=None):

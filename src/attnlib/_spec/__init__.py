@@ -90,8 +90,10 @@ from ._calls import (
     dense_call,
     varlen_call,
 )
+from ._foreign import front_door
 
 __all__ = [
+    "front_door",
     "BFLOAT16",
     "FLOAT_DTYPES",
     "LAYOUTS",
