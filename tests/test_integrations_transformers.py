@@ -113,6 +113,22 @@ def test_logits_and_generation(family):
     assert torch.equal(tokens["attnlib"], tokens["eager"])
 
 
+def test_static_cache_generation():
+    """A static cache's prefill: transformers passes no mask and keys past the prompt are free
+    slots (SDPA's top-left is_causal); the tokens must still be eager's."""
+    cls, cfg = FAMILIES["llama"]
+    torch.manual_seed(34)
+    model = cls(cfg).eval()
+    ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(35))
+    tokens = {}
+    for impl in ("eager", "attnlib"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            tokens[impl] = model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6,
+                                          do_sample=False, cache_implementation="static")
+    assert torch.equal(tokens["attnlib"], tokens["eager"])
+
+
 def test_attnlib_is_called(monkeypatch):
     """The model's layers reach attnlib (not a fallback): count the calls."""
     cls, cfg = FAMILIES["llama"]

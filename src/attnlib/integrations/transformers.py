@@ -8,8 +8,9 @@
 where causality alone says it). Each layer's call maps onto ``attnlib.attention``: the
 ``(B, H, S, D)`` tensors transformers passes are read as ``(B, S, H, D)`` strided views (no copy),
 GQA runs without repeating keys, ``scaling``, ``softcap`` (Gemma 2) and 4-D bool or additive masks
-(padding, sliding windows) pass through, and without a mask a causal module is bottom-right
-causal (the queries are the last rows of the cache). attnlib computes no gradients: use it for
+(padding, sliding windows) pass through. Without a mask (transformers leaves it out where SDPA's
+``is_causal`` is exact) a causal module is ``causal="top_left"`` as in SDPA, and a single query
+row sees every key. attnlib computes no gradients: use it for
 inference (``torch.no_grad()``, ``generate``); dropout must be 0.
 """
 
@@ -46,13 +47,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         )
     if kwargs.get("s_aux") is not None:
         raise UnsupportedError("attn_implementation='attnlib' has no attention sinks (s_aux)")
-    if attention_mask is not None:
-        causal = False
-    else:
+    causal = False
+    if attention_mask is None and query.shape[2] > 1:
+        # transformers leaves the mask out where PyTorch SDPA's is_causal (top-left) is exact:
+        # Sq == Sk, or a prefill into an empty static cache (keys past Sq are free slots)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = "top_left" if causal else False
     # (B, H, S, D) -> (B, S, H, D): strided views; the output comes back (B, Sq, Hq, D)
     out = _attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                     mask=attention_mask, scale=scaling, causal=bool(causal), softcap=softcap,
+                     mask=attention_mask, scale=scaling, causal=causal, softcap=softcap,
                      layout="bshd", backend=_backend)
     return out, None
 
