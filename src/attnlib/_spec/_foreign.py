@@ -27,6 +27,7 @@ _HOST_DEVICES = (1, 3, 11)
 _DEVICE_NAMES = {2: "CUDA", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm",
                  13: "CUDA managed", 14: "oneAPI"}
 _SEQ = "sequence"
+_UNSEEN = "unseen"
 #: type -> "torch", "jax", "dlpack" (another framework), _SEQ, or None (passed through)
 _kinds: dict[type, str | None] = {}
 
@@ -130,6 +131,17 @@ def front_door(fn: Callable | None = None, *, wrap: bool = True, remember: bool 
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        # the common case, numpy (or device) arrays only, costs one dict look-up per argument
+        for a in args:
+            if _kinds.get(type(a), _UNSEEN) is not None:
+                break
+        else:
+            for a in kwargs.values():
+                if _kinds.get(type(a), _UNSEEN) is not None:
+                    break
+            else:
+                if not method:
+                    return fn(*args, **kwargs)
         kinds: list[str] = []
         if any(_kind(a) is not None for a in args):
             args = tuple(_in(a, kinds) for a in args)
