@@ -143,6 +143,22 @@ def test_attnlib_is_called(monkeypatch):
     assert len(calls) == cfg.num_hidden_layers
 
 
+def test_layer_compiles_without_graph_break():
+    """Under torch.compile a layer's call is the custom op: one graph, no break, same numbers."""
+    cls, cfg = FAMILIES["mistral"]
+    layer = cls(cfg).eval().model.layers[0].self_attn
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16)
+    mask = torch.rand(2, 1, 5, 7) < 0.8
+
+    def fn(q, k, mask):
+        return attnlib_hf.attention_forward(layer, q, k, k + 1.0, mask, scaling=0.3)[0]
+
+    explained = torch._dynamo.explain(fn)(q, k, mask)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k, mask), fn(q, k, mask))
+
+
 def test_refusals():
     cls, cfg = FAMILIES["llama"]
     model = cls(cfg)  # training mode: dropout is given as attention_dropout (0.0 here)

@@ -22,7 +22,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .. import registry
+from .. import _api, registry
 from ..errors import UnsupportedError
 from .torch import attention as _attention
 
@@ -53,10 +53,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # Sq == Sk, or a prefill into an empty static cache (keys past Sq are free slots)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         causal = "top_left" if causal else False
-    # (B, H, S, D) -> (B, S, H, D): strided views; the output comes back (B, Sq, Hq, D)
-    out = _attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                     mask=attention_mask, scale=scaling, causal=causal, softcap=softcap,
-                     layout="bshd", backend=_backend)
+    # (B, H, S, D) -> (B, S, H, D): strided views; the output comes back (B, Sq, Hq, D).
+    # Under torch.compile through the custom op (one graph node); else directly, which spares
+    # the op's dispatch (~0.3 ms a call on a 2-core CPU, more than a decode step's attention)
+    call = _attention if torch.compiler.is_compiling() else _api.attention
+    out = call(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+               mask=attention_mask, scale=scaling, causal=causal, softcap=softcap,
+               layout="bshd", backend=_backend)
     return out, None
 
 
