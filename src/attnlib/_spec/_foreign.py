@@ -6,13 +6,14 @@ copy) before any check runs, and the numpy arrays of the result go back as the c
 (the first foreign array among the arguments decides). A torch ``bfloat16`` tensor, which DLPack
 cannot describe to numpy, is read as ``int16`` and reinterpreted as ``ml_dtypes.bfloat16`` (and
 back), still without a copy. Arrays on a device attnlib cannot read (CUDA tensors) raise
-``UnsupportedError``: nothing is copied silently. Neither torch nor JAX is imported here: a
-tensor's own module is found in ``sys.modules`` (it was imported to make the tensor).
+``UnsupportedError``: nothing is copied silently. Neither torch nor JAX is imported by attnlib
+until one of their arrays arrives (torch is then found in ``sys.modules``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -115,7 +116,7 @@ def from_host(a: Any, kind: str | None) -> Any:
         if a.dtype == BFLOAT16:
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
-    return sys.modules["jax.numpy"].asarray(a)
+    return importlib.import_module("jax.numpy").asarray(a)  # jax is there: its array came in
 
 
 def front_door(fn: Callable | None = None, *, wrap: bool = True, remember: bool = False,
