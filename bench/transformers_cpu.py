@@ -70,6 +70,7 @@ def main(argv=None) -> int:
 
     import attnlib
     import attnlib.integrations.transformers as attnlib_hf
+    from attnlib import _config
 
     attnlib_hf.register(args.backend)
     backend = attnlib.get_backend(args.backend or "auto").name
@@ -104,10 +105,12 @@ def main(argv=None) -> int:
             times[impl, "prefill"].append(_time(prefill))
             times[impl, "generate"].append(_time(generate))
 
+    # libgomp's spinning after each PyTorch op changes the result (bench/numba_vs_torch.py)
+    omp = _config.shown_variables(("OMP_WAIT_POLICY",)).get("OMP_WAIT_POLICY", "unset")
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), attnlib backend {backend}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}")
+          f"OMP_WAIT_POLICY={omp}")
     print(f"# Llama-family: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / "
           f"{args.kv_heads} kv heads (head dim {args.hidden // args.heads}), float32; median of "
           f"{args.reps}")
