@@ -72,12 +72,15 @@ def to_host(x: Any, kind: str) -> np.ndarray:
     if int(device[0]) not in _HOST_DEVICES:
         raise _device_error(x, kind, device)
     if kind == "torch":
-        if x.requires_grad:
-            raise UnsupportedError(
-                "a torch tensor that requires grad was passed; attnlib computes no gradients: "
-                "call it under torch.no_grad() or pass x.detach()"
-            )
         torch = sys.modules["torch"]
+        if x.requires_grad:
+            if torch.is_grad_enabled():
+                raise UnsupportedError(
+                    "a torch tensor that requires grad was passed while gradients are enabled; "
+                    "attnlib computes no gradients: call it under torch.no_grad() or pass "
+                    "x.detach()"
+                )
+            x = x.detach()  # a parameter read under no_grad: the same memory
         if x.dtype == torch.bfloat16:
             return np.from_dlpack(x.view(torch.int16)).view(BFLOAT16)
     try:
