@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+import attnlib
 import attnlib.integrations.transformers as attnlib_hf
 from attnlib.testing.tolerance import assert_rule
 
@@ -163,8 +164,8 @@ def test_refusals():
     cls, cfg = FAMILIES["llama"]
     model = cls(cfg)  # training mode: dropout is given as attention_dropout (0.0 here)
     q = torch.randn(1, 4, 3, 16)
-    with pytest.raises(attnlib_hf.UnsupportedError, match="dropout"):
+    with pytest.raises(attnlib.UnsupportedError, match="dropout"):
         attnlib_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None, dropout=0.1)
     model.set_attn_implementation("attnlib")
-    with pytest.raises(attnlib_hf.UnsupportedError, match="no_grad"):
+    with pytest.raises(attnlib.UnsupportedError, match="no_grad"):
         model(input_ids=torch.ones(1, 3, dtype=torch.long))  # gradients enabled

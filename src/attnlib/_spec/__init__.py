@@ -90,9 +90,10 @@ from ._calls import (
     dense_call,
     varlen_call,
 )
-from ._foreign import front_door
+from ._foreign import check_layer_call, front_door
 
 __all__ = [
+    "check_layer_call",
     "front_door",
     "BFLOAT16",
     "FLOAT_DTYPES",

@@ -22,8 +22,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .. import _api, registry
-from ..errors import UnsupportedError
+from .. import _api, _spec, registry
 from .torch import attention as _attention
 
 __all__ = ["register", "attention_forward", "NAME"]
@@ -40,13 +39,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention function signature: ``query (B, Hq, Sq, D)``, ``key`` and
     ``value (B, Hkv, Sk, D)`` -> ``(out (B, Sq, Hq, D), None)``."""
-    if dropout:
-        raise UnsupportedError(
-            f"attn_implementation='attnlib' runs inference only: dropout={dropout} must be 0 "
-            "(call model.eval())"
-        )
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedError("attn_implementation='attnlib' has no attention sinks (s_aux)")
+    _spec.check_layer_call(dropout, kwargs.get("s_aux"))
     causal = False
     if attention_mask is None and query.shape[2] > 1:
         # transformers leaves the mask out where PyTorch SDPA's is_causal (top-left) is exact:
