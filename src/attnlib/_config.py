@@ -45,6 +45,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "where the numba backend keeps its compiled kernels (numba's own variable, honoured)",
     ),
     "XDG_CACHE_HOME": ("~/.cache", "the user cache directory holding attnlib/numba"),
+    "POCL_CACHE_DIR": (
+        "$XDG_CACHE_HOME/pocl/kcache (~/.cache/pocl/kcache)",
+        "where PoCL caches the kernels it builds (PoCL's own variable; shown by attnlib info)",
+    ),
 }
 
 
