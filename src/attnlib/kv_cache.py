@@ -125,6 +125,7 @@ class KVCache:
 
 
 @_spec.front_door
+@_spec.keywords_checked
 def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None, *,
                            start_pos: Any = None, batch_idx: Any = None, rope: RoPE | None = None,
                            causal: bool = True, scale: float | None = None,

@@ -271,6 +271,7 @@ def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):
 
 
 @_spec.front_door
+@_spec.keywords_checked
 def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q=None, rope=None,
                                  causal=True, scale=None, window=None, softcap=None,
                                  alibi_slopes=None, return_lse=False, backend=None):
@@ -331,6 +332,7 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
 
 
 @_spec.front_door
+@_spec.keywords_checked
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=None, causal=True,
                     scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False,
                     backend=None):
