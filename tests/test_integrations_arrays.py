@@ -181,3 +181,24 @@ def test_grad_tensors_refused():
     with torch.no_grad():  # a parameter read under no_grad, as in inference
         out = attnlib.attention(q, q, q, backend="numpy")
     assert isinstance(out, torch.Tensor) and not out.requires_grad
+
+
+def test_distributed_torch():
+    """attnlib.distributed on one rank (MPI.COMM_SELF): torch in, torch out, numpy's bits."""
+    from mpi4py import MPI
+
+    from attnlib import distributed as dist
+
+    rng = np.random.default_rng(15)
+    q, k = _rand(rng, 1, 6, 2, 5), _rand(rng, 1, 6, 1, 5)
+    comm = MPI.COMM_SELF
+    qt, kt = (dist.shard(_t(x), comm) for x in (q, k))
+    qn, kn = (dist.shard(x, comm) for x in (q, k))
+    _same(dist.shard(_t(q), comm), dist.shard(q, comm))
+    out_t = dist.ring_attention(qt, kt, kt, comm, causal=True, backend="numpy")
+    out = dist.ring_attention(qn, kn, kn, comm, causal=True, backend="numpy")
+    _same(out_t, out)
+    _same(dist.gather(out_t, comm), dist.gather(out, comm))
+    o, lse = attnlib.attention(q, k, k, return_lse=True, backend="numpy")
+    _same(dist.merge_across(_t(o), _t(lse), comm, backend="numpy"),
+          dist.merge_across(o, lse, comm, backend="numpy"))

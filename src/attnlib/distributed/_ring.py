@@ -153,6 +153,7 @@ def plan_ring(q_l, k_l, v_l, comm, *, causal, scale, window, softcap, alibi_slop
     return desc, (plan, return_lse)
 
 
+@_spec.front_door
 @_spec.keywords_checked
 def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None, softcap=None,
                    alibi_slopes=None, sharding="zigzag", layout="bshd", return_lse=False,
@@ -212,6 +213,7 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
     return (out, lse) if return_lse else out
 
 
+@_spec.front_door
 def merge_across(o_l, lse_l, comm, *, layout="bshd", backend=None):
     """Merge per-rank partial attention states exactly; the same result on every rank.
 

@@ -57,6 +57,7 @@ def check_host(x: Any, name: str) -> None:
         )
 
 
+@_spec.front_door
 def shard(x, comm, *, sharding="zigzag", layout="bshd"):
     """This rank's shard of ``x`` along the sequence axis (no data moves; no collective call).
 
@@ -90,6 +91,7 @@ def shard(x, comm, *, sharding="zigzag", layout="bshd"):
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
 
 
+@_spec.front_door
 def gather(x_l, comm, *, sharding="zigzag", layout="bshd"):
     """The whole sequence on every rank from each rank's shard (the inverse of :func:`shard`).
 
