@@ -13,7 +13,8 @@ so ``import attnlib`` never needs it. Each rank's local blocks run on any attnli
     out = dist.gather(out_l, comm, sharding="zigzag")       # the whole result on every rank
     o, lse = dist.merge_across(o_l, lse_l, comm)            # exact merge of per-rank states
 
-Arrays are numpy arrays on the host (``attnlib.to_numpy`` brings device arrays there).
+Arrays are host arrays: numpy, or torch and JAX CPU arrays, which come back as their own kind
+(contract section 11; ``attnlib.to_numpy`` brings device arrays to the host).
 
 Errors. ``gather``, ``ring_attention`` and ``merge_across`` are collective: each rank first
 validates its own call, then the ranks exchange their verdicts and a description of their shapes,
