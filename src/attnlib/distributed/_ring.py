@@ -219,6 +219,7 @@ def _ring_device(plan: BlockPlan, comm: Any) -> tuple[Any, Any]:
     ring = Ring(comm)
     ready = [marker(cq)]
     (hk, ek), (hv, ev) = download(tq, k0, ready), download(tq, v0, ready)
+    tq.flush()
     host = [(hk, hv), (np.empty_like(hk), np.empty_like(hv))]
     dev = [(cla.empty_like(k0), cla.empty_like(v0)) for _ in range(2)]
     ends: dict[int, Any] = {}  # step -> marker after its kernels
@@ -227,6 +228,7 @@ def _ring_device(plan: BlockPlan, comm: Any) -> tuple[Any, Any]:
         k, v = (k0, v0) if t == 0 else dev[t % 2]
         plan.step(states, k, v, (plan.rank - t) % size)
         ends[t] = marker(cq)
+        cq.flush()  # submitted now: the other queue's commands wait on these events
         if t == size - 1:
             break
         if t == 0:
@@ -241,6 +243,7 @@ def _ring_device(plan: BlockPlan, comm: Any) -> tuple[Any, Any]:
         after = [ends[t - 1]] if t >= 2 else []  # the step that last read this device slot
         k_next, v_next = dev[(t + 1) % 2]
         uploads[t + 1] = [upload(tq, k_next, nxt[0], after), upload(tq, v_next, nxt[1], after)]
+        tq.flush()
         wait_on(cq, uploads[t + 1])
     return plan.result(states)
 
