@@ -14,13 +14,33 @@ from typing import Any
 
 import numpy as np
 
-from .. import _config, registry
-from .._api import _device_contiguous
+from .. import _config, _spec, registry
+from .._api import _device_contiguous, pick_backend
 from ..backends.base import Backend
 from ._comm import _mpi, check_comm
 
 _rank_backends: dict[int, Backend] = {}
+_queue_backends: dict[int, Backend] = {}
 _transfer_queues: dict[int, Any] = {}
+
+
+def pick(backend: Any, arrays: tuple, dtype: Any) -> Backend:
+    """``pick_backend`` for a distributed call, except that device arrays under no choice or
+    the name "opencl" run on an opencl backend made on their own queue (one per queue): their
+    rank's device, without the shared instance's context on the first GPU of the node."""
+    device = [a for a in arrays if _spec.is_device_array(a)]
+    choice = registry.current_choice(backend)
+    if device and getattr(device[0], "queue", None) is not None and (
+            choice is None or (isinstance(choice, str) and choice.strip() == "opencl")):
+        queue = device[0].queue
+        be = _queue_backends.get(queue.int_ptr)
+        if be is None:
+            be = _queue_backends[queue.int_ptr] = registry.get_backend("opencl", queue=queue)
+        _spec.check_backend_reads(device, be)
+        if dtype is not None:
+            _spec.check_backend_dtype(be, dtype)
+        return be
+    return pick_backend(backend, arrays, dtype)
 
 
 def rank_backend(comm: Any) -> Backend:

@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 
 from .. import _spec
-from .._api import pick_backend
 from ..backends.base import Backend
 from ._comm import Description, check_comm
-from ._device import wants_rank_device
+from ._device import pick, wants_rank_device
 
 #: keyword -> (check(value, B, Hq) -> array with Hq last or None, AttnCall field)
 PER_HEAD: dict[str, tuple[Callable[[Any, int, int], np.ndarray | None], str]] = {
@@ -101,7 +100,7 @@ def check_local(q_l, k_l, v_l, comm, *, sharding, layout, return_lse, backend, h
         _spec.check_head_groups(q.shape[2], k.shape[2], size)
     opts = check_options(q.shape[0], q.shape[2], q.shape[3], **options)
     return_lse = _spec.check_bool(return_lse, "return_lse")
-    be = pick_backend(backend, (q, k, v), dtype)
+    be = pick(backend, (q, k, v), dtype)
     desc = [
         ("q_l shape", "ShapeError", tuple(q_l.shape)),
         ("k_l shape", "ShapeError", tuple(k_l.shape)),

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .. import _spec
-from .._api import _from_bshd, merge_states, pick_backend
+from .._api import _from_bshd, merge_states
 from ..backends.base import AttnCall
 from ..errors import ShapeError
 from ._comm import TAG_K, TAG_V, Ring, allgather_array, check_comm, collective_check
@@ -18,6 +18,7 @@ from ._device import (
     download,
     empty_state,
     marker,
+    pick,
     rank_backend,
     recast,
     to_device,
@@ -280,7 +281,7 @@ def merge_across(o_l, lse_l, comm, *, layout="bshd", backend=None):
                 f"lse_l has shape {tuple(lse_l.shape)}; expected (B, H, Sq) = {(b, h, sq)} "
                 f"to match o_l {tuple(o_l.shape)} (layout {lay!r})"
             )
-        be = pick_backend(backend, (o_l, lse_l), dtype)
+        be = pick(backend, (o_l, lse_l), dtype)
         desc = [("o_l shape", "ShapeError", tuple(o_l.shape)),
                 ("o_l dtype", "DTypeError", str(dtype)),
                 ("lse_l shape", "ShapeError", tuple(lse_l.shape)),

@@ -7,11 +7,10 @@ from typing import Any
 import numpy as np
 
 from .. import _spec
-from .._api import pick_backend
 from .._spec import check_sharding
 from ..errors import ShapeError
 from ._comm import allgather_array, check_comm, collective_check
-from ._device import contiguous, copy_seq, download, to_device
+from ._device import contiguous, copy_seq, download, pick, to_device
 
 
 def n_chunks(sharding: str) -> int:
@@ -47,7 +46,7 @@ def _device_shard(x: Any, axis: int, pieces: list[tuple[int, int]]) -> Any:
     array on ``x``'s queue (rectangular copies on the device)."""
     import pyopencl.array as cla
 
-    be = pick_backend(None, (x,), None)
+    be = pick(None, (x,), None)
     queue = be.queue_for(x)
     if len(x.shape) == 4:
         x = contiguous(x, be)
@@ -130,7 +129,7 @@ def gather(x_l, comm, *, sharding="zigzag", layout="bshd"):
     size = comm.Get_size()
     x = x_l
     if device:
-        be = pick_backend(None, (x_l,), None)
+        be = pick(None, (x_l,), None)
         queue = be.queue_for(x_l)
         x, event = download(queue, contiguous(x_l, be) if len(x_l.shape) == 4 else x_l)
         event.wait()
