@@ -12,6 +12,8 @@ Measured on this machine (medians of ``--reps``, ranks started together by a bar
   (``dist.rank_backend``).
 * ``d2h`` / ``h2d``: rank 0 alone copying one K/V shard (``--shard`` tokens) between the device
   and a numpy buffer, as the ring does (pageable memory); absent on host backends.
+  ``d2h_pinned`` / ``h2d_pinned``: the same through page-locked host memory (a mapped
+  ``ALLOC_HOST_PTR`` buffer), what pinned staging buffers would give; not used by the model.
 * ``p2p``: the ring's exchange of that shard's bytes, every rank sending to the next and
   receiving from the previous at once (MPI Isend / Irecv, per rank).
 * ``alltoall``: an all-to-all of that many bytes per rank.
@@ -56,6 +58,18 @@ def solo_time(comm, fn, reps: int, sync=lambda: None) -> float:
     own rate, not shared with the other ranks of this launch."""
     t = median_time(MPI.COMM_SELF, fn, reps, sync) if comm.Get_rank() == 0 else None
     return comm.bcast(t)
+
+
+def pinned_host(queue, nbytes: int) -> np.ndarray:
+    """``nbytes`` of page-locked host memory as a numpy array: a mapped ``ALLOC_HOST_PTR``
+    buffer (NVIDIA's OpenCL pins such buffers; copies from the mapped pointer are DMA)."""
+    import pyopencl as cl
+
+    buf = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE | cl.mem_flags.ALLOC_HOST_PTR,
+                    nbytes)
+    host, _ = cl.enqueue_map_buffer(queue, buf, cl.map_flags.READ | cl.map_flags.WRITE, 0,
+                                    (nbytes,), np.uint8)
+    return host
 
 
 def model(r: dict, s: int, p: int, h: int, hkv: int, d: int, item: int) -> dict:
@@ -105,6 +119,8 @@ def main() -> None:
     be = dist.rank_backend(comm) if args.backend == "opencl" else attnlib.get_backend(
         args.backend)
     device = args.backend == "opencl"
+    if device:
+        import pyopencl as cl
     sync = (lambda: be.queue.finish()) if device else (lambda: None)
     if device:
         q, k, v = (attnlib.to_device(x, backend=be) for x in (q, k, v))
@@ -119,6 +135,11 @@ def main() -> None:
             comm, lambda: download(be.queue, kv_dev)[1].wait(), args.reps)
         rates["h2d"] = nbytes / solo_time(
             comm, lambda: upload(be.queue, kv_dev, kv_host).wait(), args.reps)
+        pinned = pinned_host(be.queue, nbytes)
+        rates["d2h_pinned"] = nbytes / solo_time(comm, lambda: cl.enqueue_copy(
+            be.queue, pinned, kv_dev.base_data, src_offset=kv_dev.offset), args.reps)
+        rates["h2d_pinned"] = nbytes / solo_time(comm, lambda: cl.enqueue_copy(
+            be.queue, kv_dev.base_data, pinned, dst_offset=kv_dev.offset), args.reps)
     send = kv_host.reshape(-1).view(np.uint8)
     recv = np.empty_like(send)
 
