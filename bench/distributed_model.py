@@ -13,7 +13,7 @@ Measured on this machine (medians of ``--reps``, ranks started together by a bar
 * ``d2h`` / ``h2d``: rank 0 alone copying one K/V shard (``--shard`` tokens) between the device
   and a numpy buffer, as the ring does (pageable memory); absent on host backends.
   ``d2h_pinned`` / ``h2d_pinned``: the same through page-locked host memory (a mapped
-  ``ALLOC_HOST_PTR`` buffer), what pinned staging buffers would give; not used by the model.
+  ``ALLOC_HOST_PTR`` buffer), as the ring's staging buffers copy.
 * ``p2p``: the ring's exchange of that shard's bytes, every rank sending to the next and
   receiving from the previous at once (MPI Isend / Irecv, per rank).
 * ``alltoall``: an all-to-all of that many bytes per rank.
@@ -89,8 +89,9 @@ def model(r: dict, s: int, p: int, h: int, hkv: int, d: int, item: int) -> dict:
     step = 8.0 * h * d * c * c / r["compute"]
     kv = 2.0 * (s / p) * hkv * d * item
     pcie = (lambda n: n / r["d2h"] + n / r["h2d"]) if "d2h" in r else (lambda n: 0.0)
-    msg = kv / r["p2p"] + (kv / r["h2d"] if "h2d" in r else 0.0)
-    first = kv / r["d2h"] if "d2h" in r else 0.0
+    # the ring stages through pinned buffers, Ulysses through fresh numpy arrays
+    msg = kv / r["p2p"] + (kv / r["h2d_pinned"] if "h2d_pinned" in r else 0.0)
+    first = kv / r["d2h_pinned"] if "d2h_pinned" in r else 0.0
     ring = first + (p - 1) * max(step, msg) + step
     qkvo = (s / p) * (2 * h + 2 * hkv) * d * item  # q, out, k, v of one rank
     ulysses = pcie(qkvo) + qkvo * (p - 1) / p / r["alltoall"] + flops / p / r["compute"]
