@@ -1,9 +1,12 @@
 """One rank's checked context-parallel call: arrays, options, backend (ring and Ulysses alike).
 
-Per-head options (ALiBi slopes) are checked once into ``(B, Hq)`` arrays and kept by name in
-``Options.per_head``; :data:`PER_HEAD` says how each is checked and which :class:`AttnCall` field
-it fills. The ring hands them to every block whole, Ulysses slices them to its head group along
-the last axis, so a new per-head option is one entry here and one keyword of the functions.
+Per-head options (ALiBi slopes) are checked once into arrays whose last axis is the query head,
+kept by name in ``Options.per_head``; :data:`PER_HEAD` says how each is checked, which
+:class:`AttnCall` field it fills, and whether it acts on every key (ALiBi: every block of the
+ring gets it) or once per query row (a term of the softmax's denominator, such as an attention
+sink: only the first block the ring computes for a query chunk gets it). Ulysses slices every
+per-head option to its head group along the last axis. A new per-head option is one entry here
+and one keyword of ``ring_attention`` and ``ulysses_attention``, passed on in ``per_head``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from ..backends.base import Backend
 from ._comm import Description, check_comm
 from ._device import pick, wants_rank_device
 
-#: keyword -> (check(value, B, Hq) -> array with Hq last or None, AttnCall field)
-PER_HEAD: dict[str, tuple[Callable[[Any, int, int], np.ndarray | None], str]] = {
-    "alibi_slopes": (_spec.check_alibi, "alibi"),
+#: keyword -> (check(value, B, Hq) -> array with Hq last or None, AttnCall field, once per row)
+PER_HEAD: dict[str, tuple[Callable[[Any, int, int], np.ndarray | None], str, bool]] = {
+    "alibi_slopes": (_spec.check_alibi, "alibi", False),
 }
 
 
@@ -44,9 +47,10 @@ class Options:
             (name, "ArgumentError", self.per_head[name].tolist() if name in self.per_head
              else None) for name in PER_HEAD]
 
-    def call_fields(self) -> dict[str, Any]:
-        """The AttnCall fields of the per-head options (whole: every block sees every head)."""
-        return {PER_HEAD[n][1]: a for n, a in self.per_head.items()}
+    def call_fields(self, first: bool) -> dict[str, Any]:
+        """The AttnCall fields of the per-head options for one ring block (whole: a block has
+        every head); the once-per-row options only for the ``first`` block of a query chunk."""
+        return {PER_HEAD[n][1]: a for n, a in self.per_head.items() if first or not PER_HEAD[n][2]}
 
     def attention_kwargs(self, heads: slice) -> dict[str, Any]:
         """Keywords of ``attnlib.attention`` for the query heads ``heads`` over the whole

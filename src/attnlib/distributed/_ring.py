@@ -62,8 +62,9 @@ class BlockPlan:
         return qlen > 0 and klen > 0 and lo <= hi
 
     def block(self, q_chunk: tuple[int, int, int], k: Any, v: Any,
-              k_chunk: tuple[int, int, int]) -> tuple[Any, Any]:
-        """``(out, lse)`` of one query chunk over one key chunk, at their global positions."""
+              k_chunk: tuple[int, int, int], first: bool = False) -> tuple[Any, Any]:
+        """``(out, lse)`` of one query chunk over one key chunk, at their global positions
+        (``first``: the first block computed for this query chunk)."""
         (qrow, qlen, qpos), (krow, klen, kpos) = q_chunk, k_chunk
         opts = self.lc.opts
         b = self.q.shape[0]
@@ -75,7 +76,7 @@ class BlockPlan:
             q_pos0=qpos * ones, k_pos0=kpos * ones,
             causal_hi=0 * ones if opts.causal else None, scale=opts.scale,
             window_left=opts.window[0], window_right=opts.window[1], softcap=opts.softcap,
-            need_lse=True, **opts.call_fields(),
+            need_lse=True, **opts.call_fields(first),
         )
         return self.be.attention(call)
 
@@ -87,7 +88,7 @@ class BlockPlan:
             for kc in self.chunks(src):
                 if not self.visible(qc[2], qc[1], kc[2], kc[1]):
                     continue
-                out, lse = self.block(qc, k, v, kc)
+                out, lse = self.block(qc, k, v, kc, first=states[i] is None)
                 out = recast(self.be, out, lse, self.acc) if self.lc.device else \
                     out.astype(self.acc)
                 states[i] = (out, lse) if states[i] is None else merge_states(
