@@ -133,6 +133,7 @@ def checked(comm: Any, name: str, local) -> LocalCall:
     return lc
 
 
+@_spec.keywords_checked
 def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None, softcap=None,
                    alibi_slopes=None, sharding="zigzag", layout="bshd", return_lse=False,
                    backend=None):
