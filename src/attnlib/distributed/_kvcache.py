@@ -12,6 +12,7 @@ from ._comm import check_comm, collective_check
 from ._ring import merge_across
 
 
+@_spec.keywords_checked
 def attention_with_sharded_kvcache(q, cache, comm, k=None, v=None, *, start_pos=None,
                                    batch_idx=None, rope=None, causal=True, scale=None,
                                    window=None, softcap=None, alibi_slopes=None,

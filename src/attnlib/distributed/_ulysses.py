@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _spec
 from .._api import _from_bshd, attention
 from ._comm import _bytes, _mpi
 from ._device import contiguous, download, to_device
@@ -15,6 +16,7 @@ from ._ring import checked
 from ._sharding import local_chunks
 
 
+@_spec.keywords_checked
 def ulysses_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None,
                       softcap=None, alibi_slopes=None, sharding="zigzag", layout="bshd",
                       return_lse=False, backend=None):
