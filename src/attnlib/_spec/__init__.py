@@ -91,6 +91,16 @@ from ._calls import (
     dense_call,
     varlen_call,
 )
+from ._distributed import (
+    SHARDINGS,
+    check_device_contiguous,
+    check_dist_arrays,
+    check_head_groups,
+    check_no_rope,
+    check_self_attention,
+    check_sharded_held,
+    check_sharding,
+)
 from ._foreign import check_layer_call, front_door
 
 __all__ = [
@@ -99,6 +109,7 @@ __all__ = [
     "BFLOAT16",
     "FLOAT_DTYPES",
     "LAYOUTS",
+    "SHARDINGS",
     "add_batch_dim",
     "backend_origin",
     "check_alibi",
@@ -127,8 +138,11 @@ __all__ = [
     "check_cache_write",
     "check_causal",
     "check_chunk_readable",
+    "check_device_contiguous",
+    "check_dist_arrays",
     "check_distinct_rows",
     "check_float_dtype",
+    "check_head_groups",
     "check_heads",
     "check_held",
     "check_held_one",
@@ -138,6 +152,7 @@ __all__ = [
     "check_kv_given",
     "check_layout",
     "check_mask",
+    "check_no_rope",
     "check_online_chunk",
     "check_packed",
     "check_page_pool",
@@ -156,7 +171,10 @@ __all__ = [
     "check_rotary_dim",
     "check_rotary_fits",
     "check_scale",
+    "check_self_attention",
     "check_seqlens",
+    "check_sharded_held",
+    "check_sharding",
     "check_sid",
     "check_sids",
     "check_softcap",
