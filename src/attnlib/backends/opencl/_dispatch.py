@@ -8,7 +8,7 @@
   kernel of ``_nvidia_wgmma``), float16/bfloat16, float32 as 3xTF32, more than
   :data:`~._attention.DECODE_ROWS` packed query rows;
 * ``"decode"``: NVIDIA tensor cores, float16/bfloat16, at most 16 packed query rows per kv head
-  (``_nvidia_decode``);
+  (``_nvidia_decode``), paged calls included;
 * ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls included.
 """
 
@@ -27,11 +27,10 @@ if TYPE_CHECKING:
 
 def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
     """The kernel family of ``call`` on ``be`` (``max_rows``: its largest number of packed query
-    rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a
-    block table) run the portable kernel: the tensor-core kernels do not read page tables."""
-    if call.block_table is not None:
-        return "portable"
-    if be.use_mma and max_rows > _attention.DECODE_ROWS:
+    rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a block
+    table) run the decode kernel when it takes them, else the portable kernel: the prefill
+    kernel does not read page tables."""
+    if be.use_mma and max_rows > _attention.DECODE_ROWS and call.block_table is None:
         if _nvidia_mma.applicable(be.device, call):
             return "mma"
     if be.use_mma and max_rows <= _nvidia_decode.MAX_ROWS:
