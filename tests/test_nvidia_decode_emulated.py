@@ -285,13 +285,13 @@ def paged_twin(rng, call: AttnCall, page_size: int, spare: int = 3,
 
 
 def run_paged_and_check(call: AttnCall, page_size: int, *, splits, config=None, fused=False,
-                        rng=None):
+                        rng=None, table_dtype=np.int32):
     """The decode kernel on the paged twin of ``call`` against the float64 reference of the
     contiguous ``call``."""
     from attnlib.backends.opencl import _nvidia_decode
 
     be = attnlib.get_backend("opencl")
-    paged = paged_twin(rng, call, page_size)
+    paged = paged_twin(rng, call, page_size, table_dtype=table_dtype)
     out, lse = _nvidia_decode.run(be, be.queue, paged, config=config, splits=splits,
                                   use_ptx=False, fused=fused)
     ref, ref_lse = reference_call(call)
@@ -309,8 +309,9 @@ PAGED = [
      (32, 2, 2), True, {}),
     (1, "bfloat16", dict(b=2, q_len=2, klens=[77, 130], hq=8, hkv=2, d=64), 2,
      (32, 2, 3), False, {}),
+    # the dispatch's build for page 8, D=64, one split (test_paged_dispatch_emulated)
     (8, "float16", dict(b=2, q_len=1, klens=[141, 9], hq=4, hkv=1, d=64), 1,
-     (64, 2, 2), False, {"window": (50, None)}),
+     None, False, {"window": (50, None)}),
     (32, "bfloat16", dict(b=1, q_len=3, klens=[257], hq=6, hkv=2, d=128), 4,
      (32, 2, 2), True, {"softcap": 15.0}),
     (5, "float16", dict(b=2, q_len=1, klens=[99, 201], hq=4, hkv=2, d=64), 2,
@@ -333,7 +334,7 @@ def test_decode_paged(page, dtype, shape, splits, config, fused, opts):
 
 
 def test_decode_paged_row_offsets_and_hidden_nan():
-    """Sequences starting mid-page (k_row0 > 0, keys from row 3 and 17 of their pages), inf/NaN
+    """Sequences starting mid-page (k_row0 > 0, keys from slot 3 and 5 of their pages), inf/NaN
     in v of keys outside the window (the kernel's hidden-v path reads the table directly), an
     int64 table, and a sequence with no key (out 0, lse -inf)."""
     import dataclasses
@@ -341,8 +342,43 @@ def test_decode_paged_row_offsets_and_hidden_nan():
     rng = rng_for("decode paged offsets")
     call = decode_call(rng, "float16", b=3, q_len=2, klens=[150, 60, 0], hq=8, hkv=2, d=64,
                        window=(40, None))
-    call = dataclasses.replace(call, k_row0=np.array([3, 17, 0]))
+    call = dataclasses.replace(call, k_row0=np.array([3, 13, 0]))
     call.v[0, 3 + 5, 1, 2] = np.nan  # key 5 of sequence 0: outside every row's window
-    call.k[1, 17 + 2, 0, 0] = np.inf
-    out = run_paged_and_check(call, 16, splits=3, config=(32, 2, 2), rng=rng)
+    call.k[1, 13 + 2, 0, 0] = np.inf
+    # the build of the page-8 case of test_decode_paged
+    out = run_paged_and_check(call, 8, splits=1, rng=rng,
+                              table_dtype=np.int64)
     assert (out[2] == 0).all() and np.isfinite(out[:2]).all()
+
+
+def test_paged_dispatch_emulated(monkeypatch):
+    """Through the front door: on an (emulated) sm_90 device, paged decode steps of a
+    PagedKVCache (scattered pages, packed appends, a fork, a truncate, two query rows) run the
+    tensor-core decode kernel, checked against plain attention over each sequence's tokens."""
+    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
+    from attnlib.testing.test_paged import Paged
+
+    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
+    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
+    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
+    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
+    launches = []
+    real = _nvidia_decode.launch
+    monkeypatch.setattr(_nvidia_decode, "launch", lambda *a, **kw: launches.append(1)
+                        or real(*a, **kw))
+    _dispatch.forget_plans()
+    try:
+        be = attnlib.get_backend("opencl", num_splits=1)
+        p = Paged(be, 40, 8, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="paged dispatch")
+        a, b = p.new(2)
+        p.append([a, b], [37, 13])
+        c = p.fork(a)
+        p.attend([a, b, c], [1, 1, 1], [1, 1, 1])
+        assert len(launches) == 1, "the tensor-core decode kernel did not run"
+        p.truncate(c, 20)
+        p.attend([c, a], [2, 1], [2, 1])
+        p.attend([b, c], [1, 1], packed=False)
+        assert len(launches) == 3
+    finally:
+        _dispatch.forget_plans()

@@ -51,7 +51,7 @@ DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
 FUSED_MERGE = True
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
-#: tests only: the plan cache (``_nvidia_plans``) builds the emulated kernel
+#: tests only: the plan cache (``_nvidia_plans``) and :func:`run` build the emulated kernel
 #: (USE_PTX=0) instead of the PTX one, so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
@@ -247,7 +247,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     config = tuple(config or DEFAULT_CONFIGS[d])
     block_n = config[0]
     if use_ptx is None:
-        use_ptx = _nvidia_mma.compute_capability(device) is not None
+        use_ptx = _nvidia_mma.compute_capability(device) is not None and not EMULATE_PTX
     dtype = call.dtype
     bq, sq_arr, hq, _ = call.q.shape
     hkv = call.k.shape[2]
