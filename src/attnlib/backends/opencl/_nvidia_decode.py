@@ -32,7 +32,7 @@ from ._runtime import launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS",
            "choose_splits", "build_options", "kernel_options", "local_bytes", "fused_fits",
-           "FUSED_MERGE"]
+           "FUSED_MERGE", "split_key_tiles"]
 
 #: head dims (D == Dv) the dispatch sends to the kernel
 HEAD_DIMS = (64, 128)
@@ -149,6 +149,18 @@ def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
     return best
 
 
+def split_key_tiles(call: AttnCall, block_n: int) -> int:
+    """The key tiles :func:`choose_splits` plans for: the capacity of ``call``'s keys (rows of k,
+    or the block table's pages), not its current lengths, so that the split count and grid of a
+    growing cache stay those of its first step (a recorded launch replays correctly; the kernel
+    cuts each sequence's own tiles into the fixed number of splits)."""
+    if call.block_table is not None:
+        rows = int(call.block_table.shape[1]) * int(call.page_size)
+    else:
+        rows = int(call.k.shape[1])
+    return max(1, -(-rows // block_n))
+
+
 def kernel_key(ctx: Any, device: Any, opts: tuple[str, ...]) -> tuple:
     """The key of the decode kernel's object built with ``opts`` (``_runtime.launch``)."""
     return (ctx.int_ptr, device.int_ptr, "attn_decode_mma", opts)
@@ -262,8 +274,8 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         if splits is None:
             splits = be.num_splits
         if splits is None:
-            key_tiles = -(-int(np.max(call.k_len)) // block_n)
-            splits = choose_splits(be.facts.compute_units, n_cols * hkv, key_tiles, d, config)
+            splits = choose_splits(be.facts.compute_units, n_cols * hkv,
+                                   split_key_tiles(call, block_n), d, config)
         splits = max(1, int(splits))
         alibi_buf, bufs, geometry, scalars = _nvidia_tables.kernel_inputs(ctx, call)
         plan = DecodePlan(queue, device, call, config, splits, n_cols, use_ptx, fused, tile_buf,
