@@ -353,8 +353,10 @@ def test_decode_paged_row_offsets_and_hidden_nan():
 
 def test_paged_dispatch_emulated(monkeypatch):
     """Through the front door: on an (emulated) sm_90 device, paged decode steps of a
-    PagedKVCache (scattered pages, packed appends, a fork, a truncate, two query rows) run the
-    tensor-core decode kernel, checked against plain attention over each sequence's tokens."""
+    PagedKVCache (scattered pages, packed appends, a fork, a truncate, two query rows; host
+    queries, then device queries through the repeat-call plans with a new block table per call)
+    run the tensor-core decode kernel, checked against plain attention over each sequence's
+    tokens."""
     from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
     from attnlib.testing.test_paged import Paged
 
@@ -380,5 +382,14 @@ def test_paged_dispatch_emulated(monkeypatch):
         p.attend([c, a], [2, 1], [2, 1])
         p.attend([b, c], [1, 1], packed=False)
         assert len(launches) == 3
+        # device queries: the repeat-call plans, the block table set per call
+        for sids in ([a, c], [c, a], [b, a], [b, a]):
+            q = randn(p.rng, (2, 1, 8, 64), "float16")
+            out = attnlib.attention_with_paged_kvcache(attnlib.to_device(q, backend=be),
+                                                       p.cache, sids)
+            out = attnlib.to_numpy(out)
+            for i, s in enumerate(sids):
+                p.check_rows(s, q[i], out[i], None)
+        assert len(launches) == 7
     finally:
         _dispatch.forget_plans()

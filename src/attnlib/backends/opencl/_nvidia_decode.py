@@ -192,7 +192,7 @@ class DecodePlan:
     counters, offsets and strides, sizes, scalars). :func:`run` and the repeat-call plans
     (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
 
-    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare")
+    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare", "varying")
 
     def __init__(self, queue: Any, device: Any, call: AttnCall, config: tuple, splits: int,
                  n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any, seq_buf: Any,
@@ -207,6 +207,11 @@ class DecodePlan:
         self.args = [None] * len(CALL_SLOTS) + [
             tile_buf, seq_buf, alibi_buf, counter_buf, *geometry, i32(sq_arr), i32(hq),
             i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars]
+        self.varying = CALL_SLOTS
+        if call.block_table is not None:  # the block table's six arguments, set per call
+            n = len(self.args)
+            self.args += [None] * 6
+            self.varying = CALL_SLOTS + tuple(range(n, n + 6))
         self.key = kernel_key(ctx, device, opts)
         self.make = lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
         self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
@@ -224,7 +229,7 @@ class DecodePlan:
         args = self.args.copy()
         args[0], args[1], args[2] = q, k, v
         if table is not None:
-            args += table
+            args[-6:] = table
         if splits > 1:
             part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
             part_l = _pool.scratch(queue, splits * n_out_rows * 4)
@@ -232,7 +237,8 @@ class DecodePlan:
         else:
             args[3:7] = [out, lse, spare, spare]
         evts = [launch(self.key, self.make, "attn_decode_mma", queue, self.grid, self.local,
-                       args, varying=CALL_SLOTS if owner is not None else None, owner=owner)]
+                       args, varying=self.varying if owner is not None else None,
+                       owner=owner)]
         if splits > 1 and not fused:
             evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
                                      (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,

@@ -13,6 +13,7 @@ from . import _nvidia_decode as nd
 from . import _nvidia_mma as mma
 from . import _nvidia_tables as nt
 from . import _pool
+from ._attention import table_args
 from ._runtime import launch_lock
 
 _F32 = np.dtype(np.float32)
@@ -58,11 +59,14 @@ class _DecodeStep:
             lse_buf = lse.base_data
         else:
             lse, lse_buf = None, _pool.scratch(queue, n_out_rows * 4)
+        table = None
+        if call.block_table is not None:
+            table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
         with launch_lock:
             common.seq_table.put(queue, self.seqs)
             common.tile_table.put(queue, self.tiles)
             evts = sub.enqueue(fp.be, queue, call, q.base_data, call.k.base_data,
-                               call.v.base_data, out.base_data, lse_buf, owner=sub)
+                               call.v.base_data, out.base_data, lse_buf, owner=sub, table=table)
         for e in evts:
             if e is not None:
                 out.add_event(e)
