@@ -203,10 +203,9 @@ def launch_parts(fn, queue, n: int) -> dict:
     queue.finish()
     buf = _pool.scratch(queue, 4096)
     slot = next(s for s in _runtime.kernels.values() if s.knl is knl)
-    i = next(i for i, k in enumerate(slot.kinds) if k is None and slot.last[i] is not None)
-    keep = slot.last[i]
+    i = slot.kinds.index(None)
     res["set_arg_buffer"] = median_us(lambda: knl.set_arg(i, buf), n, n // 10)
-    knl.set_arg(i, keep)
+    slot.last[i] = _runtime._UNSET  # the next launch sets it again
     return res
 
 

@@ -466,6 +466,9 @@ def main(argv=None) -> int:
         rows += [{"kind": "host", **times}, {"kind": "host_count", **counts}]
         print("\n## Host cost of a repeated call (stub: kernel launches stubbed; per call)\n")
         print(host_table(times, counts))
+        prims = ("upload_desc", "pool_alloc", "empty_array", "decode_enqueue_only",
+                 "set_arg_buffer")
+        print("\nprimitives (µs): " + ", ".join(f"{k} {times[k]}" for k in prims if k in times))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
