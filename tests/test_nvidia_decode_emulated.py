@@ -351,6 +351,41 @@ def test_decode_paged_row_offsets_and_hidden_nan():
     assert (out[2] == 0).all() and np.isfinite(out[:2]).all()
 
 
+@pytest.fixture
+def emulated_sm90(monkeypatch):
+    """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0); the
+    decode kernel's launches are counted (the fixture's list)."""
+    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
+
+    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
+    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
+    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
+    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
+    launches = []
+    real = _nvidia_decode.launch
+    monkeypatch.setattr(_nvidia_decode, "launch", lambda *a, **kw: launches.append(1)
+                        or real(*a, **kw))
+    _dispatch.forget_plans()
+    yield launches
+    _dispatch.forget_plans()
+
+
+def test_paged_mixed_batch_emulated(emulated_sm90):
+    """A paged call of a prefill chunk (36 packed rows: the portable kernel) beside decode steps
+    (4 and 8 rows): the decode sequences run the tensor-core decode kernel; every sequence's
+    rows checked against plain attention over its tokens. (Grid: the portable build it adds.)"""
+    from attnlib.testing.test_paged import Paged
+
+    be = attnlib.get_backend("opencl", num_splits=1)
+    p = Paged(be, 40, 8, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="paged mixed")
+    a, b = p.new(2)
+    p.append([a, b], [30, 13])
+    c = p.fork(a)
+    p.attend([a, b, c], [9, 1, 2], [9, 1, 2])
+    assert len(emulated_sm90) == 1
+
+
 def test_paged_dispatch_emulated(monkeypatch):
     """Through the front door: on an (emulated) sm_90 device, paged decode steps of a
     PagedKVCache (scattered pages, packed appends, a fork, a truncate, two query rows; host
