@@ -33,6 +33,7 @@ class BlockPlan:
     softcap: float | None
     alibi: np.ndarray | None  # float32 (B, Hq)
     be: Backend
+    sinks: np.ndarray | None = None  # float32 (Hq,)
 
     def chunks(self, rank: int) -> list[tuple[int, int, int]]:
         """``(row0, length, pos0)`` of rank ``rank``'s chunks (queries and keys alike)."""
@@ -53,8 +54,9 @@ class BlockPlan:
         return qlen > 0 and klen > 0 and lo <= hi
 
     def block(self, q_chunk: tuple[int, int, int], k: np.ndarray, v: np.ndarray,
-              k_chunk: tuple[int, int, int]) -> tuple[Any, Any]:
-        """``(out, lse)`` of one query chunk over one key chunk, at their global positions."""
+              k_chunk: tuple[int, int, int], first: bool = False) -> tuple[Any, Any]:
+        """``(out, lse)`` of one query chunk over one key chunk, at their global positions;
+        the sinks join the ``first`` block of a query chunk only (counted once)."""
         (qrow, qlen, qpos), (krow, klen, kpos) = q_chunk, k_chunk
         b = self.q.shape[0]
         idx, ones = np.arange(b, dtype=np.int64), np.ones(b, dtype=np.int64)
@@ -65,7 +67,7 @@ class BlockPlan:
             q_pos0=qpos * ones, k_pos0=kpos * ones,
             causal_hi=0 * ones if self.causal else None, scale=self.scale,
             window_left=self.window[0], window_right=self.window[1], softcap=self.softcap,
-            alibi=self.alibi, need_lse=True,
+            alibi=self.alibi, need_lse=True, sinks=self.sinks if first else None,
         )
         return self.be.attention(call)
 
@@ -78,7 +80,7 @@ class BlockPlan:
             for kc in self.chunks(src):
                 if not self.visible(qc[2], qc[1], kc[2], kc[1]):
                     continue
-                out, lse = self.block(qc, k, v, kc)
+                out, lse = self.block(qc, k, v, kc, first=states[i] is None)
                 out = out.astype(acc)
                 states[i] = (out, lse) if states[i] is None else merge_states(
                     [states[i][0], out], [states[i][1], lse], backend=self.be)
@@ -86,14 +88,17 @@ class BlockPlan:
                     between()
 
     def result(self, states: list) -> tuple[np.ndarray, np.ndarray]:
-        """The shard's ``(out (B, S_l, Hq, Dv), lse (B, Hq, S_l))``; empty chunks give 0, -inf."""
+        """The shard's ``(out (B, S_l, Hq, Dv), lse (B, Hq, S_l))``; empty chunks give 0 and
+        -inf (the sinks with sinks)."""
         b, _, hq, _ = self.q.shape
         acc = _acc_dtype(self.q.dtype)
         outs, lses = [], []
         for (_, qlen, _), st in zip(self.chunks(self.rank), states):
             if st is None:
-                st = (np.zeros((b, qlen, hq, self.v.shape[3]), acc),
-                      np.full((b, hq, qlen), -np.inf, acc))
+                lse = np.full((b, hq, qlen), -np.inf, acc)
+                if self.sinks is not None:
+                    lse[:] = self.sinks.astype(acc)[None, :, None]
+                st = (np.zeros((b, qlen, hq, self.v.shape[3]), acc), lse)
             outs.append(st[0])
             lses.append(st[1])
         out = np.concatenate(outs, axis=1).astype(self.q.dtype)
@@ -105,7 +110,7 @@ def _acc_dtype(dtype: np.dtype) -> type:
 
 
 def plan_ring(q_l, k_l, v_l, comm, *, causal, scale, window, softcap, alibi_slopes, sharding,
-              layout, return_lse, backend) -> tuple[list, tuple[BlockPlan, bool]]:
+              layout, return_lse, backend, sinks=None) -> tuple[list, tuple[BlockPlan, bool]]:
     """Validate one rank's ring call: what the ranks compare (see :func:`collective_check`),
     and the plan with ``return_lse``."""
     rank, size = check_comm(comm)
@@ -132,10 +137,11 @@ def plan_ring(q_l, k_l, v_l, comm, *, causal, scale, window, softcap, alibi_slop
     left, right = _spec.check_window(window)
     softcap = _spec.check_softcap(softcap)
     alibi = _spec.check_alibi(alibi_slopes, q.shape[0], q.shape[2])
+    sinks = _spec.check_sinks(sinks, q.shape[2])
     return_lse = _spec.check_bool(return_lse, "return_lse")
     be = pick_backend(backend, (q, k, v), dtype)
     plan = BlockPlan(q, k, v, rank, size, sharding, is_causal, scale, (left, right), softcap,
-                     alibi, be)
+                     alibi, be, sinks)
     desc = [
         ("q_l shape", "ShapeError", tuple(q_l.shape)),
         ("k_l shape", "ShapeError", tuple(k_l.shape)),
@@ -148,14 +154,15 @@ def plan_ring(q_l, k_l, v_l, comm, *, causal, scale, window, softcap, alibi_slop
         ("window", "ArgumentError", (left, right)),
         ("softcap", "ArgumentError", softcap),
         ("alibi_slopes", "ArgumentError", None if alibi is None else alibi.tolist()),
+        ("sinks", "ArgumentError", None if sinks is None else sinks.tolist()),
         ("return_lse", "ArgumentError", return_lse),
     ]
     return desc, (plan, return_lse)
 
 
 def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None, softcap=None,
-                   alibi_slopes=None, sharding="zigzag", layout="bshd", return_lse=False,
-                   backend=None):
+                   alibi_slopes=None, sinks=None, sharding="zigzag", layout="bshd",
+                   return_lse=False, backend=None):
     """This rank's shard of ``attnlib.attention(q, k, v, ...)`` over the whole sequence.
 
     Every rank of ``comm`` calls it with its shards of one sequence (see :func:`shard`):
@@ -172,6 +179,7 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
     the next one from ``rank - 1``, computes its query chunks against the shard's key chunks while
     the messages travel, and folds each block's ``(out, lse)`` into its running state with
     ``attnlib.merge_states``. A block that causal or the window hides entirely is not computed.
+    ``sinks`` (float32 ``(Hq,)``) join each query chunk's first computed block only (once).
     With zigzag sharding and causal, every rank computes the same work: in the first step its
     two diagonal blocks and one full block, in every later step two full blocks. For ``P = 2``
     (chunks of S/4; ``#`` a full block, ``\\`` a diagonal one, ``.`` skipped)::
@@ -189,8 +197,8 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
     """
     plan, return_lse = collective_check(comm, "ring_attention", lambda: plan_ring(
         q_l, k_l, v_l, comm, causal=causal, scale=scale, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, sharding=sharding, layout=layout, return_lse=return_lse,
-        backend=backend))
+        alibi_slopes=alibi_slopes, sinks=sinks, sharding=sharding, layout=layout,
+        return_lse=return_lse, backend=backend))
     ring = Ring(comm)
     k, v = np.ascontiguousarray(plan.k), np.ascontiguousarray(plan.v)
     # two receive buffers: the one being filled, and the one being computed and sent
