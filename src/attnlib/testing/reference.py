@@ -59,7 +59,8 @@ def attend(q, k, v, qpos, kpos, visible, *, scale, softcap=None, alibi=None, add
     """One sequence: q (Sq, Hq, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv); positions (Sq,), (Sk,).
 
     ``visible`` broadcasts to (Hq, Sq, Sk); ``alibi`` (Hq,) slopes; ``additive`` broadcasts to
-    (Hq, Sq, Sk); ``sinks`` (Hq,) logits in every row's denominator (SPEC section 10). Returns out (Sq, Hq, Dv) and lse (Hq, Sq) as float64 arrays holding values
+    (Hq, Sq, Sk); ``sinks`` (Hq,) logits in every row's denominator (SPEC section 10).
+    Returns out (Sq, Hq, Dv) and lse (Hq, Sq) as float64 arrays holding values
     rounded to ``dtype`` (lse: to float32 at most, as the SPEC returns it).
     """
     rnd, work = _rounder(dtype)
@@ -138,9 +139,9 @@ def seq_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0,
 
 def reference_call(call, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
     """out (Bq, Sq, Hq, Dv), lse (Bq, Hq, Sq) of a backend-level ``AttnCall`` (sequences, row
-    offsets, positions, ring buffer, causal / window bounds, softcap, ALiBi; no masks) from
-    :func:`attend` per sequence (and its sinks): ``dtype`` float64 for the reference, the inputs' dtype for the
-    naive same-dtype run. For checking kernels driven below the API."""
+    offsets, positions, ring buffer, causal / window bounds, softcap, ALiBi, sinks; no masks)
+    from :func:`attend` per sequence: ``dtype`` float64 for the reference, the inputs' dtype for
+    the naive same-dtype run. For checking kernels driven below the API."""
     q, k, v = call.q, call.k, call.v
     bq, sq_arr, hq, _ = q.shape
     out = np.zeros((bq, sq_arr, hq, v.shape[3]))
