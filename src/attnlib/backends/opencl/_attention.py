@@ -53,6 +53,7 @@ class FwdConfig(KernelConfig):
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
     CPU_VEC: int = 0  # CPU devices: one work-item per block, register tiles of 8/16-wide vectors
     PAGE_SIZE: int = 0  # paged K/V pools: rows found through the block table
+    SINKS: bool = False  # attention sinks folded into the epilogue (the last kernel argument)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class MergeConfig(KernelConfig):
     ACC_KIND: int
     WG: int
     G: int  # groups of work-items splitting the states; WG / G columns per work-group
+    SINKS: bool = False  # attention sinks folded in after the merge (the last kernel argument)
 
 
 #: merge.cl: work-items per work-group, and columns per work-group (the rest split the states)
@@ -71,23 +73,28 @@ MERGE_WG, MERGE_COLS = 128, 32
 def launch_merge(be: OpenCLBackend, queue: Any, outs: Any, o_stride: int, lses: Any,
                  l_strides: tuple[int, int, int, int], n_states: int, s: int, h: int, dv: int,
                  n_rows: int, out: Any, lse: Any, in_kind: int, out_kind: int,
-                 acc_kind: int) -> Any:
+                 acc_kind: int, sinks: Any = None) -> Any:
     """Enqueue merge.cl over ``n_states`` partial states (layout in merge.cl's header; ``l_strides``
     = (state, batch, query row, head) strides of the LSEs) into ``out`` / ``lse``; its event.
     Work-groups take MERGE_COLS columns of a row each and split the states over the rest of their
-    work-items."""
+    work-items. ``sinks``: a buffer of float32 ``(h,)`` attention sinks folded in after the merge
+    (None: none)."""
     cw = min(MERGE_COLS, _next_pow2(dv))
-    cfg = _merge_cfg(in_kind, out_kind, acc_kind, MERGE_WG // cw)
+    cfg = _merge_cfg(in_kind, out_kind, acc_kind, MERGE_WG // cw, sinks is not None)
     i64, i32 = np.int64, np.int32
     args = [outs, i64(o_stride), lses, *(i64(x) for x in l_strides), i32(n_states), i32(s),
             i32(h), i32(dv), i64(n_rows), out, lse]
+    if sinks is not None:
+        args.append(sinks)
     return be.launch(queue.context, queue, "merge.cl", cfg, "merge_states",
                      (MERGE_WG * -(-dv // cw), n_rows), (MERGE_WG, 1), args)
 
 
 @functools.lru_cache(maxsize=64)
-def _merge_cfg(in_kind: int, out_kind: int, acc_kind: int, g: int) -> MergeConfig:
-    return MergeConfig(IN_KIND=in_kind, STORE_KIND=out_kind, ACC_KIND=acc_kind, WG=MERGE_WG, G=g)
+def _merge_cfg(in_kind: int, out_kind: int, acc_kind: int, g: int,
+               sinks: bool = False) -> MergeConfig:
+    return MergeConfig(IN_KIND=in_kind, STORE_KIND=out_kind, ACC_KIND=acc_kind, WG=MERGE_WG, G=g,
+                       SINKS=sinks)
 
 
 def vec_widths(d: int, dv: int, threads_n: int) -> tuple[int, int, int]:
@@ -248,7 +255,7 @@ class PortablePlan:
 
     tiles: tuple[int, int, int, int]
     cfgs: tuple[Any, Any]
-    args: list
+    args: list  # with sinks, the sinks buffer is the last slot
     opts: tuple[tuple[str, ...], tuple[str, ...]]  # the build options of cfgs
     #: what a launch reads of the geometry: (kv heads, Dv, query rows of the array, heads,
     #: output rows, work-items per group, partial-state bytes per output value, the merge's
@@ -264,6 +271,7 @@ class PortablePlan:
         set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here."""
         hkv, dv, sq_arr, hq, n_out_rows, nt, item, in_kind, out_kind, acc_kind = self.geom
         split = splits > 1
+        sinks = args[-1] if self.cfgs[0].SINKS else None
         if split:
             part_o = _pool.scratch(queue, splits * n_out_rows * dv * item)
             part_l = _pool.scratch(queue, splits * n_out_rows * item)
@@ -276,7 +284,7 @@ class PortablePlan:
         if split:
             launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
                          (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
-                         out, lse, in_kind, out_kind, acc_kind)
+                         out, lse, in_kind, out_kind, acc_kind, sinks)
 
 
 #: the plans by geometry (``_dispatch.forget_plans`` empties this and the repeat-call cache)
@@ -294,7 +302,7 @@ def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_row
     return (id(be), queue.int_ptr, call.dtype, call.q.shape, call.n_kv_heads,
             call.head_dim_v, max_rows, call.n_seq, call.ring, call.scale, call.softcap,
             call.window_left, call.window_right, call.alibi is None, mask_kind, call.page_size,
-            *((vw.offset, vw.strides) for vw in views))
+            call.sinks is None, *((vw.offset, vw.strides) for vw in views))
 
 
 def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
@@ -318,7 +326,8 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
         CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
         CPU_VEC=cpu_vec(be.facts, tiles, d, dv, dtype),
-        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0)
+        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0,
+        SINKS=call.sinks is not None)
         for split in (False, True))
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
     wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
@@ -333,6 +342,8 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
     assert len(args) == ARG_TABLE
     if call.block_table is not None:  # slots ARG_TABLE..: the block table, set per call
         args += [None] * 6
+    if call.sinks is not None:  # the last slot: the sinks, set per call
+        args.append(None)
     geom = (hkv, dv, sq_arr, hq, n_out_rows, tmh * tnh, acc.itemsize, store_kind(acc),
             store_kind(dtype), int(acc == np.float64))
     return PortablePlan(tiles, cfgs, args, tuple(c.options() for c in cfgs), geom)
@@ -393,7 +404,10 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
         strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
         args[ARG_MASK:ARG_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
     if call.block_table is not None:
-        args[ARG_TABLE:] = table_args(queue, call.block_table, int(call.k.shape[0]), out)
+        args[ARG_TABLE:ARG_TABLE + 6] = table_args(queue, call.block_table,
+                                                   int(call.k.shape[0]), out)
+    if call.sinks is not None:
+        args[-1] = _pool.upload(queue, call.sinks, out)
     plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)
     if host:
         return out.get(), lse.get()

@@ -9,7 +9,8 @@ holds the tiling, kernel options, argument list and device tables:
 
 * the key: backend (and its facts and options), queue, dtype, the shapes, strides and offsets of
   q, k and v, the number of sequences, ring, scale, softcap, window, whether the call is causal
-  and wants the LSE. Buffers are not in it: they are set per call (only when they changed since
+  and wants the LSE, and whether it has sinks (their values are uploaded per call). Buffers
+  are not in it: they are set per call (only when they changed since
   the kernel object's last launch, see ``_runtime.KernelSlot``);
 * the per-sequence values (the nine int64 fields) are compared as bytes with the last call's:
   equal, everything derived from them (which kernel, splits, grid, the device tables) is reused
@@ -82,7 +83,7 @@ def run(be: Any, call: Any, family: Any) -> tuple[Any, Any] | None:
     key = (id(be), id(be.facts), be.tiles, be.num_splits, be.use_mma, queue.int_ptr, q.dtype,
            q.shape, q.strides, q.offset, k.shape, k.strides, k.offset, v.shape, v.strides,
            v.offset, n, call.ring, call.scale, call.softcap, call.window_left,
-           call.window_right, chi is None, call.need_lse)
+           call.window_right, chi is None, call.need_lse, call.sinks is None)
     fp = plans.get(key)
     if fp is None:
         fp = _new_plan(be, call, queue)
@@ -196,6 +197,8 @@ class _Portable:
         args = sub.args.copy()
         args[A.ARG_Q], args[A.ARG_K] = q.base_data, call.k.base_data
         args[A.ARG_V] = call.v.base_data
+        if call.sinks is not None:
+            args[-1] = _pool.upload(queue, call.sinks, out)
         with launch_lock:
             sub.table.put(queue, self.desc)
             sub.plan.enqueue(fp.be, queue, args, out.base_data, lse_buf, self.n_groups,
