@@ -53,7 +53,6 @@ class FwdConfig(KernelConfig):
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
     CPU_VEC: int = 0  # CPU devices: one work-item per block, register tiles of 8/16-wide vectors
     PAGE_SIZE: int = 0  # paged K/V pools: rows found through the block table
-    SINKS: bool = False  # attention sinks folded into the epilogue (the last kernel argument)
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,6 @@ class MergeConfig(KernelConfig):
     ACC_KIND: int
     WG: int
     G: int  # groups of work-items splitting the states; WG / G columns per work-group
-    SINKS: bool = False  # attention sinks folded in after the merge (the last kernel argument)
 
 
 #: merge.cl: work-items per work-group, and columns per work-group (the rest split the states)
@@ -78,23 +76,20 @@ def launch_merge(be: OpenCLBackend, queue: Any, outs: Any, o_stride: int, lses: 
     = (state, batch, query row, head) strides of the LSEs) into ``out`` / ``lse``; its event.
     Work-groups take MERGE_COLS columns of a row each and split the states over the rest of their
     work-items. ``sinks``: a buffer of float32 ``(h,)`` attention sinks folded in after the merge
-    (None: none)."""
+    (None: none; a run-time argument, the same build either way)."""
     cw = min(MERGE_COLS, _next_pow2(dv))
-    cfg = _merge_cfg(in_kind, out_kind, acc_kind, MERGE_WG // cw, sinks is not None)
+    cfg = _merge_cfg(in_kind, out_kind, acc_kind, MERGE_WG // cw)
     i64, i32 = np.int64, np.int32
     args = [outs, i64(o_stride), lses, *(i64(x) for x in l_strides), i32(n_states), i32(s),
-            i32(h), i32(dv), i64(n_rows), out, lse]
-    if sinks is not None:
-        args.append(sinks)
+            i32(h), i32(dv), i64(n_rows), out, lse,
+            dummy_buffer(queue.context) if sinks is None else sinks, i32(0 if sinks is None else h)]
     return be.launch(queue.context, queue, "merge.cl", cfg, "merge_states",
                      (MERGE_WG * -(-dv // cw), n_rows), (MERGE_WG, 1), args)
 
 
 @functools.lru_cache(maxsize=64)
-def _merge_cfg(in_kind: int, out_kind: int, acc_kind: int, g: int,
-               sinks: bool = False) -> MergeConfig:
-    return MergeConfig(IN_KIND=in_kind, STORE_KIND=out_kind, ACC_KIND=acc_kind, WG=MERGE_WG, G=g,
-                       SINKS=sinks)
+def _merge_cfg(in_kind: int, out_kind: int, acc_kind: int, g: int) -> MergeConfig:
+    return MergeConfig(IN_KIND=in_kind, STORE_KIND=out_kind, ACC_KIND=acc_kind, WG=MERGE_WG, G=g)
 
 
 def vec_widths(d: int, dv: int, threads_n: int) -> tuple[int, int, int]:
@@ -255,7 +250,7 @@ class PortablePlan:
 
     tiles: tuple[int, int, int, int]
     cfgs: tuple[Any, Any]
-    args: list  # with sinks, the sinks buffer is the last slot
+    args: list
     opts: tuple[tuple[str, ...], tuple[str, ...]]  # the build options of cfgs
     #: what a launch reads of the geometry: (kv heads, Dv, query rows of the array, heads,
     #: output rows, work-items per group, partial-state bytes per output value, the merge's
@@ -271,7 +266,7 @@ class PortablePlan:
         set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here."""
         hkv, dv, sq_arr, hq, n_out_rows, nt, item, in_kind, out_kind, acc_kind = self.geom
         split = splits > 1
-        sinks = args[-1] if self.cfgs[0].SINKS else None
+        sinks = args[ARG_SINKS] if args[ARG_SINKS + 1] else None
         if split:
             part_o = _pool.scratch(queue, splits * n_out_rows * dv * item)
             part_l = _pool.scratch(queue, splits * n_out_rows * item)
@@ -292,9 +287,10 @@ plans: dict[tuple, PortablePlan] = {}
 PLANS_MAX = 512
 # argument slots the call fills (see make_plan's argument order)
 ARG_Q, ARG_K, ARG_V, ARG_DESC, ARG_ALIBI, ARG_MASK, ARG_DST = 0, 6, 12, 18, 25, 26, 32
-ARG_TABLE = ARG_DST + 6  # paged calls only: table buffer, offset, 2 strides, width, pages
+ARG_SINKS = ARG_DST + 6  # the sinks buffer (a dummy without), then their count (0: none)
+ARG_TABLE = ARG_SINKS + 2  # paged calls only: table buffer, offset, 2 strides, width, pages
 #: the slots a repeat call's launch changes (the plan cache holds the rest fixed)
-REPEAT_VARYING = (ARG_Q, ARG_K, ARG_V, ARG_DST, ARG_DST + 1)
+REPEAT_VARYING = (ARG_Q, ARG_K, ARG_V, ARG_DST, ARG_DST + 1, ARG_SINKS)
 
 
 def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
@@ -326,8 +322,7 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
         CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
         CPU_VEC=cpu_vec(be.facts, tiles, d, dv, dtype),
-        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0,
-        SINKS=call.sinks is not None)
+        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0)
         for split in (False, True))
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
     wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
@@ -339,11 +334,10 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
     args += [None, i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
              f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
     args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
+    args += [None, i32(0 if call.sinks is None else hq)]  # slots ARG_SINKS, ARG_SINKS + 1
     assert len(args) == ARG_TABLE
     if call.block_table is not None:  # slots ARG_TABLE..: the block table, set per call
         args += [None] * 6
-    if call.sinks is not None:  # the last slot: the sinks, set per call
-        args.append(None)
     geom = (hkv, dv, sq_arr, hq, n_out_rows, tmh * tnh, acc.itemsize, store_kind(acc),
             store_kind(dtype), int(acc == np.float64))
     return PortablePlan(tiles, cfgs, args, tuple(c.options() for c in cfgs), geom)
@@ -404,10 +398,9 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
         strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
         args[ARG_MASK:ARG_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
     if call.block_table is not None:
-        args[ARG_TABLE:ARG_TABLE + 6] = table_args(queue, call.block_table,
-                                                   int(call.k.shape[0]), out)
-    if call.sinks is not None:
-        args[-1] = _pool.upload(queue, call.sinks, out)
+        args[ARG_TABLE:] = table_args(queue, call.block_table, int(call.k.shape[0]), out)
+    args[ARG_SINKS] = dummy_buffer(ctx) if call.sinks is None else \
+        _pool.upload(queue, call.sinks, out)
     plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)
     if host:
         return out.get(), lse.get()

@@ -172,7 +172,7 @@ class _PortableSub:
         cap = 9 * n + 2 * n * -(-max_rows // bm)
         self.table = _pool.DeviceTable(ctx, 4 * cap, not fp.facts.simulator)
         args[A.ARG_DESC] = self.table.buf
-        args[A.ARG_ALIBI] = args[A.ARG_MASK] = dummy_buffer(ctx)
+        args[A.ARG_ALIBI] = args[A.ARG_MASK] = args[A.ARG_SINKS] = dummy_buffer(ctx)
         self.args = args
         self.owners = (object(), object())  # the KernelSlot owner of each split mode
 
@@ -198,7 +198,7 @@ class _Portable:
         args[A.ARG_Q], args[A.ARG_K] = q.base_data, call.k.base_data
         args[A.ARG_V] = call.v.base_data
         if call.sinks is not None:
-            args[-1] = _pool.upload(queue, call.sinks, out)
+            args[A.ARG_SINKS] = _pool.upload(queue, call.sinks, out)
         with launch_lock:
             sub.table.put(queue, self.desc)
             sub.plan.enqueue(fp.be, queue, args, out.base_data, lse_buf, self.n_groups,
