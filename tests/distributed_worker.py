@@ -33,6 +33,9 @@ ATTENTION = {
     "float64": (2, 2, 17, 5, "float64", "bshd", {"causal": True, "window": (1, 0)}),
     "out_only": (2, 1, 8, 8, "float32", "bshd", {"causal": True, "return_lse": False}),
     "empty_sequence": (2, 2, 8, 8, "float32", "bshd", {"causal": True, "tokens": 0}),
+    "sinks": (4, 2, 16, 16, "float32", "bshd", {"causal": True, "window": (6, 0), "sinks": True}),
+    "sinks_softcap_alibi": (4, 1, 16, 12, "float32", "bhsd",
+                            {"softcap": 1.5, "alibi": True, "sinks": True}),
 }
 MERGE = {  # name -> (dtype, layout, which ranks hold keys)
     "merge": ("float32", "bshd", "all"),
@@ -52,6 +55,8 @@ ERRORS = {
     "err_gather_differs": (None, "ShapeError"),
     "err_merge_local": ("ShapeError", "ShapeError"),
     "err_shard_uneven": ("ShapeError", "ShapeError"),
+    "err_sinks_differ": (None, "ArgumentError"),
+    "err_sinks_shape": ("ShapeError", "ShapeError"),
 }
 
 
@@ -94,6 +99,8 @@ def run_attention(comm, case, name, sharding, backend):
     q, k, v = _qkv(rng, hq, hkv, d, dv, dtype, layout, s=opts.pop("tokens", S))
     if opts.pop("alibi", False):
         opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, hq)).astype(np.float32)
+    if opts.pop("sinks", False):  # large and small sinks beside moderate ones
+        opts["sinks"] = (rng.standard_normal(hq) * np.resize([1, 20], hq)).astype(np.float32)
     ref, ref_lse = reference_attention(q, k, v, layout=layout, **opts)
     naive, naive_lse = naive_attention(q, k, v, layout=layout, **opts)
 
@@ -196,6 +203,10 @@ def run_error(comm, case, backend):
         args[:3] = (x[:, :-1] for x in args[:3])
     elif case == "err_not_a_comm":
         args[3] = "COMM_WORLD"
+    elif case == "err_sinks_differ":
+        kw["sinks"] = np.full(4, 2.0 if odd else 1.0, np.float32)
+    elif case == "err_sinks_shape":
+        kw["sinks"] = np.zeros(3 if odd else 4, np.float32)
     try:
         if case == "err_gather_differs":
             dist.gather(q[:, : 2 if odd else 4], comm)

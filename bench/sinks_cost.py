@@ -1,0 +1,89 @@
+"""What attention sinks cost (``sinks=``, SPEC section 10): the same call with and without them,
+alternating call by call in one process (load from other processes hits both alike), the median
+of the repeats; bench/RESULTS.md, "Attention sinks".
+
+    python bench/sinks_cost.py                          # numba on the CPU
+    python bench/sinks_cost.py --backend opencl --gpu   # a GPU: float16, larger shapes
+
+Cases: prefill (``attention``, causal and not) and decode (``attention_with_kvcache``, one query
+token per sequence over a cache of L tokens, the repeat-call path). Ratio = time with sinks / time
+without (<= 1.03 is the target). Device backends get device-resident q, k, v and are synchronised
+per call (their queue finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import statistics
+import time
+
+import numpy as np
+
+#: (B, H, Hkv, S, D, causal) prefill; (B, Hq, Hkv, L, D) decode
+CPU = {"prefill": [(1, 8, 8, 2048, 64, False), (1, 8, 8, 2048, 64, True),
+                   (1, 8, 8, 4096, 64, True)],
+       "decode": [(1, 32, 8, 8192, 128), (8, 32, 8, 8192, 128)]}
+GPU = {"prefill": [(4, 32, 8, 4096, 128, False), (4, 32, 8, 4096, 128, True),
+                   (1, 32, 8, 16384, 128, True)],
+       "decode": [(8, 32, 8, 8192, 128), (32, 32, 8, 8192, 128)]}
+
+
+def _timed(fns, reps: int, sync) -> list[float]:
+    """Median seconds of each of ``fns``, called in turn ``reps`` times after a warm call."""
+    for f in fns:
+        sync(f())
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for f, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            sync(f())
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="numba")
+    ap.add_argument("--gpu", action="store_true", help="GPU shapes, float16")
+    ap.add_argument("--reps", type=int, default=21)
+    args = ap.parse_args()
+
+    import attnlib
+    from attnlib._bench.runners import _sync_any
+
+    be = attnlib.get_backend(args.backend)
+    shapes = GPU if args.gpu else CPU
+    dtype = np.float16 if args.gpu else np.float32
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    print(f"{datetime.date.today()} backend {args.backend} ({be.info().get('device', '')}), "
+          f"{np.dtype(dtype).name}, median of {args.reps} alternating calls")
+    print("| case | without sinks ms | with sinks ms | ratio |")
+    print("|---|---|---|---|")
+    for b, h, hkv, s, d, causal in shapes["prefill"]:
+        q, k, v = (be.to_device(rand(b, s, n, d)) for n in (h, hkv, hkv))
+        sinks = rng.standard_normal(h).astype(np.float32)
+        fns = [functools.partial(attnlib.attention, q, k, v, causal=causal, sinks=sk,
+                                 backend=be) for sk in (None, sinks)]
+        t0, t1 = _timed(fns, args.reps, _sync_any)
+        name = f"prefill B={b} Hq={h} Hkv={hkv} S={s} D={d}{' causal' if causal else ''}"
+        print(f"| {name} | {t0 * 1e3:.3f} | {t1 * 1e3:.3f} | {t1 / t0:.3f} |")
+    for b, h, hkv, length, d in shapes["decode"]:
+        cache = attnlib.KVCache(b, length, hkv, d, dtype=dtype, backend=be)
+        cache.update(rand(b, length, hkv, d), rand(b, length, hkv, d), 0)
+        q = be.to_device(rand(b, 1, h, d))
+        sinks = rng.standard_normal(h).astype(np.float32)
+        fns = [functools.partial(attnlib.attention_with_kvcache, q, cache, sinks=sk)
+               for sk in (None, sinks)]
+        t0, t1 = _timed(fns, args.reps, _sync_any)
+        name = f"decode B={b} Hq={h} Hkv={hkv} L={length} D={d}"
+        print(f"| {name} | {t0 * 1e3:.3f} | {t1 * 1e3:.3f} | {t1 / t0:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
