@@ -28,9 +28,8 @@ if TYPE_CHECKING:
 def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
     """The kernel family of ``call`` on ``be`` (``max_rows``: its largest number of packed query
     rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a
-    block table) run the portable kernel: the tensor-core kernels do not read page tables; so
-    do calls with sinks, which the tensor-core kernels do not fold in."""
-    if call.block_table is not None or call.sinks is not None:
+    block table) run the portable kernel: the tensor-core kernels do not read page tables."""
+    if call.block_table is not None:
         return "portable"
     if be.use_mma and max_rows > _attention.DECODE_ROWS:
         if _nvidia_mma.applicable(be.device, call):

@@ -61,8 +61,9 @@ class _DecodeStep:
         with launch_lock:
             common.seq_table.put(queue, self.seqs)
             common.tile_table.put(queue, self.tiles)
+            sinks = None if call.sinks is None else nt.sinks_input(queue, call, out)[0]
             evts = sub.enqueue(fp.be, queue, call, q.base_data, call.k.base_data,
-                               call.v.base_data, out.base_data, lse_buf, owner=sub)
+                               call.v.base_data, out.base_data, lse_buf, owner=sub, sinks=sinks)
         for e in evts:
             if e is not None:
                 out.add_event(e)
@@ -148,9 +149,10 @@ class _MmaStep:
             lse_buf = lse.base_data
         else:
             lse, lse_buf = None, _pool.scratch(queue, bq * sq_arr * hq * 4)
+        sinks = None if call.sinks is None else nt.sinks_input(queue, call, out)[0]
         evt = common.plan.enqueue(queue, q.base_data, call.k.base_data, call.v.base_data,
                                   out.base_data, lse_buf, self.tile_buf, self.seq_buf,
-                                  self.n_tiles, hq, owner=common)
+                                  self.n_tiles, hq, owner=common, sinks=sinks)
         if evt is not None:
             out.add_event(evt)
             if lse is not None:
