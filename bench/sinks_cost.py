@@ -8,7 +8,9 @@ of the repeats; bench/RESULTS.md, "Attention sinks".
 Cases: prefill (``attention``, causal and not) and decode (``attention_with_kvcache``, one query
 token per sequence over a cache of L tokens, the repeat-call path). Ratio = time with sinks / time
 without (<= 1.03 is the target). Device backends get device-resident q, k, v and are synchronised
-per call (their queue finished).
+per call (their queue finished). The anchor, in the same rotation: PyTorch's
+``scaled_dot_product_attention`` on the same values without sinks (it has none), on the GPU with
+``--gpu`` when torch sees CUDA.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="GPU shapes, float16")
     ap.add_argument("--reps", type=int, default=21)
     args = ap.parse_args()
-
+    try:  # before the numba backend loads MKL (see bench/numba_vs_torch.py)
+        import torch  # noqa: F401
+    except ImportError:
+        pass
     import attnlib
     from attnlib._bench.runners import _sync_any
 
@@ -63,26 +68,60 @@ def main() -> None:
 
     print(f"{datetime.date.today()} backend {args.backend} ({be.info().get('device', '')}), "
           f"{np.dtype(dtype).name}, median of {args.reps} alternating calls")
-    print("| case | without sinks ms | with sinks ms | ratio |")
-    print("|---|---|---|---|")
+    torch_fn = _torch_maker(args.gpu)
+    print("| case | without sinks ms | with sinks ms | ratio | PyTorch SDPA ms |")
+    print("|---|---|---|---|---|")
     for b, h, hkv, s, d, causal in shapes["prefill"]:
-        q, k, v = (be.to_device(rand(b, s, n, d)) for n in (h, hkv, hkv))
+        host = [rand(b, s, n, d) for n in (h, hkv, hkv)]
+        q, k, v = (be.to_device(x) for x in host)
         sinks = rng.standard_normal(h).astype(np.float32)
         fns = [functools.partial(attnlib.attention, q, k, v, causal=causal, sinks=sk,
                                  backend=be) for sk in (None, sinks)]
-        t0, t1 = _timed(fns, args.reps, _sync_any)
+        ts = _timed(fns + torch_fn(*host, causal), args.reps, _sync_any)
         name = f"prefill B={b} Hq={h} Hkv={hkv} S={s} D={d}{' causal' if causal else ''}"
-        print(f"| {name} | {t0 * 1e3:.3f} | {t1 * 1e3:.3f} | {t1 / t0:.3f} |")
+        _row(name, ts)
     for b, h, hkv, length, d in shapes["decode"]:
         cache = attnlib.KVCache(b, length, hkv, d, dtype=dtype, backend=be)
-        cache.update(rand(b, length, hkv, d), rand(b, length, hkv, d), 0)
-        q = be.to_device(rand(b, 1, h, d))
+        kh, vh, qh = rand(b, length, hkv, d), rand(b, length, hkv, d), rand(b, 1, h, d)
+        cache.update(kh, vh, 0)
+        q = be.to_device(qh)
         sinks = rng.standard_normal(h).astype(np.float32)
         fns = [functools.partial(attnlib.attention_with_kvcache, q, cache, sinks=sk)
                for sk in (None, sinks)]
-        t0, t1 = _timed(fns, args.reps, _sync_any)
-        name = f"decode B={b} Hq={h} Hkv={hkv} L={length} D={d}"
-        print(f"| {name} | {t0 * 1e3:.3f} | {t1 * 1e3:.3f} | {t1 / t0:.3f} |")
+        ts = _timed(fns + torch_fn(qh, kh, vh, False), args.reps, _sync_any)
+        _row(f"decode B={b} Hq={h} Hkv={hkv} L={length} D={d}", ts)
+
+
+def _row(name: str, ts: list[float]) -> None:
+    anchor = f"{ts[2] * 1e3:.3f}" if len(ts) > 2 else "-"
+    print(f"| {name} | {ts[0] * 1e3:.3f} | {ts[1] * 1e3:.3f} | {ts[1] / ts[0]:.3f} | {anchor} |")
+
+
+def _torch_maker(gpu: bool):
+    """``make(q, k, v, causal)``: [PyTorch SDPA on those values (bshd numpy in, GQA by
+    ``enable_gqa``), synchronised on CUDA], or [] without torch (or without CUDA for --gpu)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return lambda *a: []
+    if gpu and not torch.cuda.is_available():
+        return lambda *a: []
+    dev = "cuda" if gpu else "cpu"
+
+    def make(q, k, v, causal):
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).to(dev)
+                      for x in (q, k, v))
+
+        def fn():
+            out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)
+            if gpu:
+                torch.cuda.synchronize()
+            return out
+
+        return [fn]
+
+    return make
 
 
 if __name__ == "__main__":

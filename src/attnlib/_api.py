@@ -244,7 +244,8 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     ``q (total_q, Hq, D)``, ``k (total_k, Hkv, D)``, ``v (total_k, Hkv, Dv)``; sequence ``b``
     is rows ``cu[b]:cu[b+1]`` of each (``cu_seqlens_*``: int32 ``(B + 1,)``, starting at 0,
     non-decreasing, ending at the packed length). Each sequence attends only to itself, with
-    causal alignment and window per sequence. ``alibi_slopes``: ``(Hq,)`` or ``(B, Hq)``.
+    causal alignment and window per sequence. ``alibi_slopes``: ``(Hq,)`` or ``(B, Hq)``;
+    ``sinks``: float32 ``(Hq,)``, as in :func:`attention`.
     Returns ``out (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``.
     """
     return_lse = _spec.check_bool(return_lse, "return_lse")

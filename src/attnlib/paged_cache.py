@@ -280,6 +280,7 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     append); causal is bottom-right; ``rope=attnlib.RoPE(...)`` rotates q and the new k at their
     positions (fused into the write where the backend can). Returns ``out`` shaped like q with
     ``Dv``, and with ``return_lse`` the LSE ``(B, Hq, Sq)`` or, packed, ``(Hq, total_q)``.
+    ``sinks`` (float32 ``(Hq,)``): attention sinks, as in ``attention``.
     Every check runs before the cache is touched: a refused call changes nothing.
 
     Sequences of the call that hold the same leading full pages (forks of one prompt) read them
@@ -339,7 +340,8 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     ``attention_with_paged_kvcache``. A numpy ``block_table`` is checked entry by entry (a -1 or
     an out-of-range page where a sequence needs one: ``ArgumentError``); a device table is taken
     as given, and no kernel reads outside the pool whatever it holds (page indices are clamped;
-    the result for a sequence with such entries is unspecified). With a host table and a host
+    the result for a sequence with such entries is unspecified). ``sinks`` (float32 ``(Hq,)``):
+    attention sinks, as in ``attention``. With a host table and a host
     ``q``, shared leading full pages are read once per group of sequences, as in
     ``attention_with_paged_kvcache``.
     """

@@ -89,7 +89,7 @@ class BlockPlan:
 
     def result(self, states: list) -> tuple[np.ndarray, np.ndarray]:
         """The shard's ``(out (B, S_l, Hq, Dv), lse (B, Hq, S_l))``; empty chunks give 0 and
-        -inf (the sinks with sinks)."""
+        -inf (with sinks: each head's sink)."""
         b, _, hq, _ = self.q.shape
         acc = _acc_dtype(self.q.dtype)
         outs, lses = [], []
