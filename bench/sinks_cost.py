@@ -2,7 +2,8 @@
 alternating call by call in one process (load from other processes hits both alike), the median
 of the repeats; bench/RESULTS.md, "Attention sinks".
 
-    python bench/sinks_cost.py                          # numba on the CPU
+    OMP_WAIT_POLICY=PASSIVE python bench/sinks_cost.py  # numba on the CPU
+    NUMBA_NUM_THREADS=1 python bench/sinks_cost.py --single  # CPU time, one thread each
     python bench/sinks_cost.py --backend opencl --gpu   # a GPU: float16, larger shapes
 
 Cases: prefill (``attention``, causal and not) and decode (``attention_with_kvcache``, one query
@@ -32,16 +33,22 @@ GPU = {"prefill": [(4, 32, 8, 4096, 128, False), (4, 32, 8, 4096, 128, True),
        "decode": [(8, 32, 8, 8192, 128), (32, 32, 8, 8192, 128)]}
 
 
+CLOCK = time.perf_counter  # --single: time.process_time (CPU time: steady on a loaded machine)
+
+
 def _timed(fns, reps: int, sync) -> list[float]:
-    """Median seconds of each of ``fns``, called in turn ``reps`` times after a warm call."""
+    """Median seconds of each of ``fns``, called in turn ``reps`` times after a warm call; the
+    first two (without and with sinks) swap places every other round, so that each follows the
+    anchor's call (whose OpenMP threads may still spin) equally often."""
     for f in fns:
         sync(f())
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for f, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            sync(f())
-            ts.append(time.perf_counter() - t0)
+    for i in range(reps):
+        order = [1, 0] + list(range(2, len(fns))) if i % 2 else list(range(len(fns)))
+        for j in order:
+            t0 = CLOCK()
+            sync(fns[j]())
+            times[j].append(CLOCK() - t0)
     return [statistics.median(ts) for ts in times]
 
 
@@ -50,11 +57,18 @@ def main() -> None:
     ap.add_argument("--backend", default="numba")
     ap.add_argument("--gpu", action="store_true", help="GPU shapes, float16")
     ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--single", action="store_true",
+                    help="CPU time of one thread each (run with NUMBA_NUM_THREADS=1)")
     args = ap.parse_args()
     try:  # before the numba backend loads MKL (see bench/numba_vs_torch.py)
-        import torch  # noqa: F401
+        import torch
     except ImportError:
-        pass
+        torch = None
+    if args.single:
+        global CLOCK
+        CLOCK = time.process_time
+        if torch is not None:
+            torch.set_num_threads(1)
     import attnlib
     from attnlib._bench.runners import _sync_any
 
@@ -67,7 +81,8 @@ def main() -> None:
         return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
     print(f"{datetime.date.today()} backend {args.backend} ({be.info().get('device', '')}), "
-          f"{np.dtype(dtype).name}, median of {args.reps} alternating calls")
+          f"{np.dtype(dtype).name}, median of {args.reps} alternating calls"
+          + (", CPU time of one thread" if args.single else ""))
     torch_fn = _torch_maker(args.gpu)
     print("| case | without sinks ms | with sinks ms | ratio | PyTorch SDPA ms |")
     print("|---|---|---|---|---|")
