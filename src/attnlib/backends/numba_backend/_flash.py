@@ -557,9 +557,12 @@ def _finish_row(acc, m, li, sinks, h, out_row, lse_at):
             out_row[d] = 0.0
         lse_at[0] = sk
         return
-    mx = m if m > sk else sk
-    a = math.exp(m - mx)
-    total = li * a + math.exp(sk - mx)
+    # m' = max(m, sink): one of the two exponentials is e^0 = 1 (one exp per row, not two)
+    if m >= sk:
+        mx, a, total = m, 1.0, li + math.exp(sk - m)
+    else:
+        mx, a = sk, math.exp(m - sk)
+        total = li * a + 1.0
     inv = a / total
     for d in range(d_v):
         out_row[d] = acc[d] * inv
