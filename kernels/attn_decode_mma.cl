@@ -391,7 +391,7 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
 #endif
 #else
     float inv_s = inv, lse_s = lse_r;
-    if (n_sinks) SINK_FOLD(mm, l, sinks[h] * 1.4426950408889634f, inv_s, lse_s)
+    if (n_sinks) SINK_FOLD(mm, l, sinks[h], inv_s, lse_s)
     out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv_s, o1 * inv_s);
     if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_s;
 #endif

@@ -757,7 +757,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
       l += SHFL_XOR(l, 2);
       float inv = l == 0.f ? 0.f : 1.f / l;
       float lse_r = l == 0.f ? -INFINITY : (m_i[mt][hf] + log2(l)) * LN2;
-      if (n_sinks) SINK_FOLD(m_i[mt][hf], l, sinks[h] * LOG2E, inv, lse_r)
+      if (n_sinks) SINK_FOLD(m_i[mt][hf], l, sinks[h], inv, lse_r)
       const int r = wrow0 + mt * 16 + g + 8 * hf;
       if (r < nrows) {
         const long row = qrow0 + m0 + r;

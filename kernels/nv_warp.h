@@ -236,16 +236,18 @@ inline int emu_any(int pred, __local uint *scr) {
 #endif
 #define LN2 0.6931471805599453f
 // Attention sinks (SPEC section 10): a row's final state (M, L) in the exp2 domain merged once
-// with (out 0, lse SK2), SK2 = sink * log2(e): m' = max(M, SK2), l' = L 2^(M - m') + 2^(SK2 - m');
-// sets INV (the factor of the unnormalised output) and LSE (natural log). A row that saw no key
-// (L = 0): INV 0, LSE the sink. The partial states of split keys never take it.
-#define SINK_FOLD(M, L, SK2, INV, LSE)                                                          \
+// with (out 0, lse SK), SK the sink (natural log): with s2 = SK log2(e), m' = max(M, s2),
+// l' = L 2^(M - m') + 2^(s2 - m'); sets INV (the factor of the unnormalised output) and LSE
+// (natural log). A row that saw no key (L = 0): INV 0, LSE = SK exactly. The partial states of
+// split keys never take it.
+#define SINK_FOLD(M, L, SK, INV, LSE)                                                           \
   {                                                                                             \
-    const float mx_ = (L) == 0.f ? (SK2) : fmax((M), (SK2));                                    \
+    const float s2_ = (SK) * 1.4426950408889634f;                                               \
+    const float mx_ = (L) == 0.f ? s2_ : fmax((M), s2_);                                        \
     const float a_ = (L) == 0.f ? 0.f : ex2((M) - mx_);                                         \
-    const float lt_ = (L) * a_ + ex2((SK2) - mx_);                                              \
+    const float lt_ = (L) * a_ + ex2(s2_ - mx_);                                                \
     INV = a_ / lt_;                                                                             \
-    LSE = (mx_ + log2(lt_)) * LN2;                                                              \
+    LSE = (L) == 0.f ? (SK) : (mx_ + log2(lt_)) * LN2;                                          \
   }
 
 #define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
