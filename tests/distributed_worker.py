@@ -34,9 +34,8 @@ ATTENTION = {
     "float64": (2, 2, 17, 5, "float64", "bshd", {"causal": True, "window": (1, 0)}),
     "out_only": (2, 1, 8, 8, "float32", "bshd", {"causal": True, "return_lse": False}),
     "empty_sequence": (2, 2, 8, 8, "float32", "bshd", {"causal": True, "tokens": 0}),
-    "sinks": (4, 2, 16, 16, "float32", "bshd", {"causal": True, "window": (6, 0), "sinks": True}),
-    "sinks_softcap_alibi": (4, 1, 16, 12, "float32", "bhsd",
-                            {"softcap": 1.5, "alibi": True, "sinks": True}),
+    "sinks": (4, 1, 16, 12, "float32", "bhsd", {"causal": True, "window": (6, 0), "softcap": 1.5,
+                                                 "sinks": True}),
 }
 #: ulysses_attention's cases (heads divide by 1, 2 and 4): name as for ATTENTION
 ULYSSES = {
