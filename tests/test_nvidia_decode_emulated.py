@@ -357,6 +357,18 @@ def test_decode_paged(page, dtype, shape, splits, config, fused, opts):
     run_paged_and_check(call, page, splits=splits, config=config, fused=fused, rng=rng)
 
 
+@pytest.mark.parametrize("i", [0, 2, 4], ids=["fused", "one split", "merge.cl"])
+def test_decode_paged_sinks(i):
+    """Attention sinks over paged pools (the builds of PAGED's cases)."""
+    from dataclasses import replace
+
+    page, dtype, shape, splits, config, fused, opts = PAGED[i]
+    rng = rng_for("decode paged sinks", i)
+    sinks = (rng.standard_normal(shape["hq"]) * np.resize([2.0, 25.0], shape["hq"]))
+    call = replace(decode_call(rng, dtype, **shape, **opts), sinks=sinks.astype(np.float32))
+    run_paged_and_check(call, page, splits=splits, config=config, fused=fused, rng=rng)
+
+
 def test_decode_paged_row_offsets_and_hidden_nan():
     """Sequences starting mid-page (k_row0 > 0, keys from slot 3 and 5 of their pages), inf/NaN
     in v of keys outside the window (the kernel's hidden-v path reads the table directly), an
