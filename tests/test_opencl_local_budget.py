@@ -1,7 +1,8 @@
-"""The opencl backend within 32 KiB of __local memory (many GPUs, Mesa's rusticl): every head dim up
-to 256 runs, in every dtype, on prefill, decode and split-KV shapes; below what the smallest tiling
-needs, the refusal names both numbers. The device's own limit is replaced by a smaller one through
-the backend's DeviceFacts, so this runs on any OpenCL device (PoCL in CI)."""
+"""The opencl backend within small device limits. 32 KiB of __local memory (many GPUs, Mesa's
+rusticl): every head dim up to 256 runs, in every dtype, on prefill, decode and split-KV shapes;
+below what the smallest tiling needs, the refusal names both numbers. A small work-group limit: the
+tiling stays within it. The device's own limits are replaced by smaller ones through the backend's
+DeviceFacts, so this runs on any OpenCL device (PoCL in CI)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ def test_too_little_local_memory_names_both_numbers():
         attnlib.attention(q, k, v, backend=be)
     msg = str(info.value)
     assert f"need {need} bytes" in msg and f"allows {limit}" in msg and str(smallest) in msg
+
+
+@pytest.mark.parametrize("limit", [16, 64])
+def test_tiles_within_the_work_group_limit(limit):
+    """A GPU that allows fewer work-items per work-group (CL_DEVICE_MAX_WORK_GROUP_SIZE) than the
+    default tilings use gets a tiling within its limit, for decode and prefill shapes."""
+    facts = dataclasses.replace(OpenCLBackend().facts, is_cpu=False, max_work_group=limit)
+    for rows in (1, 8, 300):
+        for d in (64, 128, 256):
+            for acc, kv in ((4, 2), (4, 4), (8, 8)):
+                bm, bn, tm, tn = _attention.choose_tiles(facts, rows, d, d, acc, kv, None)
+                assert tm * tn <= limit
+                assert _attention.local_bytes(bm, bn, tn, d, d, acc, kv) <= facts.local_budget

@@ -141,6 +141,8 @@ def choose_tiles(
     ``rows`` is the largest number of packed query rows (q_len * group) of one sequence. Few rows
     (decoding) take BLOCK_M = rows rounded up to a power of two with one row per work-item and
     wide key tiles; otherwise the largest prefill tiling whose __local arrays fit the device.
+    Only device queries decide: the device type (CPU or not), the __local budget and the most
+    work-items a work-group may hold (THREADS_M * THREADS_N), never a vendor's name.
     """
     if override is not None:
         return tuple(override)  # type: ignore[return-value]
@@ -163,7 +165,8 @@ def choose_tiles(
             cands.insert(0, (128, 64, 16, 8))
     cands += SMALL_TILES
     for bm, bn, tm, tn in cands:
-        if local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget:
+        if (local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget
+                and tm * tn <= facts.max_work_group):
             return bm, bn, tm, tn
     smallest = cands[-1]
     need = local_bytes(smallest[0], smallest[1], smallest[3], d, dv, acc_bytes, kv_bytes)
