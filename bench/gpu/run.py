@@ -260,9 +260,19 @@ def portable_rows(reps: int, with_torch: bool, rows: list, quick: bool = False) 
             return attnlib.attention_with_kvcache(x, c)
 
         t = _median_time(step_once, queue.finish, warm=3, reps=max(reps, 20))
-        rows.append({"kind": "portable", "case": "decode", "dtype": "float16",
-                     "shape": [bsz, n, hq, hkv, d], "opencl_GBps": 4 * bsz * n * hkv * d / t / 1e9})
+        moved = 4 * bsz * n * hkv * d  # K and V, float16, read once
+        row = {"kind": "portable", "case": "decode", "dtype": "float16",
+               "shape": [bsz, n, hq, hkv, d], "opencl_GBps": moved / t / 1e9}
         del cache
+        if with_torch:
+            tq = torch.from_numpy(q.get()).to("cuda").transpose(1, 2).contiguous()
+            tk = torch.from_numpy(np.tile(kh, (1, n // step, 1, 1))).to("cuda").transpose(
+                1, 2).contiguous()
+            tt = [v for k, v in _torch_times(tq, tk, tk, False, max(reps, 20)).items()
+                  if isinstance(v, float) and not k.endswith("_pipe")]
+            row["torch_GBps"] = moved / min(tt) / 1e9 if tt else None
+            del tq, tk
+        rows.append(row)
     r, c = PORTABLE_SOFTMAX
     r //= div
     x = rng.standard_normal((r, c), dtype=np.float32)
@@ -319,7 +329,7 @@ def portable_table(rows: list) -> str:
         shape = ",".join(map(str, r.get("shape", []))) or "-"
         frac = f"{r['of_copy']:.0%}" if "of_copy" in r else "-"
         out.append(f"| {r['case']} | {r.get('dtype', '-')} | {shape} | {causal} | "
-                   f"{_fmt(mine)} {unit} | {_fmt(theirs)} | {ratio} | {frac} |")
+                   f"{_fmt(mine, 2)} {unit} | {_fmt(theirs, 2)} | {ratio} | {frac} |")
     return "\n".join(out)
 
 
