@@ -91,3 +91,32 @@ def test_tiles_within_the_work_group_limit(limit):
                 bm, bn, tm, tn = _attention.choose_tiles(facts, rows, d, d, acc, kv, None)
                 assert tm * tn <= limit
                 assert _attention.local_bytes(bm, bn, tn, d, d, acc, kv) <= facts.local_budget
+
+
+def test_softmax_and_merge_within_a_small_work_group_limit():
+    """softmax.cl and merge.cl take work-groups within the device's limit (here 16 work-items,
+    below their usual 64-256) and still match the reference."""
+    be = OpenCLBackend()
+    be.facts = dataclasses.replace(be.facts, max_work_group=16)
+    launched = []
+    real_launch = be.launch
+
+    def launch(ctx, queue, filename, cfg, kernel, gsize, lsize, args, **kw):
+        launched.append((filename, lsize[0]))
+        return real_launch(ctx, queue, filename, cfg, kernel, gsize, lsize, args, **kw)
+
+    be.launch = launch
+    rng = rng_for("small work-groups")
+    x = rng.standard_normal((3, 601)).astype(np.float32) * 4
+    np.testing.assert_allclose(attnlib.softmax(x, backend=be),
+                               attnlib.softmax(x.astype(np.float64), backend="numpy"),
+                               atol=1e-6)
+    outs = [rng.standard_normal((1, 5, 2, 40)).astype(np.float32) for _ in range(3)]
+    lses = [rng.standard_normal((1, 2, 5)).astype(np.float32) for _ in range(3)]
+    out, lse = attnlib.merge_states(outs, lses, backend=be)
+    ref, ref_lse = attnlib.merge_states([o.astype(np.float64) for o in outs],
+                                        [v.astype(np.float64) for v in lses], backend="numpy")
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+    assert {f for f, _ in launched} == {"softmax.cl", "merge.cl"}
+    assert all(size <= 16 for _, size in launched)
