@@ -356,6 +356,7 @@ def forks_table(rows: list) -> str:
                        f"{_fmt(r['opencl_pipe_us'])} | {_fmt(r['equiv_TBps'], 2)} | "
                        f"{_fmt(r['per_seq_us'])} / {_fmt(r['per_seq_pipe_us'])} | "
                        f"{_fmt(r['speedup'], 2)} |")
+    return "\n".join(out)
 
 
 PORTABLE_PREFILL = [(4, 16, 2048, 64), (4, 16, 2048, 128)]
