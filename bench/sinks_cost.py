@@ -9,7 +9,9 @@ of the repeats; bench/RESULTS.md, "Attention sinks".
 Cases: prefill (``attention``, causal and not) and decode (``attention_with_kvcache``, one query
 token per sequence over a cache of L tokens, the repeat-call path). Ratio = time with sinks / time
 without (<= 1.03 is the target). Device backends get device-resident q, k, v and are synchronised
-per call (their queue finished). The anchor, in the same rotation: PyTorch's
+per call (their queue finished). "max diff": the call with sinks against the call without them
+merged on the host with the state (0, sink), SPEC's equivalent form. The anchor, in the same
+rotation: PyTorch's
 ``scaled_dot_product_attention`` on the same values without sinks (it has none), on the GPU with
 ``--gpu`` when torch sees CUDA.
 """
@@ -84,8 +86,8 @@ def main() -> None:
           f"{np.dtype(dtype).name}, median of {args.reps} alternating calls"
           + (", CPU time of one thread" if args.single else ""))
     torch_fn = _torch_maker(args.gpu)
-    print("| case | without sinks ms | with sinks ms | ratio | PyTorch SDPA ms |")
-    print("|---|---|---|---|---|")
+    print("| case | without sinks ms | with sinks ms | ratio | PyTorch SDPA ms | max diff |")
+    print("|---|---|---|---|---|---|")
     for b, h, hkv, s, d, causal in shapes["prefill"]:
         host = [rand(b, s, n, d) for n in (h, hkv, hkv)]
         q, k, v = (be.to_device(x) for x in host)
@@ -94,7 +96,7 @@ def main() -> None:
                                  backend=be) for sk in (None, sinks)]
         ts = _timed(fns + torch_fn(*host, causal), args.reps, _sync_any)
         name = f"prefill B={b} Hq={h} Hkv={hkv} S={s} D={d}{' causal' if causal else ''}"
-        _row(name, ts)
+        _row(name, ts, _check(attnlib, fns[0], fns[1], sinks))
     for b, h, hkv, length, d in shapes["decode"]:
         cache = attnlib.KVCache(b, length, hkv, d, dtype=dtype, backend=be)
         kh, vh, qh = rand(b, length, hkv, d), rand(b, length, hkv, d), rand(b, 1, h, d)
@@ -104,12 +106,25 @@ def main() -> None:
         fns = [functools.partial(attnlib.attention_with_kvcache, q, cache, sinks=sk)
                for sk in (None, sinks)]
         ts = _timed(fns + torch_fn(qh, kh, vh, False), args.reps, _sync_any)
-        _row(f"decode B={b} Hq={h} Hkv={hkv} L={length} D={d}", ts)
+        _row(f"decode B={b} Hq={h} Hkv={hkv} L={length} D={d}", ts,
+             _check(attnlib, fns[0], fns[1], sinks))
 
 
-def _row(name: str, ts: list[float]) -> None:
+def _check(attnlib, plain, with_sinks, sinks: np.ndarray) -> float:
+    """Max |out with sinks - SPEC's form|: the call without sinks, its state merged on the host
+    with (0, sink) (``out * exp(lse - log(exp(lse) + exp(sink)))``), in float64."""
+    out, lse = (attnlib.to_numpy(x).astype(np.float64)
+                for x in plain.func(*plain.args, **plain.keywords, return_lse=True))
+    got = attnlib.to_numpy(with_sinks()).astype(np.float64)
+    sk = sinks.astype(np.float64)[None, :, None]
+    w = np.exp(lse - np.logaddexp(lse, sk))  # (B, Hq, Sq)
+    return float(np.abs(got - out * w.transpose(0, 2, 1)[..., None]).max())
+
+
+def _row(name: str, ts: list[float], err: float) -> None:
     anchor = f"{ts[2] * 1e3:.3f}" if len(ts) > 2 else "-"
-    print(f"| {name} | {ts[0] * 1e3:.3f} | {ts[1] * 1e3:.3f} | {ts[1] / ts[0]:.3f} | {anchor} |")
+    print(f"| {name} | {ts[0] * 1e3:.3f} | {ts[1] * 1e3:.3f} | {ts[1] / ts[0]:.3f} | {anchor} "
+          f"| {err:.1e} |")
 
 
 def _torch_maker(gpu: bool):
