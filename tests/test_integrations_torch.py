@@ -1,6 +1,7 @@
 """attnlib.integrations.torch: the custom op ``attnlib::attention`` against the float64 reference
-(random data, odd sizes, GQA, masks, windows, softcap), its fake implementation, and a module that
-calls it compiled by ``torch.compile`` with ``fullgraph=True`` (a graph break fails)."""
+(random data, odd sizes, GQA, masks, windows, softcap, sinks), its fake implementation, and a
+module that calls it compiled by ``torch.compile`` with ``fullgraph=True`` (a graph break
+fails)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,20 @@ def test_op_matches_reference(backend):
     k = rng.standard_normal((2, 3, 9, 11), dtype=np.float32)    # (B, Hkv, Sk, D)
     v = rng.standard_normal((2, 3, 9, 7), dtype=np.float32)
     mask = rng.random((2, 1, 5, 9)) < 0.8
+    sinks = rng.standard_normal(6, dtype=np.float32)
     kw = dict(scale=0.37, causal=True, window=(4, None), softcap=2.5)
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
-    got = attention(tq, tk, tv, mask=torch.from_numpy(mask), backend=backend, **kw)
+    got = attention(tq, tk, tv, mask=torch.from_numpy(mask), sinks=torch.from_numpy(sinks),
+                    backend=backend, **kw)
     assert isinstance(got, torch.Tensor) and got.shape == (2, 6, 5, 7)
     rk = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
-    ref, _ = reference_attention(q, *rk, mask=mask, layout="bhsd", **kw)
-    naive, _ = naive_attention(q, *rk, mask=mask, layout="bhsd", **kw)
+    ref, _ = reference_attention(q, *rk, mask=mask, sinks=sinks, layout="bhsd", **kw)
+    naive, _ = naive_attention(q, *rk, mask=mask, sinks=sinks, layout="bhsd", **kw)
     assert_rule(got.numpy(), ref, naive)
     # (B, S, H, D) storage read through transposed views, and layout="bshd"
     got_t = attention(*(torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
-                        for a in (q, k, v)), mask=torch.from_numpy(mask), layout="bshd",
-                      backend=backend, **kw)
+                        for a in (q, k, v)), mask=torch.from_numpy(mask),
+                      sinks=torch.from_numpy(sinks), layout="bshd", backend=backend, **kw)
     assert np.array_equal(got_t.numpy(), got.numpy().transpose(0, 2, 1, 3))
 
 

@@ -4,8 +4,9 @@ the accuracy rule against the model in float64 (``max|attnlib - ref64| <= 2 * ma
 ref64| + 1e-5`` over the tokens that are not padding; ref64's attention is the plain float64
 formula below, as transformers' eager softmax runs in float32), and greedy generation of 32
 tokens from a left-padded batch gives eager's tokens. Families: Llama (GQA, RoPE, causal),
-Mistral (sliding window), Gemma 2 (softcapping, sliding and global layers), BERT (bidirectional
-encoder). CI installs transformers (.ci/run): these tests do not skip without it."""
+Mistral (sliding window), Gemma 2 (softcapping, sliding and global layers), gpt-oss (attention
+sinks), BERT (bidirectional encoder). CI installs transformers (.ci/run): these tests do not
+skip without it."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def _families():
     yield "gemma2", t.Gemma2ForCausalLM, t.Gemma2Config(
         head_dim=16, sliding_window=5, attn_logit_softcapping=3.0, final_logit_softcapping=None,
         query_pre_attn_scalar=20, **_DECODER)
+    yield "gpt_oss", t.GptOssForCausalLM, t.GptOssConfig(
+        head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2, **_DECODER)
     yield "bert", t.BertForMaskedLM, t.BertConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=64, pad_token_id=PAD)
@@ -54,7 +57,12 @@ def _ref64(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
     if attention_mask is not None:
         s = s.masked_fill(~attention_mask, -torch.inf) if attention_mask.dtype == torch.bool \
             else s + attention_mask
-    p = torch.softmax(s, -1).nan_to_num(0.0)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # gpt-oss: one more logit per head, of a zero value
+        column = sinks.double().reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        p = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1).nan_to_num(0.0)
     return (p @ value.double()).to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -92,6 +100,8 @@ def test_logits_and_generation(family):
     torch.manual_seed(31)
     model = cls(cfg).eval()
     model64 = cls(cfg).eval().to(torch.float64)
+    if family == "gpt_oss":  # its default grouped matmul of the experts has no float64
+        model64.set_experts_implementation("eager")
     model64.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(32)
     for left in (True, False):

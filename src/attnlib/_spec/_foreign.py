@@ -165,13 +165,10 @@ def front_door(fn: Callable | None = None, *, wrap: bool = True, remember: bool 
 
 
 # ---- attn_implementation="attnlib" (attnlib.integrations.transformers) --------------------------
-def check_layer_call(dropout: Any, s_aux: Any) -> None:
-    """What a transformers layer passes that attnlib does not do: dropout (inference only) and
-    attention sinks (``s_aux``)."""
+def check_layer_call(dropout: Any) -> None:
+    """What a transformers layer passes that attnlib does not do: dropout (inference only)."""
     if dropout:
         raise UnsupportedError(
             f"attn_implementation='attnlib' runs inference only: dropout={dropout} must be 0 "
             "(call model.eval())"
         )
-    if s_aux is not None:
-        raise UnsupportedError("attn_implementation='attnlib' has no attention sinks (s_aux)")

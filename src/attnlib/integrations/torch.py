@@ -26,33 +26,34 @@ __all__ = ["attention"]
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None, scale: float | None, causal: str,
                   window_left: int, window_right: int, softcap: float | None,
-                  layout: str, backend: str | None) -> torch.Tensor:
+                  sinks: torch.Tensor | None, layout: str, backend: str | None) -> torch.Tensor:
     window = None if window_left < 0 and window_right < 0 else (window_left, window_right)
     out = _api.attention(q, k, v, mask=mask, scale=scale, causal=causal or False, window=window,
-                         softcap=softcap, layout=layout, backend=backend)
+                         softcap=softcap, sinks=sinks, layout=layout, backend=backend)
     return out
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, mask, scale, causal, window_left, window_right, softcap, layout,
-                    backend):
+def _attention_fake(q, k, v, mask, scale, causal, window_left, window_right, softcap, sinks,
+                    layout, backend):
     return q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               mask: torch.Tensor | None = None, scale: float | None = None,
               causal: bool | str = False, window: tuple[int | None, int | None] | None = None,
-              softcap: float | None = None, layout: str = "bhsd",
+              softcap: float | None = None, sinks: torch.Tensor | None = None,
+              layout: str = "bhsd",
               backend: str | None = None) -> torch.Tensor:
     """``attnlib.attention`` (contract section 2) as the custom op ``torch.ops.attnlib.attention``:
     ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` -> ``(B, Hq, Sq, Dv)``
     (``layout="bshd"``: ``(B, S, H, D)`` in and out). ``causal=True`` (``"bottom_right"``) or
     ``"top_left"`` as in ``attnlib.attention``;
     ``window=(left, right)`` with None for unbounded; ``mask`` bool (True = attend) or additive,
-    broadcastable to ``(B, Hq, Sq, Sk)``."""
+    broadcastable to ``(B, Hq, Sq, Sk)``; ``sinks`` float32 ``(Hq,)`` (gpt-oss)."""
     left, right = (None, None) if window is None else window
     if causal is True or causal is False:
         causal = "bottom_right" if causal else ""
     return _attention_op(q, k, v, mask, scale, causal,
                          -1 if left is None else int(left), -1 if right is None else int(right),
-                         softcap, layout, backend)
+                         softcap, sinks, layout, backend)

@@ -7,11 +7,11 @@
 ``AttentionMaskInterface`` (the boolean masks transformers builds for SDPA: True = attend, None
 where causality alone says it). Each layer's call maps onto ``attnlib.attention``: the
 ``(B, H, S, D)`` tensors transformers passes are read as ``(B, S, H, D)`` strided views (no copy),
-GQA runs without repeating keys, ``scaling``, ``softcap`` (Gemma 2) and 4-D bool or additive masks
-(padding, sliding windows) pass through. Without a mask (transformers leaves it out where SDPA's
-``is_causal`` is exact) a causal module is ``causal="top_left"`` as in SDPA, and a single query
-row sees every key. attnlib computes no gradients: use it for
-inference (``torch.no_grad()``, ``generate``); dropout must be 0.
+GQA runs without repeating keys, ``scaling``, ``softcap`` (Gemma 2), attention sinks (gpt-oss's
+``s_aux``) and 4-D bool or additive masks (padding, sliding windows) pass through. Without a mask
+(transformers leaves it out where SDPA's ``is_causal`` is exact) a causal module is
+``causal="top_left"`` as in SDPA, and a single query row sees every key. attnlib computes no
+gradients: use it for inference (``torch.no_grad()``, ``generate``); dropout must be 0.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention function signature: ``query (B, Hq, Sq, D)``, ``key`` and
     ``value (B, Hkv, Sk, D)`` -> ``(out (B, Sq, Hq, D), None)``."""
-    _spec.check_layer_call(dropout, kwargs.get("s_aux"))
+    _spec.check_layer_call(dropout)
     causal = False
     if attention_mask is None and query.shape[2] > 1:
         # transformers leaves the mask out where PyTorch SDPA's is_causal (top-left) is exact:
@@ -52,7 +52,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     call = _attention if torch.compiler.is_compiling() else _api.attention
     out = call(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                mask=attention_mask, scale=scaling, causal=causal, softcap=softcap,
-               layout="bshd", backend=_backend)
+               sinks=kwargs.get("s_aux"), layout="bshd", backend=_backend)
     return out, None
 
 
