@@ -9,7 +9,8 @@
   :data:`~._attention.DECODE_ROWS` packed query rows;
 * ``"decode"``: NVIDIA tensor cores, float16/bfloat16, at most 16 packed query rows per kv head
   (``_nvidia_decode``);
-* ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls included.
+* ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls and quantized
+  KV caches included.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ if TYPE_CHECKING:
 def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
     """The kernel family of ``call`` on ``be`` (``max_rows``: its largest number of packed query
     rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a
-    block table) run the portable kernel: the tensor-core kernels do not read page tables."""
-    if call.block_table is not None:
+    block table) and quantized K/V (``k_scales``) run the portable kernel: the tensor-core
+    kernels read neither page tables nor 8-bit caches."""
+    if call.block_table is not None or call.k_scales is not None:
         return "portable"
     if be.use_mma and max_rows > _attention.DECODE_ROWS:
         if _nvidia_mma.applicable(be.device, call):

@@ -16,10 +16,10 @@ holds the tiling, kernel options, argument list and device tables:
   and nothing is uploaded; different, it is derived again and the plan's device tables are
   rewritten in place (``_pool.DeviceTable``: one fill of at most 128 bytes for one sequence).
 
-Calls with device arrays only, no mask and no ALiBi take it, on each of the three kernel
-families the dispatch (``_dispatch.kernel_family``) picks: portable (here), NVIDIA tensor-core
-decode and prefill (``_nvidia_plans``); every other call takes its family's ``run`` (this
-returns None for them).
+Calls with device arrays only, no mask, no ALiBi and no quantized K/V take it, on each of the
+three kernel families the dispatch (``_dispatch.kernel_family``) picks: portable (here), NVIDIA
+tensor-core decode and prefill (``_nvidia_plans``); every other call takes its family's ``run``
+(this returns None for them).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def run(be: Any, call: Any, family: Any) -> tuple[Any, Any] | None:
     q, k, v = call.q, call.k, call.v
     if (type(q) is not arr or type(k) is not arr or type(v) is not arr
             or call.mask_view is not None or call.alibi is not None or q.queue is None
-            or call.block_table is not None):
+            or call.block_table is not None or call.k_scales is not None):
         return None
     chi = call.causal_hi
     n = call.q_len.shape[0]
