@@ -56,7 +56,14 @@ class FwdConfig(KernelConfig):
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
     CPU_VEC: int = 0  # CPU devices: one work-item per block, register tiles of 8/16-wide vectors
     PAGE_SIZE: int = 0  # paged K/V pools: rows found through the block table
-    KV_FORMAT: int = 0  # 8-bit K/V with scales (attnlib._quant.KVFormat.code), 0: K/V in dtype
+
+
+@dataclass(frozen=True)
+class QuantFwdConfig(FwdConfig):
+    """attn_fwd.cl over 8-bit K/V with scales: the load variant KV_FORMAT (the format's
+    ``attnlib._quant.KVFormat.code``; other calls build without it, which the kernel reads as 0)."""
+
+    KV_FORMAT: int = 1
 
 
 @dataclass(frozen=True)
@@ -324,7 +331,9 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
     load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0 and not fmt
                 and all(vw.strides[3] == 1 for vw in views))
     cp_mode, cp_emulate = cp_async_mode(be, views, load_vec, dtype)
-    cfgs = tuple(FwdConfig(
+    config = QuantFwdConfig if fmt else FwdConfig
+    extra = {"KV_FORMAT": fmt} if fmt else {}
+    cfgs = tuple(config(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
         THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
@@ -332,8 +341,7 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
         CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
         CPU_VEC=0 if fmt else cpu_vec(be.facts, tiles, d, dv, dtype),
-        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0,
-        KV_FORMAT=fmt)
+        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0, **extra)
         for split in (False, True))
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
     wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
