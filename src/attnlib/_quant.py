@@ -5,8 +5,8 @@ A token's row ``x (D,)`` of one kv head gets ``scale = absmax(x) / FMAX`` (FMAX 
 largest finite value) and ``stored = round(x / scale)`` clipped to ``[-FMAX, FMAX]`` (fp8:
 round to nearest even, as ml_dtypes casts; int8: round half to even, as ``np.rint``). A row of
 zeros gets scale 0 and stored 0, which dequantize to 0 (never 0 / 0). Every backend decodes a
-stored byte through the same 256-entry table (:func:`decode_table`), so the value a kernel reads
-is the value :func:`dequantize` gives.
+stored byte exactly (the numpy reference through :func:`decode_table`, the kernels from its bits),
+so the value a kernel reads is the value :func:`dequantize` gives.
 
 Nothing here checks user input (``attnlib._spec.check_kv_dtype`` does) or touches a device.
 """
@@ -23,7 +23,7 @@ __all__ = ["FORMATS", "KVFormat", "decode_table", "dequantize", "format_of", "qu
 
 class KVFormat:
     """One storage format: its name, numpy storage dtype, largest finite value, and ``code``,
-    the number the OpenCL kernels select it by (``-D KV_FORMAT``)."""
+    the number the kernels select it by (OpenCL's ``-D KV_FORMAT``, numba's ``kv_format``)."""
 
     __slots__ = ("name", "dtype", "fmax", "code")
 

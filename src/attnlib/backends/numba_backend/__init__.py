@@ -12,8 +12,8 @@ Paged calls (``AttnCall.block_table``) run the same kernel: a key tile whose pag
 other in the pool is read in place, any other is gathered one page at a time into the thread's
 scratch tile (``_flash._load_paged``); fp16/bf16 pools widen only the pages in use.
 Quantized caches (``AttnCall.k_scales``) are read by the same kernel: each key / value tile is
-dequantized into the scratch tile as it is loaded (``_flash._load_quant``: a byte, its value
-from a 256-entry table, times the row's scale), never as a copy of the cache.
+dequantized into the scratch tile as it is loaded (``_flash._load_quant``: a byte's value from
+its bits, in registers, times the row's scale), never as a copy of the cache.
 
 The other primitives (softmax, merge_states, rope, the KV caches) are small numba / numpy code.
 Compiled functions are cached on disk (:mod:`._cache`: ``NUMBA_CACHE_DIR`` when set, else

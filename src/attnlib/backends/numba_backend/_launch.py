@@ -144,9 +144,9 @@ def _flat(x: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _quantized(call: AttnCall, cdt: np.dtype) -> tuple:
     """A quantized call's kernel arrays: (k codes 4-D, empty k, k strides, the same for v, and
-    the kernel's quantized arguments ``(kc, vc, ksc, vsc, sst, lut)``): the codes as flat uint8
-    read in place (no copy of the cache), the float32 scales flat with their strides, the decode
-    table in the compute dtype."""
+    the kernel's quantized arguments ``(kc, vc, ksc, vsc, sst, kv_format)``): the codes as flat
+    uint8 read in place (no copy of the cache), the float32 scales flat with their strides, the
+    format's code."""
     from ... import _quant
 
     fmt = _quant.format_of(call.k.dtype)
@@ -158,17 +158,17 @@ def _quantized(call: AttnCall, cdt: np.dtype) -> tuple:
     sst = np.array([s * h, h, 1], np.int64)
     empty = _empty(cdt, 1)
     return (k, empty, kst, v, empty, vst,
-            (kc, vc, ksc.reshape(-1), vsc.reshape(-1), sst, _quant.decode_table(fmt, cdt)))
+            (kc, vc, ksc.reshape(-1), vsc.reshape(-1), sst, fmt.code))
 
 
-def _not_quantized(cdt: np.dtype) -> tuple:
+def _not_quantized() -> tuple:
     """The kernel's quantized arguments for a call that is not: empty arrays (one signature)."""
     u8 = _empties.get(("u8",))
     if u8 is None:
         u8 = _empties[("u8",)] = (np.zeros(0, np.uint8), np.zeros(0, np.uint8),
                                   np.zeros(0, np.float32), np.zeros(0, np.float32),
                                   np.zeros(3, np.int64))
-    return u8 + (_empty(cdt, 1),)
+    return u8 + (0,)
 
 
 def _narrow_keys(call: AttnCall) -> AttnCall:
@@ -411,7 +411,7 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
     else:
         k, kf, kst = _flat(call.k, cdt)
         v, vf, vst = _flat(call.v, cdt)
-        quant = _not_quantized(cdt)
+        quant = _not_quantized()
     bq, sq_arr, hq, _ = q.shape
     d_v = v.shape[3]
     big = _flash.BIG
