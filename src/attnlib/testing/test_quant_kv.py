@@ -335,3 +335,38 @@ def test_quantized_bad_inputs(attnlib_backend):
             attnlib.paged_attention(q1, fk, fk, table, lens, k_scales=ks, v_scales=vs,
                                     backend=be)
     assert _same(_snapshot(pc, [s]), snap)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_every_code(attnlib_backend, kv_dtype):
+    """Every finite value of the format written at scale 1 (the row's absmax is the format's
+    largest value) is stored as its own code, the midpoints between neighbours round to even as
+    ml_dtypes / np.rint do, and attention over one key returns that key's values exactly: the
+    encoding and the kernel's decoding of every code."""
+    import attnlib
+    from attnlib import _quant
+
+    fmt = _quant.FORMATS[kv_dtype]
+    codes = np.arange(256, dtype=np.uint8).view(fmt.dtype)
+    vals = np.unique(codes.astype(np.float64))
+    vals = vals[np.isfinite(vals) & (np.abs(vals) <= fmt.fmax)]  # int8's -128 is never written
+    mids = np.append((vals[1:] + vals[:-1]) / 2, fmt.fmax)
+    d = vals.size
+    be = attnlib.get_backend(attnlib_backend)
+    for row, want in ((vals, vals.astype(fmt.dtype)), (mids, _round_codes(mids, fmt))):
+        cache = attnlib.KVCache(1, 1, 1, d, kv_dtype=kv_dtype, backend=attnlib_backend)
+        x = row.astype(np.float32)[None, None, None, :]
+        q = np.ones((1, 1, 1, d), np.float32)
+        out = attnlib.attention_with_kvcache(q, cache, x, x)
+        stored = be.cache_read(cache.k).view(np.uint8).reshape(-1)
+        assert np.array_equal(stored, want.view(np.uint8)), "a value stored as another code"
+        assert np.array_equal(be.cache_read(cache.k_scales).reshape(-1), [1.0])
+        assert np.array_equal(np.asarray(out).reshape(-1),
+                              want.astype(np.float32)), "a code read as another value"
+
+
+def _round_codes(x, fmt):
+    """``x`` (float64, representable in float32) to the format, ties to even."""
+    if fmt.dtype == np.int8:
+        return np.rint(x).astype(np.int8)
+    return x.astype(np.float32).astype(fmt.dtype)
