@@ -17,8 +17,17 @@
 // finish (a counter per pair, atomic_inc after a GPU-scope fence; the last one resets it to 0)
 // merges the n_splits partials itself (flash-decoding's reduction, CUDA's threadFenceReduction).
 //
+// PAGE_SIZE > 0: k and v are page pools (num_pages, PAGE_SIZE, Hkv, D) (batch stride = page
+// stride) and logical key row r of sequence s lives in page block_table[s, r / PAGE_SIZE], slot
+// r % PAGE_SIZE (vLLM / FlashInfer, as attn_fwd.cl).  The page indices of a tile travel one
+// pipeline step ahead of its K/V: they are copied by 4-byte cp.async into sPg in the commit group
+// of the tile STAGES - 1 before it, so the K/V loads never wait on a table read.  Page indices
+// are clamped into [0, n_pages) and table columns into [0, tbl_w): no table, however wrong, makes
+// the kernel read outside the pool.
+//
 // Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_N, WARPS, STAGES (>= 2), IS_BF16,
-// SOFTCAP, ALIBI, SCALE_POS (scale > 0), SPLIT, USE_PTX (0: the exact emulation of nv_warp.h).
+// SOFTCAP, ALIBI, SCALE_POS (scale > 0), SPLIT, USE_PTX (0: the exact emulation of nv_warp.h),
+// PAGE_SIZE (0: k, v are (batch, rows, Hkv, D) arrays).
 
 #include "nv_warp.h"
 
@@ -58,6 +67,24 @@
 #error "FUSED_MERGE needs SPLIT"
 #endif
 #define FUSED_UNROLL 16
+#ifndef PAGE_SIZE
+#define PAGE_SIZE 0
+#endif
+#if PAGE_SIZE
+#define NPG ((BLOCK_N - 1) / PAGE_SIZE + 2)  // table entries one tile can span
+#define PAGED_PARAMS                                                                           \
+  , __global const int *block_table, const long tbl_off, const long tbl_s0, const long tbl_s1, \
+      const int tbl_w, const int n_pages
+#if USE_PTX
+#define CP_ASYNC4(DST, SRC)                                                                    \
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"                                      \
+               :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
+#else
+#define CP_ASYNC4(DST, SRC) (*(DST) = *(SRC))
+#endif
+#else
+#define PAGED_PARAMS
+#endif
 #define EMPTY_W (-1.f) /* the fused merge's weight of an empty split state */
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
@@ -73,7 +100,8 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
                      const long k_off, const long k_sb, const long k_sr, const long k_sh,
                      const long v_off, const long v_sb, const long v_sr, const long v_sh,
                      const int sq_arr, const int n_heads, const int group, const int ring,
-                     const long n_out_rows, const float qk_scale, const float cap) {
+                     const long n_out_rows, const float qk_scale, const float cap
+                     PAGED_PARAMS) {
   __local uint4 smem[STAGES * 2 * TILE / 8];   // STAGES x (K tile, V tile)
   __local ushort sQ[16 * LDS] __attribute__((aligned(16)));
   __local float sM[WARPS * 16], sL[WARPS * 16];
@@ -83,6 +111,9 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
 #endif
 #if FUSED_MERGE
   __local int last_wg;
+#endif
+#if PAGE_SIZE
+  __local int sPg[STAGES * NPG];  // the table entries of STAGES tiles (slot = the tile's buffer)
 #endif
   __local int v_flag;  // = t + 1 when tile t's V held inf/NaN (a new value per tile: no reset)
   __local ushort *sKV = (__local ushort *)smem;
@@ -124,7 +155,43 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
 
   __global const ushort *kh = k + k_off + kb * k_sb + hk * k_sh;
   __global const ushort *vh = v + v_off + kb * v_sb + hk * v_sh;
+#if PAGE_SIZE
+  // The table row of this sequence; entries of tile TL: columns (krow0 + TL BLOCK_N) / PAGE_SIZE
+  // + [0, NPG), clamped to the row, copied into slot SLOT of sPg.
+  __global const int *tbl = block_table + tbl_off + (long)s * tbl_s0;
+#define PG_FIRST(TL) ((krow0 + (long)(TL) * BLOCK_N) / PAGE_SIZE)
+#define FETCH_PAGES(TL, SLOT)                                                                  \
+  for (int e = tid; e < NPG; e += THREADS) {                                                   \
+    const long col = min(PG_FIRST(TL) + e, (long)(tbl_w - 1));                                 \
+    CP_ASYNC4(sPg + (SLOT) * NPG + e, tbl + col * tbl_s1);                                     \
+  }
+// the pool element offsets (K, V) of logical key row ROW of tile TL, whose entries are in SLOT
+#define PAGED_OFF(ROW, TL, SLOT, KO, VO)                                                       \
+  {                                                                                            \
+    const long pg_ = clamp(sPg[(SLOT) * NPG + (int)((ROW) / PAGE_SIZE - PG_FIRST(TL))], 0,     \
+                           n_pages - 1);                                                       \
+    const long sl_ = (ROW) % PAGE_SIZE;                                                        \
+    KO = pg_ * k_sb + sl_ * k_sr;                                                              \
+    VO = pg_ * v_sb + sl_ * v_sr;                                                              \
+  }
+#endif
 // Checked tile load: keys outside [lo_blk, hi_blk] are zero-filled (never read), ring rows wrap.
+#if PAGE_SIZE
+#define LOAD_KV_CHECKED(TL, BUF)                                                               \
+  for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
+    const int r = c / CHUNKS, ch = c % CHUNKS, j = (TL) * BLOCK_N + r;                         \
+    __local ushort *dk = sKV + (BUF) * 2 * TILE + r * LDS + ch * 8;                            \
+    if (j >= lo_blk && j <= hi_blk) {                                                          \
+      long ko, vo;                                                                             \
+      PAGED_OFF(krow0 + j, TL, BUF, ko, vo)                                                    \
+      CP_ASYNC16(dk, kh + ko + ch * 8);                                                        \
+      CP_ASYNC16(dk + TILE, vh + vo + ch * 8);                                                 \
+    } else {                                                                                   \
+      ZERO16(dk);                                                                              \
+      ZERO16(dk + TILE);                                                                       \
+    }                                                                                          \
+  }
+#else
 #define LOAD_KV_CHECKED(TL, BUF)                                                               \
   for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
     const int r = c / CHUNKS, ch = c % CHUNKS, j = (TL) * BLOCK_N + r;                         \
@@ -139,8 +206,32 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
       ZERO16(dk + TILE);                                                                       \
     }                                                                                          \
   }
+#endif
 // Fast path (tile inside the range, no wrap): each thread copies one 16-byte column chunk of
-// rows r0, r0 + ROW_STEP, ... from pointers hoisted out of the loop.
+// rows r0, r0 + ROW_STEP, ... from pointers hoisted out of the loop (paged: through the tile's
+// table entries in sPg).
+#if PAGE_SIZE
+#define LOAD_KV(TL, BUF)                                                                       \
+  {                                                                                            \
+    const int n0_ = (TL) * BLOCK_N;                                                            \
+    if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk) {                                        \
+      __local ushort *st = sKV + (BUF) * 2 * TILE + so0;                                       \
+      /* row r0 + i ROW_STEP: entry e0 + (s0 + i ROW_STEP) / PAGE_SIZE, 32-bit from here on */  \
+      const long rb_ = krow0 + n0_ + r0_;                                                      \
+      const int e0_ = (int)(rb_ / PAGE_SIZE - PG_FIRST(TL)), s0_ = (int)(rb_ % PAGE_SIZE);     \
+      __local const int *pgs_ = sPg + (BUF) * NPG + e0_;                                       \
+      UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
+        const int o_ = s0_ + i * ROW_STEP;                                                     \
+        const long pg_ = clamp(pgs_[o_ / PAGE_SIZE], 0, n_pages - 1);                          \
+        const long sl_ = o_ % PAGE_SIZE;                                                       \
+        CP_ASYNC16(st + i * ROW_STEP * LDS, kc0 + pg_ * k_sb + sl_ * k_sr);                    \
+        CP_ASYNC16(st + TILE + i * ROW_STEP * LDS, vc0 + pg_ * v_sb + sl_ * v_sr);             \
+      }                                                                                        \
+    } else {                                                                                   \
+      LOAD_KV_CHECKED(TL, BUF)                                                                 \
+    }                                                                                          \
+  }
+#else
 #define LOAD_KV(TL, BUF)                                                                       \
   {                                                                                            \
     const int n0_ = (TL) * BLOCK_N;                                                            \
@@ -156,15 +247,36 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
       LOAD_KV_CHECKED(TL, BUF)                                                                 \
     }                                                                                          \
   }
+#endif
   const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDS + ch0_ * 8;
+#if PAGE_SIZE
+  __global const ushort *kc0 = kh + ch0_ * 8, *vc0 = vh + ch0_ * 8;
+  // the entries of the prologue's tiles, before any K/V load (once per work-group)
+  for (int st = 0; st < STAGES - 1; st++) {
+    if (t_first + st <= t_last) FETCH_PAGES(t_first + st, st)
+  }
+  CP_COMMIT();
+  CP_WAIT(0);
+  barrier(CLK_LOCAL_MEM_FENCE);
+#else
   __global const ushort *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * 8;
   __global const ushort *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * 8;
   const long k_step = ROW_STEP * k_sr, v_step = ROW_STEP * v_sr;
+#endif
 
   // -- prologue: the first STAGES - 1 tiles in flight (one commit group per tile, empty or not)
   int ld_t = t_first, ld_buf = 0;
   for (int st = 0; st < STAGES - 1; st++) {
+#if PAGE_SIZE
+    // the entries of tile ld_t + STAGES - 1 ride with tile ld_t (slot (ld_buf - 1) mod STAGES,
+    // read by the previous step: a barrier first)
+    if (st > 0) barrier(CLK_LOCAL_MEM_FENCE);
     if (ld_t <= t_last) LOAD_KV(ld_t, ld_buf)
+    if (ld_t + STAGES - 1 <= t_last)
+      FETCH_PAGES(ld_t + STAGES - 1, ld_buf == 0 ? STAGES - 1 : ld_buf - 1)
+#else
+    if (ld_t <= t_last) LOAD_KV(ld_t, ld_buf)
+#endif
     CP_COMMIT();
     ld_t++;
     ld_buf = ld_buf + 1 == STAGES ? 0 : ld_buf + 1;
@@ -205,6 +317,11 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     CP_WAIT(CP_PENDING);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (ld_t <= t_last) LOAD_KV(ld_t, ld_buf)
+#if PAGE_SIZE
+    // slot (ld_buf - 1) mod STAGES held the entries of tile ld_t - 1, read before the barrier
+    if (ld_t + STAGES - 1 <= t_last)
+      FETCH_PAGES(ld_t + STAGES - 1, ld_buf == 0 ? STAGES - 1 : ld_buf - 1)
+#endif
     CP_COMMIT();
     ld_t++;
     ld_buf = ld_buf + 1 == STAGES ? 0 : ld_buf + 1;
@@ -324,9 +441,16 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
       UNROLL for (int hf = 0; hf < 2; hf++) {
         const int j_hi = min(rhi[hf], n0 + kw0 + KW - 1);
         for (int j = max(rlo[hf], n0 + kw0); j <= j_hi; j++) {
+#if PAGE_SIZE
+          const long row = krow0 + j;
+          const long pg = clamp((long)tbl[min(row / PAGE_SIZE, (long)(tbl_w - 1)) * tbl_s1], 0L,
+                                (long)(n_pages - 1));
+          __global const ushort *vr = vh + pg * v_sb + (row % PAGE_SIZE) * v_sr + 2 * tg;
+#else
           long row = krow0 + j;
           if (ring > 0 && row >= ring) row -= ring;
           __global const ushort *vr = vh + row * v_sr + 2 * tg;
+#endif
           UNROLL for (int nd = 0; nd < NT_O; nd++) {
             UNROLL for (int e = 0; e < 2; e++) {
               const uint b = vr[nd * 8 + e];

@@ -470,6 +470,31 @@ def test_cached_plans_choose_what_run_chooses(emulated_nvidia, monkeypatch, kind
     assert seen[0] == seen[1] == seen[2]
 
 
+def test_decode_grid_fixed_while_the_cache_grows(emulated_nvidia, monkeypatch):
+    """The tensor-core decode kernel's split count comes from the cache's capacity, not its
+    length: steps from 40 to 2000 cached tokens (1 to 16 key tiles) launch one grid, planned for
+    the 16 key tiles of 2048 rows (a recorded launch replays correctly)."""
+    from attnlib.backends.opencl import _nvidia_decode
+
+    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", False)
+    seen = _recorded_launches(monkeypatch, _nvidia_decode)
+    planned = []
+    real = _nvidia_decode.choose_splits
+    monkeypatch.setattr(_nvidia_decode, "choose_splits", lambda cu, pairs, tiles, *a:
+                        planned.append(tiles) or real(cu, pairs, tiles, *a))
+    be = attnlib.get_backend("opencl")
+    rng = rng_for("host path fixed grid")
+    cache = attnlib.KVCache(1, 2048, 2, 128, dtype="float16", backend=be)
+    q = attnlib.to_device(randn(rng, (1, 1, 8, 128), "float16"), backend=be)
+    for n in (40, 300, 1000, 2000):
+        kv = attnlib.to_device(randn(rng, (1, n - int(cache.lengths[0]), 2, 128), "float16"),
+                               backend=be)
+        cache.update(kv, kv, int(cache.lengths[0]))
+        attnlib.attention_with_kvcache(q, cache)
+    assert len(seen) == 4 and len({s[1] for s in seen}) == 1
+    assert planned and set(planned) == {2048 // 128}
+
+
 def test_wrapped_run_is_called(emulated_nvidia, monkeypatch):
     """A bench that wraps ``_nvidia_mma.run`` / ``_nvidia_decode.run`` (probe.py records kernel
     events that way) still sees every dispatched call, cached plans or not."""

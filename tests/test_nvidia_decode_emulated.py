@@ -250,3 +250,181 @@ def test_decode_oclgrind():
     reports = [b for b in run_oclgrind.report_blocks(proc.stderr)
                if not run_oclgrind.is_harmless(b)]
     assert not reports, "\n\n".join(reports[:3])
+
+
+def paged_twin(rng, call: AttnCall, page_size: int, spare: int = 3,
+               table_dtype=np.int32) -> AttnCall:
+    """``call`` (batch s = sequence s, rows from k_row0) with its keys and values moved into a
+    page pool: the pages of every sequence drawn from a shuffled free list (scattered, in no
+    order), ``spare`` pages nobody uses filled with NaN, table columns past a sequence's last
+    page pointing at garbage (page -7, 10**6: clamped, never read)."""
+    import dataclasses
+
+    k, v = call.k, call.v
+    hkv, d = k.shape[2], k.shape[3]
+    need = [-(-(int(r) + int(n)) // page_size) for r, n in zip(call.k_row0, call.k_len)]
+    width = max(need) + 2
+    n_pages = sum(need) + spare
+    free = rng.permutation(n_pages)
+    kp = np.full((n_pages, page_size, hkv, d), np.nan, k.dtype)
+    vp = np.full((n_pages, page_size, hkv, d), np.nan, v.dtype)
+    table = np.empty((call.n_seq, width), np.int64)
+    table[:, 1::2], table[:, ::2] = -7, 10**6
+    used = 0
+    for s in range(call.n_seq):
+        b = int(call.k_batch[s])
+        pages = free[used:used + need[s]]
+        used += need[s]
+        table[s, :need[s]] = pages
+        rows = np.arange(need[s] * page_size)
+        src = np.minimum(rows, k.shape[1] - 1)
+        kp[pages.repeat(page_size), np.tile(np.arange(page_size), need[s])] = k[b, src]
+        vp[pages.repeat(page_size), np.tile(np.arange(page_size), need[s])] = v[b, src]
+    return dataclasses.replace(call, k=kp, v=vp, k_batch=np.zeros(call.n_seq, np.int64),
+                               block_table=table.astype(table_dtype), page_size=page_size)
+
+
+def run_paged_and_check(call: AttnCall, page_size: int, *, splits, config=None, fused=False,
+                        rng=None, table_dtype=np.int32):
+    """The decode kernel on the paged twin of ``call`` against the float64 reference of the
+    contiguous ``call``."""
+    from attnlib.backends.opencl import _nvidia_decode
+
+    be = attnlib.get_backend("opencl")
+    paged = paged_twin(rng, call, page_size, table_dtype=table_dtype)
+    out, lse = _nvidia_decode.run(be, be.queue, paged, config=config, splits=splits,
+                                  use_ptx=False, fused=fused)
+    ref, ref_lse = reference_call(call)
+    naive, _ = reference_call(call, call.dtype)
+    assert_rule(out, ref, naive)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-2)
+    return out
+
+
+PAGED = [
+    # page size, dtype, dict(b, q_len, klens, hq, hkv, d), splits, config, fused, call options
+    (16, "float16", dict(b=3, q_len=1, klens=[333, 47, 190], hq=8, hkv=2, d=128), 3,
+     (32, 2, 2), True, {}),
+    (1, "bfloat16", dict(b=2, q_len=2, klens=[77, 130], hq=8, hkv=2, d=64), 2,
+     (32, 2, 3), False, {}),
+    # the dispatch's build for page 8, D=64, one split (test_paged_dispatch_emulated)
+    (8, "float16", dict(b=2, q_len=1, klens=[141, 9], hq=4, hkv=1, d=64), 1,
+     None, False, {"window": (50, None)}),
+    (32, "bfloat16", dict(b=1, q_len=3, klens=[257], hq=6, hkv=2, d=128), 4,
+     (32, 2, 2), True, {"softcap": 15.0}),
+    (5, "float16", dict(b=2, q_len=1, klens=[99, 201], hq=4, hkv=2, d=64), 2,
+     (32, 2, 3), False, {}),
+    (64, "float16", dict(b=2, q_len=1, klens=[100, 301], hq=8, hkv=1, d=64), 3,
+     (32, 2, 2), False, {}),
+]
+
+
+@pytest.mark.parametrize("page,dtype,shape,splits,config,fused,opts", PAGED,
+                         ids=[f"page{c[0]}-{c[1]}-d{c[2]['d']}" for c in PAGED])
+def test_decode_paged(page, dtype, shape, splits, config, fused, opts):
+    """Paged K/V pools (PAGE_SIZE): pages scattered by a shuffled free list, page sizes below,
+    equal to and above a tile's keys (and one that divides nothing), unused pages of NaN and
+    garbage table columns past each sequence's pages, against the float64 reference of the
+    contiguous cache."""
+    rng = rng_for("decode paged", page, dtype)
+    call = decode_call(rng, dtype, **shape, **opts)
+    run_paged_and_check(call, page, splits=splits, config=config, fused=fused, rng=rng)
+
+
+def test_decode_paged_row_offsets_and_hidden_nan():
+    """Sequences starting mid-page (k_row0 > 0, keys from slot 3 and 5 of their pages), inf/NaN
+    in v of keys outside the window (the kernel's hidden-v path reads the table directly), an
+    int64 table, and a sequence with no key (out 0, lse -inf)."""
+    import dataclasses
+
+    rng = rng_for("decode paged offsets")
+    call = decode_call(rng, "float16", b=3, q_len=2, klens=[150, 60, 0], hq=8, hkv=2, d=64,
+                       window=(40, None))
+    call = dataclasses.replace(call, k_row0=np.array([3, 13, 0]))
+    call.v[0, 3 + 5, 1, 2] = np.nan  # key 5 of sequence 0: outside every row's window
+    call.k[1, 13 + 2, 0, 0] = np.inf
+    # the build of the page-8 case of test_decode_paged
+    out = run_paged_and_check(call, 8, splits=1, rng=rng,
+                              table_dtype=np.int64)
+    assert (out[2] == 0).all() and np.isfinite(out[:2]).all()
+
+
+@pytest.fixture
+def emulated_sm90(monkeypatch):
+    """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0); the
+    decode kernel's launches are counted (the fixture's list)."""
+    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
+
+    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
+    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
+    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
+    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
+    launches = []
+    real = _nvidia_decode.launch
+    monkeypatch.setattr(_nvidia_decode, "launch", lambda *a, **kw: launches.append(1)
+                        or real(*a, **kw))
+    _dispatch.forget_plans()
+    yield launches
+    _dispatch.forget_plans()
+
+
+def test_paged_mixed_batch_emulated(emulated_sm90):
+    """A paged call of a prefill chunk (36 packed rows: the portable kernel) beside decode steps
+    (4 and 8 rows): the decode sequences run the tensor-core decode kernel; every sequence's
+    rows checked against plain attention over its tokens. (Grid: the portable build it adds.)"""
+    from attnlib.testing.test_paged import Paged
+
+    be = attnlib.get_backend("opencl", num_splits=1)
+    p = Paged(be, 40, 8, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="paged mixed")
+    a, b = p.new(2)
+    p.append([a, b], [30, 13])
+    c = p.fork(a)
+    p.attend([a, b, c], [9, 1, 2], [9, 1, 2])
+    assert len(emulated_sm90) == 1
+
+
+def test_paged_dispatch_emulated(monkeypatch):
+    """Through the front door: on an (emulated) sm_90 device, paged decode steps of a
+    PagedKVCache (scattered pages, packed appends, a fork, a truncate, two query rows; host
+    queries, then device queries through the repeat-call plans with a new block table per call)
+    run the tensor-core decode kernel, checked against plain attention over each sequence's
+    tokens."""
+    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
+    from attnlib.testing.test_paged import Paged
+
+    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
+    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
+    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
+    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
+    launches = []
+    real = _nvidia_decode.launch
+    monkeypatch.setattr(_nvidia_decode, "launch", lambda *a, **kw: launches.append(1)
+                        or real(*a, **kw))
+    _dispatch.forget_plans()
+    try:
+        be = attnlib.get_backend("opencl", num_splits=1)
+        p = Paged(be, 40, 8, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="paged dispatch")
+        a, b = p.new(2)
+        p.append([a, b], [37, 13])
+        c = p.fork(a)
+        p.attend([a, b, c], [1, 1, 1], [1, 1, 1])
+        assert len(launches) == 1, "the tensor-core decode kernel did not run"
+        p.truncate(c, 20)
+        p.attend([c, a], [2, 1], [2, 1])
+        p.attend([b, c], [1, 1], packed=False)
+        assert len(launches) == 3
+        # device queries: the repeat-call plans, the block table set per call
+        for sids in ([a, c], [c, a], [b, a], [b, a]):
+            q = randn(p.rng, (2, 1, 8, 64), "float16")
+            out = attnlib.attention_with_paged_kvcache(attnlib.to_device(q, backend=be),
+                                                       p.cache, sids)
+            out = attnlib.to_numpy(out)
+            for i, s in enumerate(sids):
+                p.check_rows(s, q[i], out[i], None)
+        assert len(launches) == 7
+    finally:
+        _dispatch.forget_plans()

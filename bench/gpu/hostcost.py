@@ -21,7 +21,12 @@ validation, planning, allocation, table uploads), and, unless ``--stub-only`` or
 enqueueing) and ``<case>_pipelined`` (``--n`` calls back to back, then one finish, per call).
 Prefixes: none for the default backend (NVIDIA tensor-core paths where the device has them),
 ``portable_`` for ``use_mma=False``. Also the primitives: ``pool_alloc``, ``empty_array``,
-``upload_desc``.
+``upload_desc``, and (real calls only) what the ``decode`` case's launch costs below attnlib:
+``decode_enqueue_only`` (the driver's enqueue of its kernel object, arguments already set, the
+event pyopencl makes included) and ``set_arg_buffer`` (one buffer argument set again).
+``paged_decode`` is ``paged_attention`` over a page pool (page 16, a device block table) with
+the ``decode`` case's tokens, ``paged_cache_decode`` ``attention_with_paged_kvcache`` of one
+sequence of a ``PagedKVCache`` (page 16).
 
 ``--emulate-nvidia`` (any OpenCL device, e.g. PoCL): the dispatch sees an sm_90 device
 (``_nvidia_mma.compute_capability`` patched to (9, 0)) and every launch is stubbed, so the
@@ -125,6 +130,14 @@ def cases(be, rng):
     rope, bidx = attnlib.RoPE(), np.array([0])
     qp, kp = _dev(rng, (1, 512, HQ, D), be), _dev(rng, (1, 512, HKV, D), be)
     kd = _dev(rng, (1, CTX, HKV, D), be)
+    page = 16
+    pool = _dev(rng, (CTX // page, page, HKV, D), be)
+    table = attnlib.to_device(np.arange(CTX // page, dtype=np.int32)[None], backend=be)
+    lens = np.array([CTX], np.int32)
+    paged = attnlib.PagedKVCache(CTX // page + 64, page, HKV, D, dtype="float16", backend=be)
+    sid = paged.new_sequence()
+    paged.append([sid], dk, dk)
+    sids = [sid]
     return [
         ("decode", lambda: attnlib.attention_with_kvcache(q1, cache), None),
         ("append", lambda: attnlib.attention_with_kvcache(q1, cache, k1, v1), reset),
@@ -136,6 +149,9 @@ def cases(be, rng):
          None),
         ("prefill", lambda: attnlib.attention(qp, kp, kp, causal=True, backend=be), None),
         ("dense_decode", lambda: attnlib.attention(q1, kd, kd, backend=be), None),
+        ("paged_decode", lambda: attnlib.paged_attention(q1, pool, pool, table, lens), None),
+        ("paged_cache_decode", lambda: attnlib.attention_with_paged_kvcache(q1, paged, sids),
+         None),
     ]
 
 
@@ -161,6 +177,36 @@ def _timed(fn, reset, n, warm):
             ts.append(time.perf_counter() - t0)
         done += m
     return round(statistics.median(ts[warm:]) * 1e6, 2)
+
+
+def launch_parts(fn, queue, n: int) -> dict:
+    """The last launch ``fn`` makes, below attnlib: the driver's enqueue of that kernel object
+    (its arguments as the call left them) and one buffer argument set again, in µs."""
+    from attnlib.backends.opencl import _runtime
+
+    seen = []
+    real = _runtime._enqueue
+
+    def record(q, knl, gsize, lsize, offset, wait_for):
+        seen.append((knl, gsize, lsize))
+        return real(q, knl, gsize, lsize, offset, wait_for)
+
+    _runtime._enqueue = record
+    try:
+        fn()
+    finally:
+        _runtime._enqueue = real
+    queue.finish()
+    knl, gsize, lsize = seen[-1]
+    res = {"decode_enqueue_only": median_us(lambda: real(queue, knl, gsize, lsize, None, None),
+                                            n, n // 10)}
+    queue.finish()
+    buf = _pool.scratch(queue, 4096)
+    slot = next(s for s in _runtime.kernels.values() if s.knl is knl)
+    i = slot.kinds.index(None)
+    res["set_arg_buffer"] = median_us(lambda: knl.set_arg(i, buf), n, n // 10)
+    slot.last[i] = _runtime._UNSET  # the next launch sets it again
+    return res
 
 
 def count(fn, reset, queue, n=16):
@@ -223,7 +269,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeat", type=int, default=1,
                     help="report the least of this many medians (default 1)")
     ap.add_argument("--cases", default="decode,append,append_rope,rewrite_rope,decode_batch_idx,"
-                                       "prefill,dense_decode")
+                                       "prefill,dense_decode,paged_decode,paged_cache_decode")
     args = ap.parse_args(argv)
     global REPEAT
     REPEAT = max(1, args.repeat)
@@ -281,6 +327,8 @@ def main(argv=None) -> dict:
             if reset is not None:
                 reset()
             res[f"{label}{name}_pipelined"] = pipelined_us(fn, queue, min(n, 512))
+            if name == "decode" and not label:
+                res.update(launch_parts(fn, queue, n))
         print(json.dumps({"emulate_nvidia": args.emulate_nvidia, **res}), flush=True)
         every.update(res)
         res = {}

@@ -18,6 +18,15 @@ CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
 * **decode** (``decode``): one float16 query token, 32 query / 8 kv heads, D=128, over a KV cache
   of B sequences × L tokens through ``attention_with_kvcache``: µs per call and pipelined, and
   the cache read rate (K and V read once), beside the same PyTorch backends.
+* **paged** (``paged``): the same decode step over a page pool (``paged_attention``, a device
+  block table), page sizes 1, 8, 16 and 32 with every sequence's pages scattered (a shuffled free
+  list), beside the contiguous cache (``KVCache``) and PyTorch SDPA on the contiguous tensors of
+  the same run, at B=8 L=8192, B=32 L=4096, B=1 L=131072; each paged result is checked against
+  the contiguous cache's (max |diff|) and sequence 0 against the float64 reference.
+* **forks** (``forks``): 32 forks of an 8192-token prompt with 256 tokens of their own each
+  (a ``PagedKVCache``, page 16, device queries), one decode step for all 32, beside the same step
+  over 32 unshared contiguous caches of 8448 tokens (the per-sequence decode); "equivalent TB/s"
+  counts every sequence's tokens as if read separately.
 * **host** (``host``): what a repeated call costs the host (``bench/gpu/hostcost.py``: the call
   with its kernel launches stubbed, the real enqueue, back to back), and what a repeated call
   does on the queue (kernel enqueues, table fills, host-to-device copies).
@@ -37,6 +46,9 @@ import attnlib
 
 PREFILL = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16384, 128)]
 DECODE = [(1, 8192), (8, 8192), (1, 131072)]  # (batch, cache length); 32 q heads, 8 kv, D 128
+PAGED = [(8, 8192), (32, 4096), (1, 131072)]
+PAGE_SIZES = (1, 8, 16, 32)
+FORKS = (32, 8192, 256)  # forks, prompt tokens, own tokens each
 
 
 def _median_time(fn, sync, warm: int, reps: int) -> float:
@@ -176,6 +188,170 @@ def decode(reps: int, with_torch: bool, rows: list) -> None:
         rows.append(row)
 
 
+def _contiguous_kv(rng, b: int, n: int, hkv: int, d: int) -> tuple:
+    """Host float16 k, v (b, n, hkv, d), tiled from one block of at most 8192 random tokens."""
+    blk = min(n, 8192)
+    out = []
+    for _ in range(2):
+        x = rng.standard_normal((b, blk, hkv, d), dtype=np.float32).astype(np.float16)
+        out.append(np.ascontiguousarray(np.tile(x, (1, n // blk, 1, 1))))
+    return out[0], out[1]
+
+
+def _torch_decode(row: dict, q: np.ndarray, k: np.ndarray, v: np.ndarray, reps: int) -> None:
+    import torch
+
+    tq = torch.from_numpy(q).to("cuda").transpose(1, 2).contiguous()
+    tk = torch.from_numpy(k).to("cuda").transpose(1, 2).contiguous()
+    tv = torch.from_numpy(v).to("cuda").transpose(1, 2).contiguous()
+    for name, tt in _torch_times(tq, tk, tv, False, reps).items():
+        row[f"torch_{name}_us"] = tt * 1e6 if isinstance(tt, float) else tt
+    del tq, tk, tv
+    torch.cuda.empty_cache()
+
+
+def paged(reps: int, with_torch: bool, rows: list) -> None:
+    """Paged decode (page sizes PAGE_SIZES, scattered pages) beside the contiguous cache and
+    PyTorch on the same tokens."""
+    from attnlib.testing.reference import reference_attention
+
+    hq, hkv, d = 32, 8, 128
+    reps = max(reps, 20)
+    for b, n in PAGED:
+        rng = np.random.default_rng(2)
+        k, v = _contiguous_kv(rng, b, n, hkv, d)
+        q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
+        qd = attnlib.to_device(q, backend="opencl")
+        nbytes = 2 * b * n * hkv * d * 2
+        ref, _ = reference_attention(q[:1].astype(np.float64), k[:1].astype(np.float64),
+                                     v[:1].astype(np.float64))
+        cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", backend="opencl")
+        cache.update(attnlib.to_device(k, backend="opencl"),
+                     attnlib.to_device(v, backend="opencl"), 0)
+        base = attnlib.attention_with_kvcache(qd, cache)
+        sync = base.queue.finish
+        base = base.get()
+
+        def contiguous(x=qd, c=cache):
+            return attnlib.attention_with_kvcache(x, c)
+
+        t = _median_time(contiguous, sync, warm=3, reps=reps)
+        tp = _pipelined_time(contiguous, sync, reps)
+        row = {"kind": "paged", "batch": b, "cache_len": n, "page": 0, "opencl_us": t * 1e6,
+               "opencl_pipe_us": tp * 1e6, "opencl_TBps": nbytes / t / 1e12,
+               "opencl_pipe_TBps": nbytes / tp / 1e12,
+               "err_ref": float(np.abs(base[:1].astype(np.float64) - ref).max())}
+        if with_torch:
+            _torch_decode(row, q, k, v, reps)
+        rows.append(row)
+        del cache
+        seq_lens = np.full(b, n, np.int32)
+        for page in PAGE_SIZES:
+            per = n // page
+            perm = rng.permutation(b * per)  # scattered: logical page j of all -> pool page
+            kp = np.empty((b * per, page, hkv, d), np.float16)
+            vp = np.empty_like(kp)
+            kp[perm] = k.reshape(b * per, page, hkv, d)
+            vp[perm] = v.reshape(b * per, page, hkv, d)
+            kpd, vpd = (attnlib.to_device(x, backend="opencl") for x in (kp, vp))
+            table = attnlib.to_device(perm.reshape(b, per).astype(np.int32), backend="opencl")
+            del kp, vp
+
+            def step(x=qd, kk=kpd, vv=vpd, tb=table, sl=seq_lens):
+                return attnlib.paged_attention(x, kk, vv, tb, sl)
+
+            got = step().get()
+            t = _median_time(step, sync, warm=3, reps=reps)
+            tp = _pipelined_time(step, sync, reps)
+            rows.append({"kind": "paged", "batch": b, "cache_len": n, "page": page,
+                         "opencl_us": t * 1e6, "opencl_pipe_us": tp * 1e6,
+                         "opencl_TBps": nbytes / t / 1e12, "opencl_pipe_TBps": nbytes / tp / 1e12,
+                         "diff_contiguous": float(np.abs(got.astype(np.float32)
+                                                         - base.astype(np.float32)).max()),
+                         "err_ref": float(np.abs(got[:1].astype(np.float64) - ref).max())})
+            del kpd, vpd, table
+
+
+def forks(reps: int, rows: list) -> None:
+    """32 forks of one prompt, one decode step for all of them, beside 32 unshared caches."""
+    hq, hkv, d, page = 32, 8, 128, 16
+    n_fork, prompt, own = FORKS
+    reps = max(reps, 20)
+    rng = np.random.default_rng(3)
+    dev = lambda x: attnlib.to_device(x, backend="opencl")  # noqa: E731
+    rand = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(  # noqa: E731
+        np.float16)
+    n_pages = (prompt + n_fork * (own + page)) // page + 8
+    cache = attnlib.PagedKVCache(n_pages, page, hkv, d, dtype="float16", backend="opencl")
+    root = cache.new_sequence()
+    kp = dev(rand(1, prompt, hkv, d))
+    cache.append([root], kp, kp)
+    sids = [root] + [cache.fork(root) for _ in range(n_fork - 1)]
+    ko = dev(rand(n_fork, own, hkv, d))
+    cache.append(sids, ko, ko)
+    qd = dev(rand(n_fork, 1, hq, d))
+    out = attnlib.attention_with_paged_kvcache(qd, cache, sids)
+    sync = out.queue.finish
+
+    def step(x=qd, c=cache, s=sids):
+        return attnlib.attention_with_paged_kvcache(x, c, s)
+
+    n = prompt + own
+    nbytes = 2 * n_fork * n * hkv * d * 2
+    t, tp = _median_time(step, sync, 3, reps), _pipelined_time(step, sync, reps)
+    flat = attnlib.KVCache(n_fork, n, hkv, d, dtype="float16", backend="opencl")
+    kf = dev(rand(n_fork, n, hkv, d))
+    flat.update(kf, kf, 0)
+
+    def per_seq(x=qd, c=flat):
+        return attnlib.attention_with_kvcache(x, c)
+
+    t1, tp1 = _median_time(per_seq, sync, 3, reps), _pipelined_time(per_seq, sync, reps)
+    rows.append({"kind": "forks", "forks": n_fork, "prompt": prompt, "own": own,
+                 "opencl_us": t * 1e6, "opencl_pipe_us": tp * 1e6,
+                 "equiv_TBps": nbytes / tp / 1e12, "per_seq_us": t1 * 1e6,
+                 "per_seq_pipe_us": tp1 * 1e6, "speedup": tp1 / tp})
+
+
+def paged_table(rows: list) -> str:
+    out = ["| B, tokens | page | attnlib µs | attnlib TB/s | / contiguous | flash µs | cuDNN µs "
+           "| / cuDNN | max diff vs contiguous | max err vs float64 |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for r in rows:
+        if r["kind"] != "paged":
+            continue
+        key = (r["batch"], r["cache_len"])
+        if r["page"] == 0:
+            base[key] = r
+        b0 = base.get(key, {})
+        cells = []
+        for name in ("flash", "cudnn"):
+            per, pipe = b0.get(f"torch_{name}_us"), b0.get(f"torch_{name}_pipe_us")
+            cells.append(f"{_fmt(per)} / {_fmt(pipe)}" if isinstance(per, float) else _fmt(per))
+        cud = b0.get("torch_cudnn_pipe_us")
+        vs_cudnn = f"{cud / r['opencl_pipe_us']:.2f}" if isinstance(cud, float) else "-"
+        vs_cont = f"{b0['opencl_pipe_us'] / r['opencl_pipe_us']:.2f}" if b0 else "-"
+        out.append(f"| {key[0]}, {key[1]} | {r['page'] or 'contiguous'} | "
+                   f"{_fmt(r['opencl_us'])} / {_fmt(r['opencl_pipe_us'])} | "
+                   f"{_fmt(r['opencl_TBps'], 2)} / {_fmt(r['opencl_pipe_TBps'], 2)} | {vs_cont} | "
+                   + " | ".join(cells) + f" | {vs_cudnn} | "
+                   f"{_fmt(r.get('diff_contiguous'), 4)} | {_fmt(r.get('err_ref'), 4)} |")
+    return "\n".join(out)
+
+
+def forks_table(rows: list) -> str:
+    out = ["| forks × (prompt + own) | shared pages µs | equivalent TB/s | 32 unshared caches µs "
+           "| speed-up (pipelined) |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] == "forks":
+            out.append(f"| {r['forks']} × ({r['prompt']} + {r['own']}) | {_fmt(r['opencl_us'])} / "
+                       f"{_fmt(r['opencl_pipe_us'])} | {_fmt(r['equiv_TBps'], 2)} | "
+                       f"{_fmt(r['per_seq_us'])} / {_fmt(r['per_seq_pipe_us'])} | "
+                       f"{_fmt(r['speedup'], 2)} |")
+    return "\n".join(out)
+
+
 def _fmt(x, digits: int = 1) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x) if x is not None else "-"
 
@@ -259,7 +435,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--only", action="append",
                     choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "decode",
-                             "host"])
+                             "paged", "forks", "host"])
     args = ap.parse_args(argv)
     be = attnlib.get_backend("opencl")
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "opencl backend:", be.info(),
@@ -269,7 +445,8 @@ def main(argv=None) -> int:
         print(f"{missing}: attnlib's rows only, no PyTorch anchors (as --no-torch)", flush=True)
     args.no_torch = args.no_torch or missing is not None
     rows: list = []
-    parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "decode", "host"]
+    parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "decode", "paged",
+                          "forks", "host"]
     for part, dtype, portable in (("prefill32", "float32", False),
                                   ("prefill16p", "float16", True),
                                   ("prefill16", "float16", False),
@@ -280,12 +457,26 @@ def main(argv=None) -> int:
     if "decode" in parts:
         print("decode ...", flush=True)
         decode(args.reps, not args.no_torch, rows)
+    if "paged" in parts:
+        print("paged decode ...", flush=True)
+        paged(args.reps, not args.no_torch, rows)
+    if "forks" in parts:
+        print("forks ...", flush=True)
+        forks(args.reps, rows)
     if any(r["kind"] == "prefill" for r in rows):
         print("\n## Prefill, TFLOP/s (per call / pipelined)\n")
         print(prefill_table(rows))
     if any(r["kind"] == "decode" for r in rows):
         print("\n## Decode, float16, 32 q / 8 kv heads, D=128 (per call / pipelined)\n")
         print(decode_table(rows))
+    if any(r["kind"] == "paged" for r in rows):
+        print("\n## Paged decode, float16, 32 q / 8 kv heads, D=128, scattered pages "
+              "(per call / pipelined; ratios pipelined)\n")
+        print(paged_table(rows))
+    if any(r["kind"] == "forks" for r in rows):
+        print("\n## Shared prompt: 32 forks, one decode step, float16, page 16 (per call / "
+              "pipelined)\n")
+        print(forks_table(rows))
     if "host" in parts:
         import hostcost  # this script's folder
 
@@ -295,6 +486,9 @@ def main(argv=None) -> int:
         rows += [{"kind": "host", **times}, {"kind": "host_count", **counts}]
         print("\n## Host cost of a repeated call (stub: kernel launches stubbed; per call)\n")
         print(host_table(times, counts))
+        prims = ("upload_desc", "pool_alloc", "empty_array", "decode_enqueue_only",
+                 "set_arg_buffer")
+        print("\nprimitives (µs): " + ", ".join(f"{k} {times[k]}" for k in prims if k in times))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

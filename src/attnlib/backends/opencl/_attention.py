@@ -21,6 +21,7 @@ from ... import _config
 from ...errors import UnsupportedError
 from . import _pool
 from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
+from ._nvidia_tables import _device_copy, _memoised
 from ._runtime import KernelConfig
 
 if TYPE_CHECKING:
@@ -433,10 +434,17 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
     return out, lse
 
 
+#: host block tables up to this size are kept on the device by value (the tables memo of
+#: _nvidia_tables: never written, shared by calls); larger ones are uploaded per call
+TABLE_MEMO_BYTES = 64 * 1024
+
+
 def table_args(queue: Any, table: Any, n_pages: int, keep: Any) -> list:
     """(buffer, offset, row stride, column stride, width, n_pages) of a paged call's block
-    table: a host table is uploaded as int32; a device table is read in place (int32) or
-    converted on the device (int64), never checked (the kernel clamps what it reads)."""
+    table: a host table is uploaded as int32 (small ones once per value: a cache's table
+    changes only when a sequence takes or drops a page); a device table is read in place
+    (int32) or converted on the device (int64), never checked (the kernel clamps what it
+    reads)."""
     i64, i32 = np.int64, np.int32
     if is_cl_array(table):
         if table.dtype != np.int32:
@@ -450,6 +458,10 @@ def table_args(queue: Any, table: Any, n_pages: int, keep: Any) -> list:
     if is_cl_array(table):
         view = device_view(queue.context, table)
         buf, off, st = view.buf, view.offset, view.strides
+    elif table.nbytes <= TABLE_MEMO_BYTES:  # a decode step's table changes once a page
+        ctx = queue.context
+        key = ("block table", ctx.int_ptr, table.shape, table.tobytes())
+        buf, off, st = _memoised(key, lambda: _device_copy(ctx, table)), 0, (width, 1)
     else:
         buf, off, st = _pool.upload(queue, table, keep), 0, (width, 1)
     return [buf, i64(off), i64(st[0]), i64(st[1]), i32(width), i32(n_pages)]

@@ -8,13 +8,15 @@
   kernel of ``_nvidia_wgmma``), float16/bfloat16, float32 as 3xTF32, more than
   :data:`~._attention.DECODE_ROWS` packed query rows;
 * ``"decode"``: NVIDIA tensor cores, float16/bfloat16, at most 16 packed query rows per kv head
-  (``_nvidia_decode``);
+  (``_nvidia_decode``), paged calls included;
 * ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls and quantized
-  KV caches included.
+  KV caches included; a paged call of prefill chunks and decode steps with host arrays runs its
+  decode sequences on the decode kernel and the rest here (``_mixed_paged``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,12 +30,13 @@ if TYPE_CHECKING:
 
 def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
     """The kernel family of ``call`` on ``be`` (``max_rows``: its largest number of packed query
-    rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a
-    block table) and quantized K/V (``k_scales``) run the portable kernel: the tensor-core
-    kernels read neither page tables nor 8-bit caches."""
-    if call.block_table is not None or call.k_scales is not None:
+    rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a block
+    table) run the decode kernel when it takes them, else the portable kernel: the prefill
+    kernel does not read page tables. Quantized K/V (``k_scales``) run the portable kernel: the
+    tensor-core kernels read K and V in the dtype only."""
+    if call.k_scales is not None:
         return "portable"
-    if be.use_mma and max_rows > _attention.DECODE_ROWS:
+    if be.use_mma and max_rows > _attention.DECODE_ROWS and call.block_table is None:
         if _nvidia_mma.applicable(be.device, call):
             return "mma"
     if be.use_mma and max_rows <= _nvidia_decode.MAX_ROWS:
@@ -55,7 +58,46 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         return _nvidia_mma.run(queue.context, queue, be.device, call)
     if family == "decode":
         return _nvidia_decode.run(be, queue, call)
+    if (call.block_table is not None and call.k_scales is None and be.use_mma
+            and max_rows > _nvidia_decode.MAX_ROWS):
+        res = _mixed_paged(be, queue, call, rows)
+        if res is not None:
+            return res
     return _attention.run(be, queue, call, rows, max_rows)
+
+
+def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall,
+                 rows: np.ndarray) -> tuple[Any, Any] | None:
+    """A paged call of prefill chunks and decode steps (``cu_seqlens_q``) with host arrays: the
+    decode sequences (at most MAX_ROWS packed rows) on the tensor-core decode kernel, the
+    others on the portable kernel, each writing its own query rows; None where the decode
+    kernel takes none of them (the whole call then runs the portable kernel)."""
+    if not isinstance(call.q, np.ndarray) or not isinstance(call.block_table, np.ndarray):
+        return None
+    small = rows <= _nvidia_decode.MAX_ROWS
+    if not small.any():
+        return None
+    parts = []
+    for keep in (small, ~small):
+        idx = np.flatnonzero(keep)
+        parts.append(replace(call, **{f: getattr(call, f)[idx] for f in _PER_SEQ
+                                      if getattr(call, f) is not None},
+                             block_table=call.block_table[idx], need_lse=True))
+    dec, rest = parts
+    if not _nvidia_decode.applicable(be.device, dec):
+        return None
+    out, lse = _attention.run(be, queue, rest, rows[~small], int(rows[~small].max()))
+    d_out, d_lse = _nvidia_decode.run(be, queue, dec)
+    for s in range(dec.n_seq):
+        b, r0, n = int(dec.q_batch[s]), int(dec.q_row0[s]), int(dec.q_len[s])
+        out[b, r0:r0 + n] = d_out[b, r0:r0 + n]
+        lse[b, :, r0:r0 + n] = d_lse[b, :, r0:r0 + n]
+    return out, (lse if call.need_lse else None)
+
+
+#: the per-sequence fields of an AttnCall (numpy arrays of length n_seq)
+_PER_SEQ = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0", "k_pos0",
+            "causal_hi", "alibi")
 
 
 def forget_plans() -> None:

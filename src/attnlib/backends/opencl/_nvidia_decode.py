@@ -11,9 +11,10 @@ portable path's flash-decoding); with one split the kernel writes out and lse it
 
 Covered: every :class:`~attnlib.backends.base.AttnCall` with float16/bfloat16, D == Dv in
 :data:`HEAD_DIMS`, no mask, at most 16 packed rows per sequence: causal (any alignment, q_len > 1
-included), window, softcap, alibi, GQA/MQA/MHA, ring caches, varlen, any positions; the LSE is
-always returned. Hidden keys whose k or v hold inf/NaN do not leak (see the kernel). Masks and
-other head dims go to the portable kernel.
+included), window, softcap, alibi, GQA/MQA/MHA, ring caches, paged K/V pools (any page size:
+``-DPAGE_SIZE``, the block table read through the kernel's pipeline), varlen, any positions; the
+LSE is always returned. Hidden keys whose k or v hold inf/NaN do not leak (see the kernel).
+Masks and other head dims go to the portable kernel.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ import numpy as np
 from ..base import AttnCall
 from . import _nvidia_mma, _nvidia_tables, _pool
 from ._arrays import is_cl_array, store_kind
-from ._attention import launch_merge
+from ._attention import launch_merge, table_args
 from ._runtime import launch
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS",
            "choose_splits", "build_options", "kernel_options", "local_bytes", "fused_fits",
-           "FUSED_MERGE"]
+           "FUSED_MERGE", "split_key_tiles"]
 
 #: head dims (D == Dv) the dispatch sends to the kernel
 HEAD_DIMS = (64, 128)
@@ -50,7 +51,7 @@ DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
 FUSED_MERGE = True
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
-#: tests only: the plan cache (``_nvidia_plans``) builds the emulated kernel
+#: tests only: the plan cache (``_nvidia_plans``) and :func:`run` build the emulated kernel
 #: (USE_PTX=0) instead of the PTX one, so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
@@ -81,18 +82,20 @@ def applicable(device: Any, call: AttnCall, head_dims: tuple = HEAD_DIMS) -> boo
     return all(_nvidia_mma.array_ok(x) for x in (call.q, call.k, call.v))
 
 
-def local_bytes(head_dim: int, config: tuple) -> int:
+def local_bytes(head_dim: int, config: tuple, page_size: int = 0) -> int:
     """__local bytes of one work-group (the arrays the kernel declares, PTX build)."""
     block_n, warps, stages = config
     lds = head_dim + 8
-    return stages * 2 * block_n * lds * 2 + 16 * lds * 2 + 2 * warps * 16 * 4 + 16
+    pages = stages * ((block_n - 1) // page_size + 2) * 4 if page_size else 0
+    return stages * 2 * block_n * lds * 2 + 16 * lds * 2 + 2 * warps * 16 * 4 + 16 + pages
 
 
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
                   alibi: bool = False, scale_pos: bool = True, split: bool = False,
-                  use_ptx: bool = True, fused: bool = False) -> tuple[str, ...]:
+                  use_ptx: bool = True, fused: bool = False,
+                  page_size: int = 0) -> tuple[str, ...]:
     block_n, warps, stages = config
-    return (
+    return (f"-DPAGE_SIZE={int(page_size)}",
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_N={block_n}", f"-DWARPS={warps}",
         f"-DSTAGES={stages}", f"-DIS_BF16={int(np.dtype(dtype) == _nvidia_mma.BF16)}",
         f"-DSOFTCAP={int(softcap)}", f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}",
@@ -110,8 +113,14 @@ def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
         d, config, splits)
     opts = build_options(d, call.dtype, config, softcap=call.softcap is not None,
                          alibi=call.alibi is not None, scale_pos=call.scale > 0,
-                         split=splits > 1, use_ptx=use_ptx, fused=fused)
+                         split=splits > 1, use_ptx=use_ptx, fused=fused,
+                         page_size=page_size(call))
     return opts, fused
+
+
+def page_size(call: AttnCall) -> int:
+    """The kernel's PAGE_SIZE for ``call``: its pool's page size, 0 for unpaged k and v."""
+    return int(call.page_size or 0) if call.block_table is not None else 0
 
 
 def fused_fits(head_dim: int, config: tuple, splits: int) -> bool:
@@ -138,6 +147,18 @@ def choose_splits(compute_units: int, pairs: int, key_tiles: int, head_dim: int,
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
+
+
+def split_key_tiles(call: AttnCall, block_n: int) -> int:
+    """The key tiles :func:`choose_splits` plans for: the capacity of ``call``'s keys (rows of k,
+    or the block table's pages), not its current lengths, so that the split count and grid of a
+    growing cache stay those of its first step (a recorded launch replays correctly; the kernel
+    cuts each sequence's own tiles into the fixed number of splits)."""
+    if call.block_table is not None:
+        rows = int(call.block_table.shape[1]) * int(call.page_size)
+    else:
+        rows = int(call.k.shape[1])
+    return max(1, -(-rows // block_n))
 
 
 def kernel_key(ctx: Any, device: Any, opts: tuple[str, ...]) -> tuple:
@@ -171,7 +192,7 @@ class DecodePlan:
     counters, offsets and strides, sizes, scalars). :func:`run` and the repeat-call plans
     (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
 
-    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare")
+    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare", "varying")
 
     def __init__(self, queue: Any, device: Any, call: AttnCall, config: tuple, splits: int,
                  n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any, seq_buf: Any,
@@ -186,21 +207,29 @@ class DecodePlan:
         self.args = [None] * len(CALL_SLOTS) + [
             tile_buf, seq_buf, alibi_buf, counter_buf, *geometry, i32(sq_arr), i32(hq),
             i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars]
+        self.varying = CALL_SLOTS
+        if call.block_table is not None:  # the block table's six arguments, set per call
+            n = len(self.args)
+            self.args += [None] * 6
+            self.varying = CALL_SLOTS + tuple(range(n, n + 6))
         self.key = kernel_key(ctx, device, opts)
         self.make = lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
         self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
         self.fused, self.splits, self.spare = fused, splits, alibi_buf
 
     def enqueue(self, be: Any, queue: Any, call: AttnCall, q: Any, k: Any, v: Any, out: Any,
-                lse: Any, owner: Any = None) -> list:
+                lse: Any, owner: Any = None, table: list | None = None) -> list:
         """The launch (then merge.cl's when the splits are not merged by the kernel) into the
         buffers ``out`` and ``lse``; their events. ``owner``: the repeat-call plan whose
-        launches set only the call slots."""
+        launches set only the call slots; ``table``: a paged call's block-table arguments
+        (``_attention.table_args``), the kernel's last six."""
         bq, sq_arr, hq, d = call.q.shape
         n_out_rows = bq * sq_arr * hq
         splits, fused, spare = self.splits, self.fused, self.spare
         args = self.args.copy()
         args[0], args[1], args[2] = q, k, v
+        if table is not None:
+            args[-6:] = table
         if splits > 1:
             part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
             part_l = _pool.scratch(queue, splits * n_out_rows * 4)
@@ -208,7 +237,8 @@ class DecodePlan:
         else:
             args[3:7] = [out, lse, spare, spare]
         evts = [launch(self.key, self.make, "attn_decode_mma", queue, self.grid, self.local,
-                       args, varying=CALL_SLOTS if owner is not None else None, owner=owner)]
+                       args, varying=self.varying if owner is not None else None,
+                       owner=owner)]
         if splits > 1 and not fused:
             evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
                                      (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
@@ -235,7 +265,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     config = tuple(config or DEFAULT_CONFIGS[d])
     block_n = config[0]
     if use_ptx is None:
-        use_ptx = _nvidia_mma.compute_capability(device) is not None
+        use_ptx = _nvidia_mma.compute_capability(device) is not None and not EMULATE_PTX
     dtype = call.dtype
     bq, sq_arr, hq, _ = call.q.shape
     hkv = call.k.shape[2]
@@ -250,13 +280,16 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         if splits is None:
             splits = be.num_splits
         if splits is None:
-            key_tiles = -(-int(np.max(call.k_len)) // block_n)
-            splits = choose_splits(be.facts.compute_units, n_cols * hkv, key_tiles, d, config)
+            splits = choose_splits(be.facts.compute_units, n_cols * hkv,
+                                   split_key_tiles(call, block_n), d, config)
         splits = max(1, int(splits))
         alibi_buf, bufs, geometry, scalars = _nvidia_tables.kernel_inputs(ctx, call)
         plan = DecodePlan(queue, device, call, config, splits, n_cols, use_ptx, fused, tile_buf,
                           seq_buf, alibi_buf, geometry, scalars)
-        evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data)
+        table = None
+        if call.block_table is not None:
+            table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
+        evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data, table=table)
         for e in evts:
             out.add_event(e)
             lse.add_event(e)

@@ -13,6 +13,7 @@ from . import _nvidia_decode as nd
 from . import _nvidia_mma as mma
 from . import _nvidia_tables as nt
 from . import _pool
+from ._attention import table_args
 from ._runtime import launch_lock
 
 _F32 = np.dtype(np.float32)
@@ -58,11 +59,14 @@ class _DecodeStep:
             lse_buf = lse.base_data
         else:
             lse, lse_buf = None, _pool.scratch(queue, n_out_rows * 4)
+        table = None
+        if call.block_table is not None:
+            table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
         with launch_lock:
             common.seq_table.put(queue, self.seqs)
             common.tile_table.put(queue, self.tiles)
             evts = sub.enqueue(fp.be, queue, call, q.base_data, call.k.base_data,
-                               call.v.base_data, out.base_data, lse_buf, owner=sub)
+                               call.v.base_data, out.base_data, lse_buf, owner=sub, table=table)
         for e in evts:
             if e is not None:
                 out.add_event(e)
@@ -91,20 +95,20 @@ def decode_step(fp: Any, call: AttnCall, vals: np.ndarray,
         seqs = np.array([[qb, qr0, ql, kb, kr0, kl, qp0 - kp0, lo, hi]], np.int64)
         n_cols = -(-ql // nd.MAX_ROWS)
         tiles = np.zeros((n_cols, 2), np.int32)
-        max_k = kl
     else:
         seqs, tiles = nt.tables(call, nd.MAX_ROWS, block_n)
-        n_cols, max_k = tiles.shape[0], int(vals[5].max())
+        n_cols = tiles.shape[0]
     if n_cols == 0:
         return None
-    key_tiles = -(-max_k // block_n)
-    splits = common.subs.get((n_cols, key_tiles))  # choose_splits loops up to ~70 times
+    # the plan's key fixes k's shape: one split count per work-group count, whatever the lengths
+    splits = common.subs.get(n_cols)  # choose_splits loops up to ~70 times
     if splits is None:
         splits = fp.be.num_splits
         if splits is None:
             splits = nd.choose_splits(fp.facts.compute_units, n_cols * call.k.shape[2],
-                                      key_tiles, call.head_dim, common.config)
-        splits = common.subs[(n_cols, key_tiles)] = max(1, int(splits))
+                                      nd.split_key_tiles(call, block_n), call.head_dim,
+                                      common.config)
+        splits = common.subs[n_cols] = max(1, int(splits))
     sub = common.subs.get((splits, n_cols, "sub"))
     if sub is None:
         sub = common.subs[(splits, n_cols, "sub")] = nd.DecodePlan(

@@ -18,8 +18,9 @@ holds the tiling, kernel options, argument list and device tables:
 
 Calls with device arrays only, no mask, no ALiBi and no quantized K/V take it, on each of the
 three kernel families the dispatch (``_dispatch.kernel_family``) picks: portable (here), NVIDIA
-tensor-core decode and prefill (``_nvidia_plans``); every other call takes its family's ``run``
-(this returns None for them).
+tensor-core decode and prefill (``_nvidia_plans``); paged calls (a block table: its type, shape
+and dtype in the key, its arguments set per call) on the decode kernel only. Every other call
+takes its family's ``run`` (this returns None for them).
 """
 
 from __future__ import annotations
@@ -74,15 +75,17 @@ def run(be: Any, call: Any, family: Any) -> tuple[Any, Any] | None:
     q, k, v = call.q, call.k, call.v
     if (type(q) is not arr or type(k) is not arr or type(v) is not arr
             or call.mask_view is not None or call.alibi is not None or q.queue is None
-            or call.block_table is not None or call.k_scales is not None):
+            or call.k_scales is not None):
         return None
     chi = call.causal_hi
     n = call.q_len.shape[0]
     queue = q.queue
+    table = call.block_table
+    paged = None if table is None else (call.page_size, type(table), table.shape, table.dtype)
     key = (id(be), id(be.facts), be.tiles, be.num_splits, be.use_mma, queue.int_ptr, q.dtype,
            q.shape, q.strides, q.offset, k.shape, k.strides, k.offset, v.shape, v.strides,
            v.offset, n, call.ring, call.scale, call.softcap, call.window_left,
-           call.window_right, chi is None, call.need_lse)
+           call.window_right, chi is None, call.need_lse, paged)
     fp = plans.get(key)
     if fp is None:
         fp = _new_plan(be, call, queue)
@@ -140,6 +143,8 @@ def _derive(fp: _Plan, call: Any, vals: np.ndarray, family: Any) -> Any:
         route = fp.subs[("route", max_rows)] = family(fp.be, call, max_rows)
     if route == "decode":
         return _nvidia_plans.decode_step(fp, call, vals, col)
+    if call.block_table is not None:  # paged calls: only the decode kernel's plans take them
+        return None
     if route == "portable":
         return _portable_step(fp, call, vals, col, rows, max_rows)
     return _nvidia_plans.mma_step(fp, call, vals)
