@@ -151,6 +151,36 @@ def test_bitwise_deterministic():
         assert x.tobytes() == y.tobytes()
 
 
+def test_float32_softmax_special_values_in_every_block():
+    """The float32 rows' block max works on integer keys of the float bits: NaN of either sign,
+    +inf (inf - inf is NaN), -0.0, subnormals and -inf in any block of a row give the float64
+    reference's result."""
+    from attnlib.backends.numba_backend import _ops
+
+    blk = _ops._BLOCK
+    x = np.random.default_rng(11).standard_normal((9, 2 * blk + 5)).astype(np.float32)
+    neg_nan = np.float32(-np.nan)
+    assert np.signbit(neg_nan)
+    x[0, blk + 3] = neg_nan
+    x[1, 2 * blk + 1] = np.nan
+    x[2, 2 * blk + 4] = np.inf
+    x[3, :blk + 1] = -np.inf
+    x[3, blk + 2] = neg_nan
+    x[4, :] = -np.inf
+    x[4, 3] = np.inf
+    x[5, :] = -0.0
+    x[6, :] = np.float32(1e-40)  # subnormal
+    x[6, blk] = -np.inf
+    x[7, :] = -np.inf
+    for got, ref in ((attnlib.softmax(x, backend="numba"),
+                      attnlib.softmax(x.astype(np.float64), backend="numpy")),
+                     (attnlib.logsumexp(x, backend="numba"),
+                      attnlib.logsumexp(x.astype(np.float64), backend="numpy"))):
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        assert np.isnan(got[:5]).all()
+        np.testing.assert_allclose(got[5:], ref[5:], rtol=1e-6, atol=1e-7)
+
+
 def test_softmax_and_merge_against_reference():
     rng = np.random.default_rng(10)
     x = rng.standard_normal((5, 37, 3)).astype(np.float32) * 30

@@ -1,7 +1,8 @@
-"""The opencl backend within 32 KiB of __local memory (many GPUs, Mesa's rusticl): every head dim up
-to 256 runs, in every dtype, on prefill, decode and split-KV shapes; below what the smallest tiling
-needs, the refusal names both numbers. The device's own limit is replaced by a smaller one through
-the backend's DeviceFacts, so this runs on any OpenCL device (PoCL in CI)."""
+"""The opencl backend within small device limits. 32 KiB of __local memory (many GPUs, Mesa's
+rusticl): every head dim up to 256 runs, in every dtype, on prefill, decode and split-KV shapes;
+below what the smallest tiling needs, the refusal names both numbers. A small work-group limit: the
+tiling stays within it. The device's own limits are replaced by smaller ones through the backend's
+DeviceFacts, so this runs on any OpenCL device (PoCL in CI)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,45 @@ def test_too_little_local_memory_names_both_numbers():
         attnlib.attention(q, k, v, backend=be)
     msg = str(info.value)
     assert f"need {need} bytes" in msg and f"allows {limit}" in msg and str(smallest) in msg
+
+
+@pytest.mark.parametrize("limit", [16, 64])
+def test_tiles_within_the_work_group_limit(limit):
+    """A GPU that allows fewer work-items per work-group (CL_DEVICE_MAX_WORK_GROUP_SIZE) than the
+    default tilings use gets a tiling within its limit, for decode and prefill shapes."""
+    facts = dataclasses.replace(OpenCLBackend().facts, is_cpu=False, max_work_group=limit)
+    for rows in (1, 8, 300):
+        for d in (64, 128, 256):
+            for acc, kv in ((4, 2), (4, 4), (8, 8)):
+                bm, bn, tm, tn = _attention.choose_tiles(facts, rows, d, d, acc, kv, None)
+                assert tm * tn <= limit
+                assert _attention.local_bytes(bm, bn, tn, d, d, acc, kv) <= facts.local_budget
+
+
+def test_softmax_and_merge_within_a_small_work_group_limit():
+    """softmax.cl and merge.cl take work-groups within the device's limit (here 16 work-items,
+    below their usual 64-256) and still match the reference."""
+    be = OpenCLBackend()
+    be.facts = dataclasses.replace(be.facts, max_work_group=16)
+    launched = []
+    real_launch = be.launch
+
+    def launch(ctx, queue, filename, cfg, kernel, gsize, lsize, args, **kw):
+        launched.append((filename, lsize[0]))
+        return real_launch(ctx, queue, filename, cfg, kernel, gsize, lsize, args, **kw)
+
+    be.launch = launch
+    rng = rng_for("small work-groups")
+    x = rng.standard_normal((3, 601)).astype(np.float32) * 4
+    np.testing.assert_allclose(attnlib.softmax(x, backend=be),
+                               attnlib.softmax(x.astype(np.float64), backend="numpy"),
+                               atol=1e-6)
+    outs = [rng.standard_normal((1, 5, 2, 40)).astype(np.float32) for _ in range(3)]
+    lses = [rng.standard_normal((1, 2, 5)).astype(np.float32) for _ in range(3)]
+    out, lse = attnlib.merge_states(outs, lses, backend=be)
+    ref, ref_lse = attnlib.merge_states([o.astype(np.float64) for o in outs],
+                                        [v.astype(np.float64) for v in lses], backend="numpy")
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+    assert {f for f, _ in launched} == {"softmax.cl", "merge.cl"}
+    assert all(size <= 16 for _, size in launched)

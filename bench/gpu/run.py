@@ -27,6 +27,13 @@ CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
   (a ``PagedKVCache``, page 16, device queries), one decode step for all 32, beside the same step
   over 32 unshared contiguous caches of 8448 tokens (the per-sequence decode); "equivalent TB/s"
   counts every sequence's tokens as if read separately.
+* **portable** (``portable``): the portable kernel (``use_mma=False``) against the device's
+  limits, measured in the same run: float32 and float16 prefill (B=4 H=16 S=2048, D 64/128,
+  causal or not) in TFLOP/s beside PyTorch SDPA; float16 decode (B=8 L=8192, B=1 L=131072,
+  32 q / 8 kv heads, D=128) in TB/s; softmax, logsumexp and merge_states in GB/s; each stream
+  as a fraction of the device's copy rate (``enqueue_copy`` buffer to buffer, read + write
+  bytes). ``--quick`` shrinks every shape (S/8, L/16, ...) so the table also runs on a CPU
+  OpenCL device (PoCL) as a check of the script.
 * **host** (``host``): what a repeated call costs the host (``bench/gpu/hostcost.py``: the call
   with its kernel launches stubbed, the real enqueue, back to back), and what a repeated call
   does on the queue (kernel enqueues, table fills, host-to-device copies).
@@ -352,6 +359,156 @@ def forks_table(rows: list) -> str:
     return "\n".join(out)
 
 
+PORTABLE_PREFILL = [(4, 16, 2048, 64), (4, 16, 2048, 128)]
+PORTABLE_DECODE = [(8, 8192), (1, 131072)]  # (batch, cache length); 32 q heads, 8 kv, D 128
+PORTABLE_SOFTMAX = (4096, 8192)  # rows, cols (float32)
+PORTABLE_MERGE = (2, 1, 8192, 32, 128)  # states, B, S, H, D (float32)
+
+
+def portable_rows(reps: int, with_torch: bool, rows: list, quick: bool = False) -> None:
+    """The ``portable`` rows: the portable kernel (``use_mma=False``) and the streaming
+    primitives against the device's copy rate and PyTorch, all measured in this run.
+    ``quick`` divides the sizes (a smoke run on a CPU device)."""
+    import pyopencl as cl
+
+    be = attnlib.get_backend("opencl", use_mma=False)
+    queue = be.queue
+    div = 8 if quick else 1
+    if with_torch:
+        import torch
+
+    # the copy rate: one buffer into another, read + write bytes
+    nbytes = (1 << 30) // div // div
+    src, dst = cl.Buffer(be.context, 0, nbytes), cl.Buffer(be.context, 0, nbytes)
+    cl.enqueue_fill_buffer(queue, src, np.float32(1.0), 0, nbytes)
+
+    def copy(dst=dst, src=src):
+        cl.enqueue_copy(queue, dst, src)
+
+    t = _median_time(copy, queue.finish, warm=2, reps=max(reps, 10))
+    copy_gbs = 2 * nbytes / t / 1e9
+    row = {"kind": "portable", "case": "copy", "opencl_GBps": copy_gbs}
+    if with_torch:
+        a = torch.empty(nbytes // 4, device="cuda")
+        b = torch.empty_like(a)
+        row["torch_GBps"] = 2 * nbytes / _median_time(
+            lambda: b.copy_(a), torch.cuda.synchronize, 2, max(reps, 10)) / 1e9
+        del a, b
+    rows.append(row)
+    del src, dst, copy
+    rng = np.random.default_rng(0)
+    for dtype in ("float32", "float16"):
+        for bsz, h, s, d in PORTABLE_PREFILL:
+            s //= div
+            host = [rng.standard_normal((bsz, s, h, d), dtype=np.float32).astype(dtype)
+                    for _ in range(3)]
+            dev = [attnlib.to_device(x, backend=be) for x in host]
+            for causal in (False, True):
+                flops = 4 * bsz * h * s * s * d / (2 if causal else 1)
+
+                def run(c=causal, x=dev):
+                    return attnlib.attention(*x, causal=c, backend=be)
+
+                t = _median_time(run, queue.finish, warm=2, reps=reps)
+                row = {"kind": "portable", "case": "prefill", "dtype": dtype,
+                       "shape": [bsz, h, s, d], "causal": causal,
+                       "opencl_tflops": flops / t / 1e12}
+                if with_torch:
+                    tq = [torch.from_numpy(x.astype(np.float32)).to("cuda", getattr(torch, dtype))
+                          .transpose(1, 2).contiguous() for x in host]
+                    tt = [v for k, v in _torch_times(*tq, causal, reps).items()
+                          if isinstance(v, float) and not k.endswith("_pipe")]
+                    row["torch_tflops"] = flops / min(tt) / 1e12 if tt else None
+                    del tq
+                rows.append(row)
+    hq, hkv, d = 32, 8, 128
+    for bsz, n in PORTABLE_DECODE:
+        n //= div * div
+        cache = attnlib.KVCache(bsz, n, hkv, d, dtype="float16", backend=be)
+        step = min(n, 8192)
+        kh = rng.standard_normal((bsz, step, hkv, d), dtype=np.float32).astype(np.float16)
+        for p in range(0, n, step):
+            cache.update(kh, kh, p)
+        q = attnlib.to_device(rng.standard_normal((bsz, 1, hq, d), dtype=np.float32)
+                              .astype(np.float16), backend=be)
+
+        def step_once(x=q, c=cache):
+            return attnlib.attention_with_kvcache(x, c)
+
+        t = _median_time(step_once, queue.finish, warm=3, reps=max(reps, 20))
+        moved = 4 * bsz * n * hkv * d  # K and V, float16, read once
+        row = {"kind": "portable", "case": "decode", "dtype": "float16",
+               "shape": [bsz, n, hq, hkv, d], "opencl_GBps": moved / t / 1e9}
+        del cache
+        if with_torch:
+            tq = torch.from_numpy(q.get()).to("cuda").transpose(1, 2).contiguous()
+            tk = torch.from_numpy(np.tile(kh, (1, n // step, 1, 1))).to("cuda").transpose(
+                1, 2).contiguous()
+            tt = [v for k, v in _torch_times(tq, tk, tk, False, max(reps, 20)).items()
+                  if isinstance(v, float) and not k.endswith("_pipe")]
+            row["torch_GBps"] = moved / min(tt) / 1e9 if tt else None
+            del tq, tk
+        rows.append(row)
+    r, c = PORTABLE_SOFTMAX
+    r //= div
+    x = rng.standard_normal((r, c), dtype=np.float32)
+    xd = attnlib.to_device(x, backend=be)
+    n_st, bsz, s, h, d = PORTABLE_MERGE
+    s //= div
+    outs = [attnlib.to_device(rng.standard_normal((bsz, s, h, d), dtype=np.float32), backend=be)
+            for _ in range(n_st)]
+    lses = [attnlib.to_device(rng.standard_normal((bsz, h, s), dtype=np.float32), backend=be)
+            for _ in range(n_st)]
+    merge_bytes = (n_st + 1) * 4 * bsz * s * h * (d + 1)
+    cases = [("softmax", lambda: attnlib.softmax(xd, backend=be), 2 * x.nbytes),
+             ("logsumexp", lambda: attnlib.logsumexp(xd, backend=be), x.nbytes),
+             ("merge_states", lambda: attnlib.merge_states(outs, lses, backend=be), merge_bytes)]
+    for name, fn, moved in cases:
+        t = _median_time(fn, queue.finish, warm=2, reps=max(reps, 10))
+        row = {"kind": "portable", "case": name, "dtype": "float32",
+               "shape": [r, c] if name != "merge_states" else [n_st, bsz, s, h, d],
+               "opencl_GBps": moved / t / 1e9}
+        if with_torch and name != "merge_states":
+            xt = torch.from_numpy(x).cuda()
+            f = torch.softmax if name == "softmax" else torch.logsumexp
+            row["torch_GBps"] = moved / _median_time(
+                lambda f=f, xt=xt: f(xt, dim=-1), torch.cuda.synchronize, 2, max(reps, 10)) / 1e9
+        elif with_torch:
+            to = torch.stack([torch.from_numpy(o.get()).cuda() for o in outs])
+            tl = torch.stack([torch.from_numpy(v.get()).cuda() for v in lses])
+
+            def t_merge(to=to, tl=tl):
+                lse = torch.logsumexp(tl, dim=0)
+                return (torch.exp(tl - lse).transpose(2, 3).unsqueeze(-1) * to).sum(0), lse
+
+            row["torch_GBps"] = moved / _median_time(
+                t_merge, torch.cuda.synchronize, 2, max(reps, 10)) / 1e9
+        rows.append(row)
+    for row in rows:
+        if row.get("kind") == "portable" and "opencl_GBps" in row:
+            row["of_copy"] = row["opencl_GBps"] / copy_gbs
+
+
+def portable_table(rows: list) -> str:
+    """Markdown: one line per portable case, attnlib's rate, PyTorch's, and the fraction of the
+    copy rate of the same run (streaming cases) or attnlib / PyTorch (prefill)."""
+    out = ["| case | dtype | shape | causal | attnlib | PyTorch | attnlib / PyTorch | of copy |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("kind") != "portable":
+            continue
+        unit = "TFLOP/s" if r["case"] == "prefill" else "GB/s"
+        mine = r.get("opencl_tflops", r.get("opencl_GBps"))
+        theirs = r.get("torch_tflops", r.get("torch_GBps"))
+        ratio = f"{mine / theirs:.2f}" if isinstance(theirs, float) else "-"
+        causal = ("yes" if r["causal"] else "no") if "causal" in r else "-"
+        shape = ",".join(map(str, r.get("shape", []))) or "-"
+        frac = f"{r['of_copy']:.0%}" if "of_copy" in r else "-"
+        out.append(f"| {r['case']} | {r.get('dtype', '-')} | {shape} | {causal} | "
+                   f"{_fmt(mine, 2)} {unit} | {_fmt(theirs, 2)} | {ratio} | {frac} |")
+    return "\n".join(out)
+
+
 def _fmt(x, digits: int = 1) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x) if x is not None else "-"
 
@@ -435,7 +592,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--only", action="append",
                     choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "decode",
-                             "paged", "forks", "host"])
+                             "paged", "forks", "host", "portable"])
+    ap.add_argument("--quick", action="store_true",
+                    help="portable: every shape divided (a smoke run on a CPU device)")
     args = ap.parse_args(argv)
     be = attnlib.get_backend("opencl")
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "opencl backend:", be.info(),
@@ -477,6 +636,11 @@ def main(argv=None) -> int:
         print("\n## Shared prompt: 32 forks, one decode step, float16, page 16 (per call / "
               "pipelined)\n")
         print(forks_table(rows))
+    if "portable" in parts:
+        print("portable kernel ...", flush=True)
+        portable_rows(args.reps, not args.no_torch, rows, quick=args.quick)
+        print("\n## The portable kernel (use_mma=False) and the copy rate of the same run\n")
+        print(portable_table(rows))
     if "host" in parts:
         import hostcost  # this script's folder
 

@@ -6,9 +6,13 @@ fixed order of blocks, so the result does not depend on the thread count or the 
 
 float32 rows are the hot path and are memory-bound, so they stream: a row is read in blocks of
 ``_BLOCK`` elements that stay in L1 between the block's max and its sum of exponentials (online
-max / sum across blocks), and the exponential is a polynomial that LLVM vectorises (numba has no
-vector ``exp`` without SVML). Its fastmath flags allow reassociation and contraction only, never
-``nnan`` / ``ninf``: NaN still propagates and exp(-inf) is still 0.
+max / sum across blocks). Both loops are vectorised by LLVM: the block max is an integer max / min
+over order-preserving keys of the float bits (a float max that must skip NaN does not vectorise;
+the keys also show a NaN or +inf, which make the whole row NaN, so the exponential never sees
+one), and the exponential is a branch-free polynomial (numba has no vector ``exp`` without
+SVML) of about 17 vector instructions per 16 elements: on one core it takes about as long as
+DRAM takes to deliver the row (bench/RESULTS.md). The fastmath flags allow
+reassociation and contraction only, never ``nnan`` / ``ninf``: exp(-inf) is still 0.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 = _LN2_HI + _LN2_LO; n * _LN2_HI is exact
 _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_LO = np.float32(-87.33654)  # below: the result is under the smallest normal float32
-_P0 = np.float32(1.9875691500e-4)
-_P1 = np.float32(1.3981999507e-3)
-_P2 = np.float32(8.3334519073e-3)
-_P3 = np.float32(4.1665795894e-2)
-_P4 = np.float32(1.6666665459e-1)
-_P5 = np.float32(5.0000001201e-1)
+# exp(r) ~ 1 + r * (_Q0 + r * (_Q1 + r * (_Q2 + r * (_Q3 + r * _Q4)))) on |r| <= ln(2) / 2:
+# a degree-5 near-minimax fit, relative error 9.2e-8 (1.7e-7 with float32 evaluation)
+_Q0 = np.float32(0.9999997019767761)
+_Q1 = np.float32(0.4999914765357971)
+_Q2 = np.float32(0.1666763722896576)
+_Q3 = np.float32(0.04189816117286682)
+_Q4 = np.float32(0.008290344849228859)
+_I32 = ir.IntType(32)
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -52,62 +58,75 @@ def _pow2_f32(typingctx, n):
     sig = types.float32(n)
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
         v = args[0]
         if v.type.width > 32:
-            v = builder.trunc(v, i32)
+            v = builder.trunc(v, _I32)
         elif v.type.width < 32:
-            v = builder.sext(v, i32)
-        bits = builder.shl(builder.add(v, ir.Constant(i32, 127)), ir.Constant(i32, 23))
+            v = builder.sext(v, _I32)
+        bits = builder.shl(builder.add(v, ir.Constant(_I32, 127)), ir.Constant(_I32, 23))
         return builder.bitcast(bits, ir.FloatType())
 
     return sig, codegen
 
 
+def _flip(builder, bits):
+    """``bits ^ ((bits >> 31) & 0x7fffffff)``: its own inverse."""
+    sign = builder.ashr(bits, ir.Constant(_I32, 31))
+    return builder.xor(bits, builder.and_(sign, ir.Constant(_I32, 0x7FFFFFFF)))
+
+
+@intrinsic
+def _key_f32(typingctx, v):
+    """A float32 as an int32 whose signed order is the float order (-inf < finite < +inf);
+    +NaN keys lie above +inf's, -NaN keys below -inf's. Integer max / min reductions
+    vectorise, where a float max that must ignore NaN does not."""
+    sig = types.int32(v)
+
+    def codegen(context, builder, signature, args):
+        return _flip(builder, builder.bitcast(args[0], _I32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _unkey_f32(typingctx, k):
+    """The float32 of a :func:`_key_f32` key."""
+    sig = types.float32(k)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(_flip(builder, args[0]), ir.FloatType())
+
+    return sig, codegen
+
+
+_KEY_NEG_INF = np.int32(np.array(-np.inf, np.float32).view(np.int32) ^ 0x7FFFFFFF)
+_KEY_POS_INF = np.int32(np.array(np.inf, np.float32).view(np.int32))
+
+
 @njit(inline="always", fastmath=_FM)
 def _exp_nonpos(t):
-    """float32 ``exp(t)`` for ``t <= 0``, -inf or NaN (Cephes' expf: range reduction by ln 2 and
-    a degree-7 polynomial, about 1 ulp); results below the smallest normal float32 are 0.
-    Branch-free, so loops over it vectorise."""
+    """float32 ``exp(t)`` for ``-inf <= t <= 0`` (never NaN: callers leave NaN rows out):
+    Cephes' range reduction by ln 2 in two steps, then the degree-5 polynomial ``_Q``
+    (about 2 ulp); results below the smallest normal float32 are 0. Branch-free, so loops
+    over it vectorise."""
     ni = np.int32(t * _LOG2E - _HALF)  # round to nearest for t <= 0 (truncation toward 0)
     nf = np.float32(ni)
     r = (t - nf * _LN2_HI) - nf * _LN2_LO
-    p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
-    e = (p * (r * r) + r + _F1) * _pow2_f32(ni)
-    e = _F0 if t < _EXP_LO else e
-    return t if t != t else e
+    e = (_Q0 + r * (_Q1 + r * (_Q2 + r * (_Q3 + r * _Q4)))) * r + _F1
+    return _F0 if t < _EXP_LO else e * _pow2_f32(ni)
 
 
 @njit(inline="always")
-def _max_f32(a, m):
-    """max(m, max a) over a contiguous block; NaN never wins (``v > m`` is false), so the lane
-    order does not matter. Eight independent running maxima, one vector register: LLVM does
-    not vectorise a single select-based max reduction without ``nnan``."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = m
-    n8 = a.size - a.size % 8
-    for j in range(0, n8, 8):
-        v = a[j]
-        m0 = v if v > m0 else m0
-        v = a[j + 1]
-        m1 = v if v > m1 else m1
-        v = a[j + 2]
-        m2 = v if v > m2 else m2
-        v = a[j + 3]
-        m3 = v if v > m3 else m3
-        v = a[j + 4]
-        m4 = v if v > m4 else m4
-        v = a[j + 5]
-        m5 = v if v > m5 else m5
-        v = a[j + 6]
-        m6 = v if v > m6 else m6
-        v = a[j + 7]
-        m7 = v if v > m7 else m7
-    for j in range(n8, a.size):
-        v = a[j]
-        m0 = v if v > m0 else m0
-    for v in (m1, m2, m3, m4, m5, m6, m7):
-        m0 = v if v > m0 else m0
-    return m0
+def _max_keys(a, m):
+    """(max, min) of :func:`_key_f32` over a contiguous block and the float32 ``m``: two integer
+    reductions in vector registers. A NaN shows as a max above +inf's key or a min below
+    -inf's."""
+    hi = lo = _key_f32(m)
+    for j in range(a.size):
+        k = _key_f32(a[j])
+        hi = k if k > hi else hi
+        lo = k if k < lo else lo
+    return hi, lo
 
 
 @njit(inline="always", fastmath=_FM)
@@ -136,49 +155,44 @@ def _scale_f32(out, c):
         out[j] *= c
 
 
-@njit(inline="always")
-def _any_nan(a):
-    for j in range(a.size):
-        if a[j] != a[j]:
-            return True
-    return False
-
-
 @njit(parallel=True, fastmath=_FM)
 def _softmax_rows_f32(x, out, lse, block_m, want_p):
-    """float32 rows, one read of x: per block of ``_BLOCK`` elements the block max, then
-    (against the running max ``m``, rescaling the running sum by exp(m - m') when it grows)
-    the block's sum of exp(x - m). For softmax the block's exponentials go to ``out`` as they
-    are summed and the max they used to ``block_m``; a last pass scales each block by
-    exp(m_block - m) / l (re-read from cache while a row fits L2). NaN never wins a max and
-    poisons the sum."""
+    """float32 rows, one read of x: per block of ``_BLOCK`` elements the block max (through
+    integer keys: a NaN or +inf ends the row, whose result is NaN), then (against the running
+    max ``m``, rescaling the running sum by exp(m - m') when it grows) the block's sum of
+    exp(x - m). For softmax the block's exponentials go to ``out`` as they are summed and the
+    max they used to ``block_m``; a last pass scales each block by exp(m_block - m) / l
+    (re-read from cache while a row fits L2)."""
     n = x.shape[1]
     for r in prange(x.shape[0]):
         xr = x[r]
         m = np.float32(NEG_INF)
         acc = 0.0  # float64 running sum of exp(x - m)
-        nan_seen = False
+        nan_row = False
         for bi, b0 in enumerate(range(0, n, _BLOCK)):
             b1 = min(b0 + _BLOCK, n)
             blk = xr[b0:b1]
-            mb = _max_f32(blk, m)
-            if mb == NEG_INF:
-                # only -inf and NaN so far: exp(-inf) adds nothing, NaN decides the row
-                nan_seen = nan_seen or _any_nan(blk)
+            hi, lo = _max_keys(blk, m)
+            if hi >= _KEY_POS_INF or lo < _KEY_NEG_INF:
+                # NaN propagates; +inf - +inf is NaN, as the float64 reference gives
+                nan_row = True
+                break
+            mb = _unkey_f32(hi)
+            if mb == NEG_INF:  # only -inf so far: exp(-inf) adds nothing
                 if want_p:
                     out[r, b0:b1] = _F0
                     block_m[r, bi] = NEG_INF
                 continue
             if mb > m:
-                acc *= math.exp(float(m) - float(mb))
+                if acc != 0.0:  # (no call to exp for the row's first block)
+                    acc *= math.exp(float(m) - float(mb))
                 m = mb
             if want_p:
                 block_m[r, bi] = m
                 acc += _sum_exp_store_f32(blk, m, out[r, b0:b1])
             else:
                 acc += _sum_exp_f32(blk, m)
-        if nan_seen or m == np.inf:
-            # NaN propagates; +inf - +inf is NaN, as the float64 reference gives
+        if nan_row:
             lse[r] = np.nan
             if want_p:
                 out[r, :] = np.nan

@@ -82,6 +82,7 @@ class DeviceFacts:
     fp64: bool
     simulator: bool = False
     local_budget: int = 0  # __local bytes one work-group may use (see _local_budget)
+    max_work_group: int = 1 << 30  # CL_DEVICE_MAX_WORK_GROUP_SIZE: work-items of one work-group
 
 
 def _local_budget(device: Any) -> int:
@@ -110,6 +111,7 @@ def _facts(device: Any) -> DeviceFacts:
         fp64="cl_khr_fp64" in device.extensions,
         simulator=is_simulator(device),
         local_budget=_local_budget(device),
+        max_work_group=int(device.max_work_group_size),
     )
 
 

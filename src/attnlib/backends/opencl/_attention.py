@@ -88,18 +88,19 @@ def launch_merge(be: OpenCLBackend, queue: Any, outs: Any, o_stride: int, lses: 
     = (state, batch, query row, head) strides of the LSEs) into ``out`` / ``lse``; its event.
     Work-groups take MERGE_COLS columns of a row each and split the states over the rest of their
     work-items."""
-    cw = min(MERGE_COLS, _next_pow2(dv))
-    cfg = _merge_cfg(in_kind, out_kind, acc_kind, MERGE_WG // cw)
+    wg = min(MERGE_WG, pow2_floor(be.facts.max_work_group))
+    cw = min(MERGE_COLS, _next_pow2(dv), wg)
+    cfg = _merge_cfg(in_kind, out_kind, acc_kind, wg, wg // cw)
     i64, i32 = np.int64, np.int32
     args = [outs, i64(o_stride), lses, *(i64(x) for x in l_strides), i32(n_states), i32(s),
             i32(h), i32(dv), i64(n_rows), out, lse]
     return be.launch(queue.context, queue, "merge.cl", cfg, "merge_states",
-                     (MERGE_WG * -(-dv // cw), n_rows), (MERGE_WG, 1), args)
+                     (wg * -(-dv // cw), n_rows), (wg, 1), args)
 
 
 @functools.lru_cache(maxsize=64)
-def _merge_cfg(in_kind: int, out_kind: int, acc_kind: int, g: int) -> MergeConfig:
-    return MergeConfig(IN_KIND=in_kind, STORE_KIND=out_kind, ACC_KIND=acc_kind, WG=MERGE_WG, G=g)
+def _merge_cfg(in_kind: int, out_kind: int, acc_kind: int, wg: int, g: int) -> MergeConfig:
+    return MergeConfig(IN_KIND=in_kind, STORE_KIND=out_kind, ACC_KIND=acc_kind, WG=wg, G=g)
 
 
 def vec_widths(d: int, dv: int, threads_n: int) -> tuple[int, int, int]:
@@ -145,6 +146,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= n (n >= 1): a work-group size within a device's limit."""
+    return 1 << (int(n).bit_length() - 1)
+
+
 def choose_tiles(
     facts: Any, rows: int, d: int, dv: int, acc_bytes: int, kv_bytes: int, override: tuple | None
 ) -> tuple[int, int, int, int]:
@@ -153,6 +159,8 @@ def choose_tiles(
     ``rows`` is the largest number of packed query rows (q_len * group) of one sequence. Few rows
     (decoding) take BLOCK_M = rows rounded up to a power of two with one row per work-item and
     wide key tiles; otherwise the largest prefill tiling whose __local arrays fit the device.
+    Only device queries decide: the device type (CPU or not), the __local budget and the most
+    work-items a work-group may hold (THREADS_M * THREADS_N), never a vendor's name.
     """
     if override is not None:
         return tuple(override)  # type: ignore[return-value]
@@ -175,7 +183,8 @@ def choose_tiles(
             cands.insert(0, (128, 64, 16, 8))
     cands += SMALL_TILES
     for bm, bn, tm, tn in cands:
-        if local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget:
+        if (local_bytes(bm, bn, tn, d, dv, acc_bytes, kv_bytes) <= facts.local_budget
+                and tm * tn <= facts.max_work_group):
             return bm, bn, tm, tn
     smallest = cands[-1]
     need = local_bytes(smallest[0], smallest[1], smallest[3], d, dv, acc_bytes, kv_bytes)

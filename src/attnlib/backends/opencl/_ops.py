@@ -27,7 +27,7 @@ from ._arrays import (
     store_kind,
     upload,
 )
-from ._attention import launch_merge
+from ._attention import launch_merge, pow2_floor
 from ._runtime import KernelConfig, launch_lock
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ def softmax(be: OpenCLBackend, x: Any, axis: int, log: bool) -> Any:
     view = device_view(ctx, x)
     wg_cap = 64 if be.facts.is_cpu else 256
     wg = 16 if n <= 16 else min(wg_cap, 64 if n <= 512 else 256)
+    wg = min(wg, pow2_floor(be.facts.max_work_group))
     cfg = SoftmaxConfig(STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64), WG=wg,
                         LOG=log)
     i64 = np.int64
