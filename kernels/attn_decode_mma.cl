@@ -92,6 +92,7 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
                      __global const ushort *v,
                      __global uint *out, __global float *lse,      // SPLIT=0
                      __global float *part_o, __global float *part_l,  // SPLIT=1
+                     __global const float *sinks,  // (Hq,) when n_sinks (not into partials)
                      __global const int *tiles,    // (n_seq', 2): sequence, 0 (see the module)
                      __global const long *seqs,    // (n_seq, SEQ_FIELDS)
                      __global const float *alibi,  // (n_seq, Hq) slopes * log2(e), when ALIBI
@@ -100,8 +101,8 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
                      const long k_off, const long k_sb, const long k_sr, const long k_sh,
                      const long v_off, const long v_sb, const long v_sr, const long v_sh,
                      const int sq_arr, const int n_heads, const int group, const int ring,
-                     const long n_out_rows, const float qk_scale, const float cap
-                     PAGED_PARAMS) {
+                     const long n_out_rows, const float qk_scale, const float cap,
+                     const int n_sinks PAGED_PARAMS) {
   __local uint4 smem[STAGES * 2 * TILE / 8];   // STAGES x (K tile, V tile)
   __local ushort sQ[16 * LDS] __attribute__((aligned(16)));
   __local float sM[WARPS * 16], sL[WARPS * 16];
@@ -512,8 +513,10 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     GLOBAL_FENCE();  // this thread's partial writes before the counter (threadFenceReduction)
 #endif
 #else
-    out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv, o1 * inv);
-    if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_r;
+    float inv_s = inv, lse_s = lse_r;
+    if (n_sinks) SINK_FOLD(mm, l, sinks[h], inv_s, lse_s)
+    out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv_s, o1 * inv_s);
+    if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_s;
 #endif
   }
 #if FUSED_MERGE
@@ -593,10 +596,17 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     }
     const float mm = sM[r], sum = sL[r];
     const bool empty = mm == -INFINITY;
-    o4 *= empty ? 0.f : 1.f / sum;
+    float inv = empty ? 0.f : 1.f / sum, lse_r = empty ? -INFINITY : mm + log(sum);
+    if (n_sinks) {  // the merged state (natural log) merged once with (0, sink)
+      const float sk = sinks[h], mx = empty ? sk : fmax(mm, sk);
+      const float a = empty ? 0.f : exp(mm - mx), lt = sum * a + exp(sk - mx);
+      inv = a / lt;
+      lse_r = mx + log(lt);
+    }
+    o4 *= inv;
     *(__global uint2 *)(out + (orow * HEAD_DIM + col) / 2) =
         (uint2)(pack2(o4.x, o4.y), pack2(o4.z, o4.w));
-    if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = empty ? -INFINITY : mm + log(sum);
+    if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_r;
   }
 #endif
 }

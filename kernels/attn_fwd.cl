@@ -23,6 +23,10 @@
  * stride) and logical key row r of sequence s lives in page block_table[s, r / PAGE_SIZE], slot
  * r % PAGE_SIZE (vLLM / FlashInfer); page indices are clamped into [0, n_pages) and the table
  * column into [0, tbl_w), so no table, however wrong, makes a work-item read outside the pool.
+ * Attention sinks (n_sinks > 0, a run-time argument: no build of its own): sinks[h] (float, one
+ * per query head) joins each row's softmax denominator in the epilogue, as the state (out 0,
+ * lse sink) merged once: l' = l e^(m - m') + e^(sink - m') with m' = max(m, sink); a row that saw
+ * no key gives out 0, lse sink. With SPLIT the partial states hold no sink: merge.cl folds it in.
  * TREE_MAX=1 reduces the
  * per-tile row max over the THREADS_N items of a row in log2(THREADS_N) halving steps (wide decode
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
@@ -396,7 +400,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     acc_t scale, acc_t softcap, __global const float *alibi,
     __global const mask_t *mask, long m_off, long m_s0, long m_s1, long m_s2, long m_s3,
     __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows,
-    int group PAGED_ARGS KV_ARGS) {
+    int group, __global const float *sinks, int n_sinks PAGED_ARGS KV_ARGS) {
     __local acc4_t q_s4[V4(BLOCK_M * QS_LD)] ALIGN8;
     __local kv4_t kv_s4[V4(KV_SIZE)] ALIGN8; /* V is staged over K once S is done */
     __local kv_t *k_s = (__local kv_t *)kv_s4, *v_s = k_s;
@@ -700,6 +704,21 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         const long obase = orow * HEAD_DIM_V;
         const long lidx = ((long)qb * n_heads + row_h[r]) * sq_arr + row;
 #endif
+        if (!SPLIT && n_sinks) {
+            /* the sink (never into split partial states): m' = max(m, sink),
+             * l' = l e^(m - m') + e^(sink - m'), out = acc e^(m - m') / l', lse = m' + log(l') */
+            const acc_t sk = (acc_t)sinks[row_h[r]];
+            const acc_t mx = l == 0 ? sk : fmax(m_i[r], sk);
+            const acc_t a = l == 0 ? (acc_t)0 : exp(m_i[r] - mx);
+            const acc_t lt = l * a + exp(sk - mx);
+            const acc_t inv = a / lt;
+            for (int c = 0; c < DV_PER; ++c) {
+                const int col = DV_COL(c);
+                if (col < HEAD_DIM_V) OUT_ST(out, obase + col, acc[r][c] * inv);
+            }
+            if (tn == 0) lse[lidx] = mx + log(lt);
+            continue;
+        }
         for (int c = 0; c < DV_PER; ++c) {
             const int col = DV_COL(c);
             if (col < HEAD_DIM_V) OUT_ST(out, obase + col, l == 0 ? (acc_t)0 : acc[r][c] / l);

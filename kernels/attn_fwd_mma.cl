@@ -748,13 +748,16 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 #endif
   CP_WAIT(0);
 
-  // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf
+  // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf (with
+  //    sinks: SINK_FOLD)
   UNROLL for (int mt = 0; mt < M_TILES; mt++) {
     UNROLL for (int hf = 0; hf < 2; hf++) {
       float l = l_i[mt][hf];
       l += SHFL_XOR(l, 1);
       l += SHFL_XOR(l, 2);
-      const float inv = l == 0.f ? 0.f : 1.f / l;
+      float inv = l == 0.f ? 0.f : 1.f / l;
+      float lse_r = l == 0.f ? -INFINITY : (m_i[mt][hf] + log2(l)) * LN2;
+      if (n_sinks) SINK_FOLD(m_i[mt][hf], l, sinks[h], inv, lse_r)
       const int r = wrow0 + mt * 16 + g + 8 * hf;
       if (r < nrows) {
         const long row = qrow0 + m0 + r;
@@ -762,10 +765,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
         UNROLL for (int nd = 0; nd < NT_O; nd++) {
           orow[nd * 4 + tg] = OUT_PACK(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
         }
-        if (tg == 0) {
-          lse[(qb * n_heads + h) * sq_arr + row] =
-              l == 0.f ? -INFINITY : (m_i[mt][hf] + log2(l)) * LN2;
-        }
+        if (tg == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_r;
       }
     }
   }

@@ -21,7 +21,10 @@
  *
  * IN_KIND: storage kind of the partial outs (0 float, 1 half, 2 bfloat16, 3 double); STORE_KIND:
  * that of the merged out; ACC_KIND: 0 float, 1 double (also the type of every lse). WG: a power of
- * two, the work-group size; G: a power of two dividing it.
+ * two, the work-group size; G: a power of two dividing it. n_sinks > 0 (a run-time argument):
+ * the merged state is merged once more with (out 0, lse sinks[h]) (the attention sinks of
+ * split-KV partial states, which hold none): a row whose states are all empty gives out 0,
+ * lse sink.
  */
 #if !defined(IN_KIND) || !defined(STORE_KIND) || !defined(ACC_KIND) || !defined(WG) || !defined(G)
 #error "IN_KIND, STORE_KIND, ACC_KIND, WG and G must be defined"
@@ -43,7 +46,7 @@ inline acc_t nan_max2(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
     __global const in_t *outs, long o_stride, __global const acc_t *lses, long l_stride,
     long l_sb, long l_ss, long l_sh, int n_states, int S, int H, int DV, long n_rows,
-    __global store_t *out, __global acc_t *lse_out) {
+    __global store_t *out, __global acc_t *lse_out, __global const float *sinks, int n_sinks) {
     __local acc_t red[WG];
     __local acc_t w_s[CHUNK];
     const long r = get_group_id(1);
@@ -122,7 +125,16 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
         for (int g2 = 1; g2 < G; ++g2) o += red[g2 * CW + lid];
     }
 #endif
-    if (grp == 0 && c < DV) ST(out, r * DV + c, sum == 0 ? (acc_t)0 : o / sum);
-    if (lid == 0 && get_group_id(0) == 0)
-        lse_out[(b * H + h) * S + s] = sum == 0 ? NEG_INF : m + log(sum);
+    if (n_sinks) { /* m' = max(m, sink), l' = sum e^(m - m') + e^(sink - m') */
+        const acc_t sk = (acc_t)sinks[h];
+        const acc_t mx = sum == 0 ? sk : fmax(m, sk);
+        const acc_t a = sum == 0 ? (acc_t)0 : exp(m - mx);
+        const acc_t lt = sum * a + exp(sk - mx);
+        if (grp == 0 && c < DV) ST(out, r * DV + c, o * (a / lt));
+        if (lid == 0 && get_group_id(0) == 0) lse_out[(b * H + h) * S + s] = mx + log(lt);
+    } else {
+        if (grp == 0 && c < DV) ST(out, r * DV + c, sum == 0 ? (acc_t)0 : o / sum);
+        if (lid == 0 && get_group_id(0) == 0)
+            lse_out[(b * H + h) * S + s] = sum == 0 ? NEG_INF : m + log(sum);
+    }
 }

@@ -235,6 +235,20 @@ inline int emu_any(int pred, __local uint *scr) {
 #define FOLD 1
 #endif
 #define LN2 0.6931471805599453f
+// Attention sinks (SPEC section 10): a row's final state (M, L) in the exp2 domain merged once
+// with (out 0, lse SK), SK the sink (natural log): with s2 = SK log2(e), m' = max(M, s2),
+// l' = L 2^(M - m') + 2^(s2 - m'); sets INV (the factor of the unnormalised output) and LSE
+// (natural log). A row that saw no key (L = 0): INV 0, LSE = SK exactly. The partial states of
+// split keys never take it.
+#define SINK_FOLD(M, L, SK, INV, LSE)                                                           \
+  {                                                                                             \
+    const float s2_ = (SK) * 1.4426950408889634f;                                               \
+    const float mx_ = (L) == 0.f ? s2_ : fmax((M), s2_);                                        \
+    const float a_ = (L) == 0.f ? 0.f : ex2((M) - mx_);                                         \
+    const float lt_ = (L) * a_ + ex2(s2_ - mx_);                                                \
+    INV = a_ / lt_;                                                                             \
+    LSE = (L) == 0.f ? (SK) : (mx_ + log2(lt_)) * LN2;                                          \
+  }
 
 #define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
 
@@ -299,10 +313,11 @@ inline float nonfinite_value(uint b) {
 #define PREFILL_PARAMS                                                                          \
   __global const ELEM *q, __global const ELEM *k, __global const ELEM *v, __global ELEM *out,   \
       __global float *lse, __global const int *tiles, __global const long *seqs,                \
-      __global const float *alibi, const long q_off, const long q_sb, const long q_sr,          \
-      const long q_sh, const long k_off, const long k_sb, const long k_sr, const long k_sh,     \
-      const long v_off, const long v_sb, const long v_sr, const long v_sh, const int sq_arr,    \
-      const int n_heads, const int group, const int ring, const float qk_scale, const float cap
+      __global const float *sinks, __global const float *alibi, const long q_off,               \
+      const long q_sb, const long q_sr, const long q_sh, const long k_off, const long k_sb,     \
+      const long k_sr, const long k_sh, const long v_off, const long v_sb, const long v_sr,     \
+      const long v_sh, const int sq_arr, const int n_heads, const int group, const int ring,    \
+      const float qk_scale, const float cap, const int n_sinks
 #if HEADS_INNER
 #define PREFILL_BLOCK_ID                                                                        \
   const int h = get_group_id(0) % n_heads, hk = h / group, wg = get_group_id(0) / n_heads;      \

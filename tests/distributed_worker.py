@@ -34,6 +34,8 @@ ATTENTION = {
     "float64": (2, 2, 17, 5, "float64", "bshd", {"causal": True, "window": (1, 0)}),
     "out_only": (2, 1, 8, 8, "float32", "bshd", {"causal": True, "return_lse": False}),
     "empty_sequence": (2, 2, 8, 8, "float32", "bshd", {"causal": True, "tokens": 0}),
+    "sinks": (4, 1, 16, 12, "float32", "bhsd", {"causal": True, "window": (6, 0), "softcap": 1.5,
+                                                 "sinks": True}),
 }
 #: ulysses_attention's cases (heads divide by 1, 2 and 4): name as for ATTENTION
 ULYSSES = {
@@ -43,6 +45,8 @@ ULYSSES = {
     "u_mqa_window": (4, 4, 17, 17, "float32", "bshd", {"window": (5, 2)}),
     "u_float16": (4, 4, 16, 16, "float16", "bshd", {"causal": True}),
     "u_bfloat16": (4, 4, 16, 16, "bfloat16", "bshd", {"causal": True, "alibi": True}),
+    "u_sinks": (8, 4, 16, 12, "float32", "bshd", {"causal": True, "window": (6, 0),
+                                                   "alibi": True, "sinks": True}),
 }
 #: device arrays (the opencl backend's, on each rank's device): ring and Ulysses cases
 DEVICE = {
@@ -59,6 +63,7 @@ DEVICE_CASES = [f"d_every_option-{fn}-{sh}" for fn in ("ring", "ulysses")
 SHARDED_CACHE = {
     "kv_decode": (1, {}),
     "kv_window_alibi": (3, {"window": (6, 0), "alibi": True, "softcap": 2.0}),
+    "kv_sinks": (2, {"window": (5, 0), "sinks": True}),
 }
 MERGE = {  # name -> (dtype, layout, which ranks hold keys)
     "merge": ("float32", "bshd", "all"),
@@ -81,6 +86,8 @@ ERRORS = {
     "err_ulysses_heads": (None, "ShapeError"),
     "err_ulysses_window_differs": (None, "ArgumentError"),
     "err_kv_overflow": ("CacheOverflowError", "CacheOverflowError"),
+    "err_sinks_differ": (None, "ArgumentError"),
+    "err_sinks_shape": ("ShapeError", "ShapeError"),
 }
 
 
@@ -110,6 +117,11 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
+def _sinks(rng, hq):
+    """Attention sinks, moderate and large ones (the same on every rank)."""
+    return (rng.standard_normal(hq) * np.resize([1.0, 20.0], hq)).astype(np.float32)
+
+
 def _qkv(rng, hq, hkv, d, dv, dtype, layout, s=S, sq=None):
     shapes = [(B, s if sq is None else sq, hq, d), (B, s, hkv, d), (B, s, hkv, dv)]
     arrays = [rng.standard_normal(sh).astype(_dtype(dtype)) for sh in shapes]
@@ -132,6 +144,8 @@ def run_attention(comm, case, config, sharding, backend, fn="ring", device=False
     q, k, v = _qkv(rng, hq, hkv, d, dv, dtype, layout, s=opts.pop("tokens", S))
     if opts.pop("alibi", False):
         opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, hq)).astype(np.float32)
+    if opts.pop("sinks", False):
+        opts["sinks"] = _sinks(rng, hq)
     ref, ref_lse = reference_attention(q, k, v, layout=layout, **opts)
     naive, naive_lse = naive_attention(q, k, v, layout=layout, **opts)
 
@@ -217,6 +231,8 @@ def run_sharded_cache(comm, case, name, backend, device=False):
               for row in held]  # [rank][batch row]: (n, k and v, Hkv, D)
     if opts.pop("alibi", False):
         opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, hq)).astype(np.float32)
+    if opts.pop("sinks", False):
+        opts["sinks"] = _sinks(rng, hq)
     be = dist.rank_backend(comm) if device else backend
     cache = attnlib.KVCache(B, 24, hkv, d, dtype="float32", backend=be)
     for b, kv in enumerate(prompt[rank]):
@@ -317,6 +333,10 @@ def run_error(comm, case, backend):
         args[3] = "COMM_WORLD"
     elif case == "err_ulysses_window_differs" and odd:
         kw["window"] = (3, 0)
+    elif case == "err_sinks_differ":
+        kw["sinks"] = np.full(4, 2.0 if odd else 1.0, np.float32)
+    elif case == "err_sinks_shape":
+        kw["sinks"] = np.zeros(3 if odd else 4, np.float32)
     try:
         if case == "err_gather_differs":
             dist.gather(q[:, : 2 if odd else 4], comm)

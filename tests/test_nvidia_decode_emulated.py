@@ -97,6 +97,30 @@ def test_decode_fused_merge(name):
     np.testing.assert_array_equal(first, again)
 
 
+#: cases with attention sinks (shapes and options of CASES: the same builds): every way the
+#: decode kernel ends a row, each folding the sinks once: its own epilogue (one split),
+#: merge.cl and the fused merge (split partial states hold none)
+SINK_CASES = [("gqa8 d64 one split bf16", None, False),
+              ("window softcap alibi q_len 2", None, False),
+              ("q_len 3 over 2 keys: a row sees nothing", None, False),
+              ("gqa4 d128 splits with empty ones", None, True),
+              ("q_len 3 over 2 keys: a row sees nothing", None, True)]
+
+
+@pytest.mark.parametrize("name,splits,fused", SINK_CASES)
+def test_decode_sinks(name, splits, fused):
+    from dataclasses import replace
+
+    _, dtype, shape, case_splits, opts = next(c for c in CASES if c[0] == name)
+    rng = rng_for("decode sinks", name, splits, fused)
+    kw = dict(opts)
+    if kw.pop("alibi", False):
+        kw["alibi"] = np.linspace(0.05, 0.4, shape["hq"] * shape["b"]).reshape(shape["b"], -1)
+    sinks = (rng.standard_normal(shape["hq"]) * np.resize([2.0, 25.0], shape["hq"]))
+    call = replace(decode_call(rng, dtype, **shape, **kw), sinks=sinks.astype(np.float32))
+    run_and_check(call, splits=case_splits if splits is None else splits, fused=fused)
+
+
 def test_decode_fused_merge_many_splits():
     """19 splits (the fused merge's 16-load batches, then the rest), the last 5 empty."""
     rng = rng_for("decode fused many")
@@ -330,6 +354,18 @@ def test_decode_paged(page, dtype, shape, splits, config, fused, opts):
     contiguous cache."""
     rng = rng_for("decode paged", page, dtype)
     call = decode_call(rng, dtype, **shape, **opts)
+    run_paged_and_check(call, page, splits=splits, config=config, fused=fused, rng=rng)
+
+
+@pytest.mark.parametrize("i", [0, 2, 4], ids=["fused", "one split", "merge.cl"])
+def test_decode_paged_sinks(i):
+    """Attention sinks over paged pools (the builds of PAGED's cases)."""
+    from dataclasses import replace
+
+    page, dtype, shape, splits, config, fused, opts = PAGED[i]
+    rng = rng_for("decode paged sinks", i)
+    sinks = (rng.standard_normal(shape["hq"]) * np.resize([2.0, 25.0], shape["hq"]))
+    call = replace(decode_call(rng, dtype, **shape, **opts), sinks=sinks.astype(np.float32))
     run_paged_and_check(call, page, splits=splits, config=config, fused=fused, rng=rng)
 
 

@@ -50,6 +50,26 @@ def test_mma_kernel_emulated(name, dtype, shape, opts):
     _check(q, k, v, slopes, kw, out, lse)
 
 
+@pytest.mark.parametrize("name", ["causal Sq>Sk empty rows", "window softcap alibi",
+                                  "f32 causal Sq>Sk empty rows"])
+def test_mma_sinks_emulated(name):
+    """Attention sinks (a run-time argument: the builds of CASES), rows that see no key too."""
+    from dataclasses import replace
+
+    from attnlib.backends.opencl import _nvidia_mma
+
+    _, dtype, shape, opts = next(c for c in CASES if c[0] == name)
+    be = attnlib.get_backend("opencl")
+    b, sq, sk, hq, hkv, d = shape
+    rng = rng_for("mma sinks", name)
+    q, k, v = qkv(rng, b, sq, sk, hq, hkv, d, dtype=dtype)
+    call, slopes, kw = kernel_call(q, k, v, opts)
+    kw["sinks"] = (rng.standard_normal(hq) * np.resize([2.0, 25.0], hq)).astype(np.float32)
+    call = replace(call, sinks=kw["sinks"])
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
+    _check(q, k, v, slopes, kw, out, lse)
+
+
 def _check(q, k, v, slopes, kw, out, lse):
     ref, ref_lse = reference_attention(q, k, v, alibi_slopes=slopes, **kw)
     naive, _ = naive_attention(q, k, v, alibi_slopes=slopes, **kw)

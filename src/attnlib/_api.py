@@ -83,7 +83,7 @@ def _from_bshd(x: Any, layout: str, be: Backend) -> Any:
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
               causal: bool | str = False, window: tuple[int | None, int | None] | None = None,
               mask: Any = None, softcap: float | None = None, alibi_slopes: Any = None,
-              layout: str = "bshd", return_lse: bool = False,
+              sinks: Any = None, layout: str = "bshd", return_lse: bool = False,
               backend: str | Backend | None = None) -> Any:
     """Exact softmax attention, computed tile by tile with an online softmax (no Sq x Sk matrix).
 
@@ -106,6 +106,9 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
     ``window=(left, right)`` shows ``i + off - left <= j <= i + off + right`` (None or negative:
     unbounded). Causal, window and mask intersect. A row that sees no key gives 0 and lse -inf.
     ``softcap`` must be > 0 (None disables it; FlashAttention's ``softcap=0.0`` is spelled None).
+    ``sinks`` (float32 ``(Hq,)``, gpt-oss's attention sinks): one logit per query head added to
+    each row's softmax denominator as a key of value zero (no scale, softcap, ALiBi or mask
+    touches it); a row that sees no key then gives 0 and lse = ``sinks[h]``.
 
     Raises ShapeError, DTypeError, ArgumentError for bad input; UnsupportedError when the chosen
     backend cannot run the call (it never falls back silently).
@@ -116,7 +119,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
     (1, 2, 1, 4)
     """
     key = None
-    if mask is None and alibi_slopes is None:
+    if mask is None and alibi_slopes is None and sinks is None:
         key = _dense_key(q, k, v, scale, causal, window, softcap, layout, return_lse, backend)
         hit = _dense_entries.get(key) if key is not None else None
         if hit is not None:
@@ -133,7 +136,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
     return_lse = _spec.check_bool(return_lse, "return_lse")
     call = _spec.dense_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                             softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
-                            need_lse=return_lse)
+                            need_lse=return_lse, sinks=sinks)
     be = pick_backend(backend, (q, k, v), call.dtype)
     out, lse = _run(be, call)
     if key is not None:  # every check passed: repeat calls of this key may skip them
@@ -218,30 +221,39 @@ def _run(be: Backend, call: AttnCall):
     if any(n == 0 for n in call.q.shape[:2]) and isinstance(call.q, np.ndarray):
         # Nothing to compute: keep backends free of zero-size launches.
         b, sq, hq = call.q.shape[:3]
-        acc = np.float64 if call.dtype == np.float64 else np.float32
-        return (np.zeros((b, sq, hq, call.head_dim_v), call.dtype),
-                np.full((b, hq, sq), -np.inf, acc))
+        return (np.zeros((b, sq, hq, call.head_dim_v), call.dtype), empty_lse(call, b, sq))
     return be.attention(call)
+
+
+def empty_lse(call: AttnCall, b: int, sq: int) -> np.ndarray:
+    """The LSE ``(b, Hq, sq)`` of rows that see no key: -inf, or each head's sink."""
+    acc = np.float64 if call.dtype == np.float64 else np.float32
+    hq = call.q.shape[2]
+    if call.sinks is None:
+        return np.full((b, hq, sq), -np.inf, acc)
+    return np.ascontiguousarray(np.broadcast_to(call.sinks.astype(acc)[None, :, None],
+                                                (b, hq, sq)))
 
 
 @_spec.keywords_checked
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
                      scale: float | None = None, causal: bool | str = False,
                      window: tuple[int | None, int | None] | None = None,
-                     softcap: float | None = None, alibi_slopes: Any = None,
+                     softcap: float | None = None, alibi_slopes: Any = None, sinks: Any = None,
                      return_lse: bool = False, backend: str | Backend | None = None) -> Any:
     """Attention over a ragged batch packed without padding.
 
     ``q (total_q, Hq, D)``, ``k (total_k, Hkv, D)``, ``v (total_k, Hkv, Dv)``; sequence ``b``
     is rows ``cu[b]:cu[b+1]`` of each (``cu_seqlens_*``: int32 ``(B + 1,)``, starting at 0,
     non-decreasing, ending at the packed length). Each sequence attends only to itself, with
-    causal alignment and window per sequence. ``alibi_slopes``: ``(Hq,)`` or ``(B, Hq)``.
+    causal alignment and window per sequence. ``alibi_slopes``: ``(Hq,)`` or ``(B, Hq)``;
+    ``sinks``: float32 ``(Hq,)``, as in :func:`attention`.
     Returns ``out (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``.
     """
     return_lse = _spec.check_bool(return_lse, "return_lse")
     call = _spec.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
                              window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                             need_lse=return_lse)
+                             need_lse=return_lse, sinks=sinks)
     be = pick_backend(backend, (q, k, v), call.dtype)
     out, lse = _run(be, call)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -45,7 +45,8 @@ def attention(be: Backend, call: AttnCall):
         k_row0[members] += n_pages * ps
         k_pos0[members] += n_pages * ps
         k_len[members] -= n_pages * ps
-    # every sequence over its own keys (the group's members past their shared pages)
+    # every sequence over its own keys (the group's members past their shared pages); the
+    # call's sinks are folded in here and not in the prefix call, so the merge counts them once
     out, lse = be.attention(replace(call, k_row0=k_row0, k_pos0=k_pos0, k_len=k_len,
                                     need_lse=True))
     # every group's rows together over its shared pages: one sequence per group

@@ -19,6 +19,8 @@ class OnlineAttention:
     and each chunk is folded in with ``merge_states``: the rescale by ``alpha = exp(m_old -
     m_new)`` is the merge's weight. With ``causal`` the keys arrive in order and
     ``total_keys`` (the final Sk) must be given, so that the bottom-right alignment is known.
+    ``sinks`` (float32 ``(Hq,)``, as in ``attention``) join the first chunk's state only, so
+    they count once however the keys are chunked; before any key, the state is (0, sinks).
 
     >>> import numpy as np, attnlib
     >>> q = np.ones((1, 1, 1, 2)); acc = attnlib.OnlineAttention(q, backend="numpy")
@@ -28,7 +30,7 @@ class OnlineAttention:
 
     @_spec.keywords_checked
     def __init__(self, q: Any, *, scale: float | None = None, causal: bool | str = False,
-                 softcap: float | None = None, layout: str = "bshd",
+                 softcap: float | None = None, sinks: Any = None, layout: str = "bshd",
                  backend: str | Backend | None = None, total_keys: int | None = None) -> None:
         self._layout = _spec.check_layout(layout)
         _spec.check_array(q, "q", ndim=4)
@@ -38,6 +40,7 @@ class OnlineAttention:
         self._softcap = _spec.check_softcap(softcap)
         self._causal = _spec.check_causal(causal)
         self._total = _spec.check_total_keys(total_keys, self._causal)
+        self._sinks = _spec.check_sinks(sinks, self._q.shape[2])
         self._backend = pick_backend(backend, (q,), self._dtype)
         self._seen = 0
         self._state = None  # (out float32/64 bshd, lse)
@@ -67,6 +70,7 @@ class OnlineAttention:
             q_pos0=off * ones, k_pos0=self._seen * ones,
             causal_hi=None if self._causal is None else 0 * ones,
             scale=self._scale, softcap=self._softcap, need_lse=True,
+            sinks=self._sinks if self._state is None else None,
         )
         out, lse = be.attention(call)
         acc = np.float64 if self._dtype == np.float64 else np.float32
@@ -86,6 +90,8 @@ class OnlineAttention:
             acc = np.float64 if self._dtype == np.float64 else np.float32
             out = np.zeros((b, sq, hq, self._q.shape[3]), dtype=self._dtype)
             lse = np.full((b, hq, sq), -np.inf, dtype=acc)
+            if self._sinks is not None:
+                lse[:] = self._sinks.astype(acc)[None, :, None]
             if _spec.is_device_array(self._q):
                 out, lse = self._backend.to_device(out), self._backend.to_device(lse)
         else:

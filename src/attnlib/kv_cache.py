@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _quant, _spec, registry
-from ._api import RoPE, check_rope, pick_backend
+from ._api import RoPE, check_rope, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -156,7 +156,7 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
                            causal: bool = True, scale: float | None = None,
                            window: tuple[int | None, int | None] | None = None,
                            softcap: float | None = None, alibi_slopes: Any = None,
-                           return_lse: bool = False,
+                           sinks: Any = None, return_lse: bool = False,
                            backend: str | Backend | None = None) -> Any:
     """Append ``k``, ``v`` (if given) at ``start_pos`` (default: the current lengths), then attend
     ``q (B, Sq, Hq, D)`` over each sequence's held tokens (FlashAttention's
@@ -166,15 +166,16 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
     the length after the append); causal (bottom-right, the default) lets it see held keys at
     positions ``<= len_b - Sq + i``; RoPE (``rope=attnlib.RoPE(...)``) rotates q and the new k at
     these positions before writing and attending. ``batch_idx (B,)`` maps batch rows to cache
-    rows. Every check runs before the cache is touched: a failing call leaves it unchanged.
+    rows. ``sinks`` (float32 ``(Hq,)``): attention sinks, as in ``attention``. Every check runs
+    before the cache is touched: a failing call leaves it unchanged.
     """
     fast_key = None
     if type(cache) is KVCache and backend is None and alibi_slopes is None:
         fast_key = _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse,
-                             start_pos, batch_idx)
+                             start_pos, batch_idx, sinks)
         entry = cache._fast.get(fast_key) if fast_key is not None else None
         if entry is not None:
-            res = entry.run(cache, q, k, v, start_pos, batch_idx)
+            res = entry.run(cache, q, k, v, start_pos, batch_idx, sinks)
             if res is not None:
                 return res
     _spec.check_cache_instance(cache, KVCache)
@@ -205,7 +206,7 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
         scale=_spec.check_scale(scale, d), window_left=left, window_right=right,
         softcap=_spec.check_softcap(softcap), alibi=_spec.check_alibi(alibi_slopes, b, hq),
         ring=cache.max_seq_len if cache.ring else 0, need_lse=return_lse,
-        k_scales=cache.k_scales, v_scales=cache.v_scales,
+        sinks=_spec.check_sinks(sinks, hq), k_scales=cache.k_scales, v_scales=cache.v_scales,
     )
     # the cache's backend was chosen, and its dtype checked, at construction: only q's array kind
     # is left to check (the decode hot path skips the full backend resolution)
@@ -218,13 +219,14 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
         call = replace(call, q=be.rope(q, positions, rope_spec))
     if sq == 0 or b == 0:
         out = np.zeros((b, sq, hq, cache.head_dim_v), cache.dtype)
-        lse = np.full((b, hq, sq), -np.inf, np.float64 if cache.dtype == np.float64 else np.float32)
+        lse = empty_lse(call, b, sq)
     else:
         out, lse = be.attention(call)
         if fast_key is not None:  # every check passed: repeat calls of this key may skip them
             if len(cache._fast) >= _FAST_MAX:
                 cache._fast.clear()
-            cache._fast[fast_key] = _FastEntry(cache, call, b, sq, k, rope_spec, return_lse)
+            cache._fast[fast_key] = _FastEntry(cache, call, b, sq, k, rope_spec, return_lse,
+                                               hq)
     return (out, lse) if return_lse else out
 
 
@@ -238,7 +240,7 @@ _SIMPLE = (bool, int, float, _NONE, str, np.bool_, np.float64, np.float32)
 
 
 def _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse, start_pos=None,
-              batch_idx=None) -> tuple | None:
+              batch_idx=None, sinks=None) -> tuple | None:
     """Everything the checks of :func:`attention_with_kvcache` read besides the cache's state
     (lengths) and the values of ``start_pos`` / ``batch_idx`` (checked per call, see
     ``_FastEntry._mapped``): q's (and the new k, v's) type, shape, dtype and strides, every
@@ -257,7 +259,7 @@ def _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse, start_p
         if rope is not None:
             rope = (type(rope), rope.theta, rope.interleaved, rope.rotary_dim)
         return (type(q), q.shape, q.dtype, q.strides, kv, rope, tc, causal, ts, scale, window,
-                tf, softcap, tl, return_lse, type(start_pos), type(batch_idx))
+                tf, softcap, tl, return_lse, type(start_pos), type(batch_idx), sinks is None)
     except (AttributeError, TypeError):
         return None
 
@@ -273,7 +275,7 @@ def _frozen_fields_ok() -> bool:
 _CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len",
                 "q_pos0", "k_pos0", "causal_hi", "scale", "window_left", "window_right",
                 "softcap", "alibi", "mask_view", "mask_kind", "ring", "dense", "need_lse",
-                "block_table", "page_size", "k_scales", "v_scales")
+                "block_table", "page_size", "sinks", "k_scales", "v_scales")
 
 
 _COPY_CALL = _frozen_fields_ok()
@@ -288,11 +290,12 @@ class _FastEntry:
     on backends that fuse it)."""
 
     __slots__ = ("be", "b", "sq", "n_new", "rope", "need_lse", "fields", "consts", "rows",
-                 "fused")
+                 "fused", "hq")
 
-    def __init__(self, cache: KVCache, call: AttnCall, b: int, sq: int, k, rope, need_lse):
+    def __init__(self, cache: KVCache, call: AttnCall, b: int, sq: int, k, rope, need_lse,
+                 hq: int):
         self.be = cache.backend
-        self.b, self.sq = b, sq
+        self.b, self.sq, self.hq = b, sq, hq
         self.n_new = None if k is None else int(k.shape[1])
         self.rope, self.need_lse = rope, need_lse
         # an append (with RoPE: q rows = new tokens): the backend's fused append, if any
@@ -307,8 +310,10 @@ class _FastEntry:
                        None if call.causal_hi is None else np.zeros(b, np.int64))
 
     def run(self, cache: KVCache, q: Any, k: Any, v: Any, start_pos: Any = None,
-            batch_idx: Any = None) -> Any:
+            batch_idx: Any = None, sinks: Any = None) -> Any:
         b, sq, cap, n_new = self.b, self.sq, cache.max_seq_len, self.n_new
+        # the key fixes only whether sinks are given: their values are checked every call
+        sinks = None if sinks is None else _spec.check_sinks(sinks, self.hq)
         rows = self.rows
         if start_pos is not None or batch_idx is not None:
             rows, start, new_len, lo_arr = self._mapped(cache, start_pos, batch_idx)
@@ -349,8 +354,8 @@ class _FastEntry:
         values = dict(self.fields, q=q, k=cache.k, v=cache.v, q_batch=q_batch.copy(),
                       q_row0=q_row0.copy(), q_len=q_len.copy(), k_batch=rows.copy(),
                       k_row0=k_row0, k_len=k_len, q_pos0=q_pos0, k_pos0=k_pos0,
-                      causal_hi=None if chi is None else chi.copy(), k_scales=cache.k_scales,
-                      v_scales=cache.v_scales)
+                      causal_hi=None if chi is None else chi.copy(), sinks=sinks,
+                      k_scales=cache.k_scales, v_scales=cache.v_scales)
         if q_rot is not None:
             values["q"] = q_rot
         elif self.rope is not None:

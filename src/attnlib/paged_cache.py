@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import _cascade, _quant, _spec, registry
-from ._api import _device_contiguous, check_rope, pick_backend
+from ._api import _device_contiguous, check_rope, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["PagedKVCache", "attention_with_paged_kvcache", "paged_attention"]
@@ -280,21 +280,21 @@ def _cat(parts: list) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def _options(d: int, hq: int, n_seq: int, causal, scale, window, softcap, alibi_slopes):
+def _options(d: int, hq: int, n_seq: int, causal, scale, window, softcap, alibi_slopes, sinks):
     causal = _spec.check_causal(causal, allow_top_left=False)
     left, right = _spec.check_window(window)
     return dict(causal_hi=None if causal is None else np.zeros(n_seq, np.int64),
                 scale=_spec.check_scale(scale, d), window_left=left, window_right=right,
                 softcap=_spec.check_softcap(softcap),
-                alibi=_spec.check_alibi(alibi_slopes, n_seq, hq))
+                alibi=_spec.check_alibi(alibi_slopes, n_seq, hq),
+                sinks=_spec.check_sinks(sinks, hq))
 
 
 def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):
     q = call.q
     if q.shape[1] == 0 or q.shape[0] == 0 or call.n_seq == 0:
-        acc = np.float64 if call.dtype == np.float64 else np.float32
         out = np.zeros(tuple(q.shape[:3]) + (call.head_dim_v,), call.dtype)
-        lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
+        lse = empty_lse(call, q.shape[0], q.shape[1])
     else:
         out, lse = _cascade.attention(be, call)
     if packed:
@@ -306,7 +306,7 @@ def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):
 @_spec.keywords_checked
 def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q=None, rope=None,
                                  causal=True, scale=None, window=None, softcap=None,
-                                 alibi_slopes=None, return_lse=False, backend=None):
+                                 alibi_slopes=None, sinks=None, return_lse=False, backend=None):
     """Append ``k``, ``v`` (if given) to each sequence ``sids`` of ``cache``, then attend ``q``
     over its tokens (SPEC section 8, with the rules of ``attention_with_kvcache``; FlashInfer's
     ``BatchPrefillWithPagedKVCacheWrapper`` / vLLM's paged attention in one call).
@@ -318,6 +318,7 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     append); causal is bottom-right; ``rope=attnlib.RoPE(...)`` rotates q and the new k at their
     positions (fused into the write where the backend can). Returns ``out`` shaped like q with
     ``Dv``, and with ``return_lse`` the LSE ``(B, Hq, Sq)`` or, packed, ``(Hq, total_q)``.
+    ``sinks`` (float32 ``(Hq,)``): attention sinks, as in ``attention``.
     Every check runs before the cache is touched: a refused call changes nothing.
 
     Sequences of the call that hold the same leading full pages (forks of one prompt) read them
@@ -335,7 +336,7 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     _spec.check_cache_query_kind(q4, cache.dtype, cache.head_dim, cache.n_kv_heads)
     hq, d = q4.shape[2], q4.shape[3]
     _spec.check_readable(q, "q", be)
-    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes)
+    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes, sinks)
     rope_spec = check_rope(rope, d)
     _spec.check_kv_given(k, v, None)
     write = None
@@ -366,8 +367,8 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
 
 @_spec.keywords_checked
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=None, causal=True,
-                    scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False,
-                    backend=None, k_scales=None, v_scales=None):
+                    scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
+                    return_lse=False, backend=None, k_scales=None, v_scales=None):
     """Attention over a caller-owned page pool (the stateless form, for engines that manage
     pages themselves; vLLM's and FlashAttention's ``block_table`` / ``seq_lens`` names).
 
@@ -379,7 +380,8 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     ``attention_with_paged_kvcache``. A numpy ``block_table`` is checked entry by entry (a -1 or
     an out-of-range page where a sequence needs one: ``ArgumentError``); a device table is taken
     as given, and no kernel reads outside the pool whatever it holds (page indices are clamped;
-    the result for a sequence with such entries is unspecified). With a host table and a host
+    the result for a sequence with such entries is unspecified). ``sinks`` (float32 ``(Hq,)``):
+    attention sinks, as in ``attention``. With a host table and a host
     ``q``, shared leading full pages are read once per group of sequences, as in
     ``attention_with_paged_kvcache``.
 
@@ -409,7 +411,7 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     table, lens = _spec.check_page_table(block_table, seq_lens, n_seq, num_pages, page_size)
     _spec.check_query_rows(q_len, lens, "sequence")
     hq, d = q4.shape[2], q4.shape[3]
-    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes)
+    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes, sinks)
     arrays = (q, k_pages, v_pages, table) + (() if k_scales is None else (k_scales, v_scales))
     be = pick_backend(backend, arrays, dtype)
     zeros = np.zeros(n_seq, np.int64)

@@ -211,6 +211,23 @@ def check_alibi(slopes: Any, n_seq: int, n_heads: int) -> np.ndarray | None:
     return np.ascontiguousarray(np.broadcast_to(a.astype(np.float32), (n_seq, n_heads)))
 
 
+def check_sinks(sinks: Any, n_heads: int) -> np.ndarray | None:
+    """``sinks=``: None, or one finite float32 logit per query head ``(Hq,)`` (gpt-oss's
+    attention sinks), returned as a C-contiguous float32 copy (the call never sees later changes
+    to the caller's array)."""
+    if sinks is None:
+        return None
+    check_array(sinks, "sinks", ndim=1)
+    a = host(sinks)
+    if np.dtype(a.dtype) != np.float32:
+        raise DTypeError(f"sinks has dtype {a.dtype}; expected float32 (one logit per query head)")
+    if a.shape != (n_heads,):
+        raise ShapeError(f"sinks has shape {a.shape}; expected (Hq,) = ({n_heads},)")
+    if not np.isfinite(a).all():
+        raise ArgumentError(f"sinks must be finite, got {a.tolist()}")
+    return np.array(a, np.float32, order="C")
+
+
 def check_mask(mask: Any, shape: tuple[int, int, int, int]) -> tuple[np.ndarray | None, str | None]:
     """Broadcast a bool or additive mask to ``shape = (B, Hq, Sq, Sk)`` without copying."""
     if mask is None:

@@ -19,6 +19,7 @@ from ._arrays import (
     check_mask,
     check_scale,
     check_seqlens,
+    check_sinks,
     check_softcap,
     check_window,
     host,
@@ -69,7 +70,7 @@ def check_heads(q_shape, k_shape, v_shape, names=("q", "k", "v")) -> None:
 
 
 def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, layout,
-               need_lse: bool) -> AttnCall:
+               need_lse: bool, sinks: Any = None) -> AttnCall:
     layout = check_layout(layout)
     check_qkv(q, k, v, ndim=4)
     q, k, v = (to_bshd(x, layout) for x in (q, k, v))
@@ -92,11 +93,12 @@ def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, l
         scale=check_scale(scale, d), window_left=left, window_right=right,
         softcap=check_softcap(softcap), alibi=check_alibi(alibi_slopes, b, hq),
         mask_view=mask_view, mask_kind=mask_kind, dense=True, need_lse=need_lse,
+        sinks=check_sinks(sinks, hq),
     )
 
 
 def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_slopes,
-                need_lse: bool) -> AttnCall:
+                need_lse: bool, sinks: Any = None) -> AttnCall:
     check_qkv(q, k, v, ndim=3)
     check_heads(q.shape, k.shape, v.shape)
     cq = check_seqlens(cu_q, "cu_seqlens_q", q.shape[0])
@@ -118,7 +120,7 @@ def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_sl
         q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(causal, off),
         scale=check_scale(scale, q.shape[-1]), window_left=left, window_right=right,
         softcap=check_softcap(softcap), alibi=check_alibi(alibi_slopes, n, q.shape[1]),
-        need_lse=need_lse,
+        need_lse=need_lse, sinks=check_sinks(sinks, q.shape[1]),
     )
 
 

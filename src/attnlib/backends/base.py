@@ -27,6 +27,15 @@ mask. Softmax over visible keys, ``out = sum p v``, ``lse = log sum exp(s)`` (na
 A row with no visible key gives out = 0 and lse = -inf, never NaN. Invisible keys contribute
 nothing even if their k or v hold NaN or garbage (never multiply them by 0: skip them).
 
+``sinks`` (float32 ``(Hq,)``, or None): one extra logit per query head that joins the
+softmax denominator as a key of value zero (gpt-oss's attention sinks), untouched by scale,
+softcap, ALiBi, masks, causal and window: with ``m = max(sink_h, max_j s_j)``,
+``out = sum_j exp(s_j - m) v_j / (exp(sink_h - m) + sum_j exp(s_j - m))`` and
+``lse = log(exp(sink_h) + sum_j exp(s_j))``; a row with no visible key gives out = 0 and
+lse = sink_h. It is the state without sinks merged once with the state (0, sink_h): a backend
+computes without it and folds it into the final normalisation (after any merge of split-key
+partial states, never into each of them).
+
 Arrays: ``q (Bq, Sq_arr, Hq, D)``, ``k (Bk, Sk_arr, Hkv, D)``, ``v (Bk, Sk_arr, Hkv, Dv)``, any
 strides (numpy: byte strides as numpy reports them; negative and zero strides occur). q, k, v
 share one dtype out of float16, float32, float64, ml_dtypes.bfloat16. Query head ``h`` reads kv head
@@ -117,6 +126,7 @@ class AttnCall:
     need_lse: bool = True
     block_table: Any = None  # (n_seq, max_pages) int32/int64: paged k, v (see the docstring)
     page_size: int = 0
+    sinks: np.ndarray | None = None  # float32 (Hq,): one softmax sink logit per query head
     k_scales: Any = None  # float32 k.shape[:3]: k, v hold 8-bit codes (see the docstring)
     v_scales: Any = None
 

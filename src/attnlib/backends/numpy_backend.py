@@ -51,44 +51,52 @@ class NumpyBackend(HostPages, Backend):
 
     # ---- attention ----------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
-        q, k, v = call.q, call.k, call.v
-        bq, sq_arr, hq, _ = q.shape
-        dv = v.shape[3]
-        group = hq // k.shape[2]
-        out = np.zeros((bq, sq_arr, hq, dv), dtype=np.float64)
+        bq, sq_arr, hq, _ = call.q.shape
+        out = np.zeros((bq, sq_arr, hq, call.v.shape[3]), dtype=np.float64)
         lse = np.full((bq, hq, sq_arr), -np.inf, dtype=np.float64)
         for s in range(call.n_seq):
             n_q, n_k = int(call.q_len[s]), int(call.k_len[s])
             if n_q == 0:
                 continue
-            qb, q0 = int(call.q_batch[s]), int(call.q_row0[s])
-            if n_k == 0:
-                continue  # already out = 0, lse = -inf
-            rows = int(call.k_row0[s]) + np.arange(n_k)
-            if call.ring:
-                rows %= call.ring
-            kb = int(call.k_batch[s])
-            k_seq, v_seq, ksc, vsc = k, v, call.k_scales, call.v_scales
-            if call.block_table is not None:
-                k_seq, v_seq, ksc, vsc, rows, kb = _paged_rows(call, s, rows)
-            qpos = int(call.q_pos0[s]) + np.arange(n_q)
-            kpos = int(call.k_pos0[s]) + np.arange(n_k)
-            for h in range(hq):
-                hk = h // group
-                qs = _f64(q[qb, q0:q0 + n_q, h, :])
-                if call.quantized:  # the reference reads scale * stored, exact in float64
-                    ks = _quant.dequantize(k_seq[kb][rows, hk, :], ksc[kb][rows, hk])
-                    vs = _quant.dequantize(v_seq[kb][rows, hk, :], vsc[kb][rows, hk])
-                else:
-                    ks = _f64(k_seq[kb][rows, hk, :])
-                    vs = _f64(v_seq[kb][rows, hk, :])
-                step = _rows_per_chunk(n_k)
-                for i0 in range(0, n_q, step):
-                    i1 = min(n_q, i0 + step)
-                    o, m = self._rows(call, s, h, qs[i0:i1], ks, vs, qpos[i0:i1], kpos, i0)
-                    out[qb, q0 + i0:q0 + i1, h, :] = o
-                    lse[qb, h, q0 + i0:q0 + i1] = m
+            if n_k:  # else out = 0, lse = -inf already
+                self._sequence(call, s, out, lse)
+            if call.sinks is not None:  # each head's sink, folded in once all keys are in
+                qb, rows_q = int(call.q_batch[s]), slice(int(call.q_row0[s]),
+                                                         int(call.q_row0[s]) + n_q)
+                out[qb, rows_q], lse[qb, :, rows_q] = fold_sinks(
+                    out[qb, rows_q], lse[qb, :, rows_q], call.sinks)
         return out.astype(call.dtype), lse.astype(_acc_dtype(call.dtype))
+
+    def _sequence(self, call: AttnCall, s: int, out: np.ndarray, lse: np.ndarray) -> None:
+        """Sequence ``s``'s rows (it has keys) into ``out``, ``lse`` (float64), without sinks."""
+        q, k, v = call.q, call.k, call.v
+        group = q.shape[2] // k.shape[2]
+        n_q, n_k = int(call.q_len[s]), int(call.k_len[s])
+        qb, q0 = int(call.q_batch[s]), int(call.q_row0[s])
+        rows = int(call.k_row0[s]) + np.arange(n_k)
+        if call.ring:
+            rows %= call.ring
+        kb = int(call.k_batch[s])
+        k_seq, v_seq, ksc, vsc = k, v, call.k_scales, call.v_scales
+        if call.block_table is not None:
+            k_seq, v_seq, ksc, vsc, rows, kb = _paged_rows(call, s, rows)
+        qpos = int(call.q_pos0[s]) + np.arange(n_q)
+        kpos = int(call.k_pos0[s]) + np.arange(n_k)
+        for h in range(q.shape[2]):
+            hk = h // group
+            qs = _f64(q[qb, q0:q0 + n_q, h, :])
+            if call.quantized:  # the reference reads scale * stored, exact in float64
+                ks = _quant.dequantize(k_seq[kb][rows, hk, :], ksc[kb][rows, hk])
+                vs = _quant.dequantize(v_seq[kb][rows, hk, :], vsc[kb][rows, hk])
+            else:
+                ks = _f64(k_seq[kb][rows, hk, :])
+                vs = _f64(v_seq[kb][rows, hk, :])
+            step = _rows_per_chunk(n_k)
+            for i0 in range(0, n_q, step):
+                i1 = min(n_q, i0 + step)
+                o, m = self._rows(call, s, h, qs[i0:i1], ks, vs, qpos[i0:i1], kpos, i0)
+                out[qb, q0 + i0:q0 + i1, h, :] = o
+                lse[qb, h, q0 + i0:q0 + i1] = m
 
     def _rows(self, call: AttnCall, s: int, h: int, qs, ks, vs, qpos, kpos, i0: int):
         """Reference softmax attention for one chunk of query rows of one head."""
@@ -193,6 +201,22 @@ class NumpyBackend(HostPages, Backend):
                 chunk, scales[int(rows[b]), pos % cap] = _quant.quantize(
                     chunk, _quant.format_of(buf.dtype))
             buf[int(rows[b]), pos % cap] = chunk
+
+
+def fold_sinks(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray) -> tuple[np.ndarray,
+                                                                              np.ndarray]:
+    """The state ``(out (S, Hq, Dv), lse (Hq, S))`` merged with ``(0, sinks[h])``, in float64:
+    ``lse' = log(exp(lse) + exp(sink))``, ``out' = out exp(lse - lse')``; an empty row (lse
+    -inf) gives (0, sink)."""
+    sk = sinks.astype(np.float64)[:, None]
+    lse = np.asarray(lse, np.float64)
+    with np.errstate(all="ignore"):
+        m = np.maximum(lse, sk)
+        w = np.where(lse == -np.inf, 0.0, np.exp(lse - m))
+        total = w + np.exp(sk - m)
+        new_lse = m + np.log(total)
+        new_out = np.asarray(out, np.float64) * (w / total).T[:, :, None]  # (S, Hq, Dv)
+    return new_out, new_lse
 
 
 def _paged_rows(call: AttnCall, s: int, rows: np.ndarray):

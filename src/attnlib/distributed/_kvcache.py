@@ -15,7 +15,7 @@ from ._ring import merge_across
 @_spec.keywords_checked
 def attention_with_sharded_kvcache(q, cache, comm, k=None, v=None, *, start_pos=None,
                                    batch_idx=None, rope=None, causal=True, scale=None,
-                                   window=None, softcap=None, alibi_slopes=None,
+                                   window=None, softcap=None, alibi_slopes=None, sinks=None,
                                    return_lse=False, backend=None):
     """``attnlib.attention_with_kvcache`` over one sequence per batch row whose tokens are split
     across the ranks' caches: the same result on every rank.
@@ -32,6 +32,7 @@ def attention_with_sharded_kvcache(q, cache, comm, k=None, v=None, *, start_pos=
     positions. Returns ``out (B, Sq, Hq, Dv)`` in the cache's dtype, and with ``return_lse``
     ``lse (B, Hq, Sq)``, equal to ``attention_with_kvcache`` over one cache holding the whole
     sequence: each rank attends over its own tokens (``return_lse``), then :func:`merge_across`.
+    ``sinks`` (float32 ``(Hq,)``) join rank 0's state only, so the merge counts them once.
 
     ``rope=`` is not taken (ArgumentError): a rank's cache does not know the global position of
     the tokens it writes; rotate q and k with ``attnlib.rope`` at their global positions first.
@@ -56,6 +57,7 @@ def attention_with_sharded_kvcache(q, cache, comm, k=None, v=None, *, start_pos=
         left, right = _spec.check_window(window)
         scl, cap = _spec.check_scale(scale, d), _spec.check_softcap(softcap)
         alibi = _spec.check_alibi(alibi_slopes, b, hq)
+        sink = _spec.check_sinks(sinks, hq)
         _spec.check_kv_given(k, v, start_pos)
         if k is None:
             rows = cache._rows(batch_idx, "batch_idx", b)
@@ -71,10 +73,12 @@ def attention_with_sharded_kvcache(q, cache, comm, k=None, v=None, *, start_pos=
                 ("causal", "ArgumentError", is_causal), ("scale", "ArgumentError", scl),
                 ("window", "ArgumentError", (left, right)), ("softcap", "ArgumentError", cap),
                 ("alibi_slopes", "ArgumentError", None if alibi is None else alibi.tolist()),
+                ("sinks", "ArgumentError", None if sink is None else sink.tolist()),
                 ("return_lse", "ArgumentError", need_lse)]
         fields = dict(causal_hi=np.zeros(b, np.int64) if is_causal else None, scale=scl,
                       window_left=left, window_right=right, softcap=cap, alibi=alibi,
-                      ring=cache.max_seq_len if cache.ring else 0, need_lse=True)
+                      ring=cache.max_seq_len if cache.ring else 0, need_lse=True,
+                      sinks=sink if comm.Get_rank() == 0 else None)
         return desc, (be, write, rows, np.asarray(new_len, np.int64),
                       np.asarray(lo, np.int64), fields)
 

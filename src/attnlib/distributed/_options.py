@@ -25,6 +25,7 @@ from ._device import pick, wants_rank_device
 #: keyword -> (check(value, B, Hq) -> array with Hq last or None, AttnCall field, once per row)
 PER_HEAD: dict[str, tuple[Callable[[Any, int, int], np.ndarray | None], str, bool]] = {
     "alibi_slopes": (_spec.check_alibi, "alibi", False),
+    "sinks": (lambda value, b, hq: _spec.check_sinks(value, hq), "sinks", True),
 }
 
 

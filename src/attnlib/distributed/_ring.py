@@ -135,8 +135,8 @@ def checked(comm: Any, name: str, local) -> LocalCall:
 
 @_spec.keywords_checked
 def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None, softcap=None,
-                   alibi_slopes=None, sharding="zigzag", layout="bshd", return_lse=False,
-                   backend=None):
+                   alibi_slopes=None, sinks=None, sharding="zigzag", layout="bshd",
+                   return_lse=False, backend=None):
     """This rank's shard of ``attnlib.attention(q, k, v, ...)`` over the whole sequence.
 
     Every rank of ``comm`` calls it with its shards of one sequence (see :func:`shard`):
@@ -148,8 +148,9 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
     accuracy rule). Options are those of ``attention`` (no ``mask``): Sq = Sk, so
     ``causal=True`` and ``"top_left"`` agree, ``window=(left, right)`` shows key ``j`` to query
     ``i`` iff ``i - left <= j <= i + right`` and ALiBi uses ``|i - j|``, all at global
-    positions. With host arrays and the opencl backend chosen by name (or auto), each rank runs
-    on :func:`rank_backend`'s device.
+    positions; ``sinks`` join the first block computed for each query chunk only (once). With
+    host arrays and the opencl backend chosen by name (or auto), each rank runs on
+    :func:`rank_backend`'s device.
 
     The ring (ring-flash-attention's forward): in step ``t`` a rank holds the K/V shard of rank
     ``rank - t``; it posts the non-blocking send of that shard to ``rank + 1`` and the receive of
@@ -180,7 +181,7 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
     lc = checked(comm, "ring_attention", lambda: check_local(
         q_l, k_l, v_l, comm, sharding=sharding, layout=layout, return_lse=return_lse,
         backend=backend, heads_split=False, causal=causal, scale=scale, window=window,
-        softcap=softcap, per_head={"alibi_slopes": alibi_slopes}))
+        softcap=softcap, per_head={"alibi_slopes": alibi_slopes, "sinks": sinks}))
     plan = BlockPlan(lc)
     out, lse = (_ring_device if lc.device else _ring_host)(plan, comm)
     out = _from_bshd(out, lc.layout, plan.be)

@@ -18,8 +18,8 @@ from ._sharding import local_chunks
 
 @_spec.keywords_checked
 def ulysses_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None,
-                      softcap=None, alibi_slopes=None, sharding="zigzag", layout="bshd",
-                      return_lse=False, backend=None):
+                      softcap=None, alibi_slopes=None, sinks=None, sharding="zigzag",
+                      layout="bshd", return_lse=False, backend=None):
     """This rank's shard of ``attnlib.attention(q, k, v, ...)`` over the whole sequence, by
     head-parallel all-to-all (DeepSpeed-Ulysses).
 
@@ -30,7 +30,7 @@ def ulysses_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=N
     and kv heads ``[g Hkv/P, (g+1) Hkv/P)`` (the kv heads its query heads read under GQA)::
 
         q_l, k_l, v_l (B, S/P, H, D)  --all-to-all-->  (B, S, H/P, D), global token order
-        attention over the whole sequence for heads of group g (ALiBi slopes sliced alike)
+        attention over the whole sequence for heads of group g (ALiBi slopes, sinks sliced alike)
         out (B, S, Hq/P, Dv), lse  --all-to-all-->  out_l (B, S/P, Hq, Dv), lse_l (B, Hq, S/P)
 
     Each rank sends and receives ``(P-1)/P`` of its q, k, v and out once, where the ring moves
@@ -42,7 +42,7 @@ def ulysses_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=N
     lc = checked(comm, "ulysses_attention", lambda: check_local(
         q_l, k_l, v_l, comm, sharding=sharding, layout=layout, return_lse=return_lse,
         backend=backend, heads_split=True, causal=causal, scale=scale, window=window,
-        softcap=softcap, per_head={"alibi_slopes": alibi_slopes}))
+        softcap=softcap, per_head={"alibi_slopes": alibi_slopes, "sinks": sinks}))
     mover = _Mover(lc, comm)
     q, k, v = mover.to_heads([lc.q, lc.k, lc.v])
     g, hq = lc.rank, lc.q.shape[2] // lc.size

@@ -55,11 +55,12 @@ def dense_visibility(sq, sk, *, causal=False, window=None):
 
 
 def attend(q, k, v, qpos, kpos, visible, *, scale, softcap=None, alibi=None, additive=None,
-           dtype=np.float64):
+           sinks=None, dtype=np.float64):
     """One sequence: q (Sq, Hq, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv); positions (Sq,), (Sk,).
 
     ``visible`` broadcasts to (Hq, Sq, Sk); ``alibi`` (Hq,) slopes; ``additive`` broadcasts to
-    (Hq, Sq, Sk). Returns out (Sq, Hq, Dv) and lse (Hq, Sq) as float64 arrays holding values
+    (Hq, Sq, Sk); ``sinks`` (Hq,) logits in every row's denominator (SPEC section 10).
+    Returns out (Sq, Hq, Dv) and lse (Hq, Sq) as float64 arrays holding values
     rounded to ``dtype`` (lse: to float32 at most, as the SPEC returns it).
     """
     rnd, work = _rounder(dtype)
@@ -88,10 +89,18 @@ def attend(q, k, v, qpos, kpos, visible, *, scale, softcap=None, alibi=None, add
     s = np.where(visible, s, -np.inf)
     any_vis = visible.any(axis=2)
     m = np.where(any_vis, np.max(s, axis=2, initial=-np.inf), 0.0)
+    sink = None
+    if sinks is not None:
+        # -- 10. m = max(sink_h, max_j s_ij); exp(sink_h - m) joins the denominator
+        sink = np.asarray(sinks, dtype=np.float32).astype(work)[:, None]  # (Hq, 1)
+        m = np.where(any_vis, np.maximum(m, sink), sink)
+        any_vis = np.ones_like(any_vis)  # every row has the sink: lse = sink when no key
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         p = rnd(np.exp(s - m[:, :, None]))
         p = np.where(visible, p, 0.0)
         l_sum = rnd(p.sum(axis=2))
+        if sink is not None:
+            l_sum = rnd(l_sum + rnd(np.exp(sink - m)))
         vclean = np.where(np.isfinite(vh), vh, 0.0)
         acc = np.einsum("hij,jhd->hid", p, vclean)
         # keys whose v is not finite: add their terms only where they are visible
@@ -130,9 +139,9 @@ def seq_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0,
 
 def reference_call(call, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
     """out (Bq, Sq, Hq, Dv), lse (Bq, Hq, Sq) of a backend-level ``AttnCall`` (sequences, row
-    offsets, positions, ring buffer, causal / window bounds, softcap, ALiBi; no masks) from
-    :func:`attend` per sequence: ``dtype`` float64 for the reference, the inputs' dtype for the
-    naive same-dtype run. For checking kernels driven below the API."""
+    offsets, positions, ring buffer, causal / window bounds, softcap, ALiBi, sinks; no masks)
+    from :func:`attend` per sequence: ``dtype`` float64 for the reference, the inputs' dtype for
+    the naive same-dtype run. For checking kernels driven below the API."""
     q, k, v = call.q, call.k, call.v
     bq, sq_arr, hq, _ = q.shape
     out = np.zeros((bq, sq_arr, hq, v.shape[3]))
@@ -155,7 +164,8 @@ def reference_call(call, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
             vis &= dd <= call.window_right
         o, ls = attend(q[qb, qr:qr + ql], k[kb, rows], v[kb, rows], qpos, kpos, vis,
                        scale=call.scale, softcap=call.softcap,
-                       alibi=None if call.alibi is None else call.alibi[s], dtype=dtype)
+                       alibi=None if call.alibi is None else call.alibi[s],
+                       sinks=getattr(call, "sinks", None), dtype=dtype)
         out[qb, qr:qr + ql] = o
         lse[qb, :, qr:qr + ql] = ls
     return out, lse
@@ -166,7 +176,8 @@ def _bhsd_to_bshd(x):
 
 
 def reference_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
-                        softcap=None, alibi_slopes=None, layout="bshd", dtype=np.float64):
+                        softcap=None, alibi_slopes=None, sinks=None, layout="bshd",
+                        dtype=np.float64):
     """SPEC section 2 on dense inputs: returns (out, lse) as float64, in ``layout``."""
     if layout == "bhsd":
         q, k, v = (_bhsd_to_bshd(a) for a in (q, k, v))
@@ -194,7 +205,7 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, mask=
             al = np.asarray(alibi_slopes, dtype=np.float32)
             slopes = al if al.ndim == 1 else al[bi]
         o, lse = attend(q[bi], k[bi], v[bi], qpos, kpos, visible, scale=scale, softcap=softcap,
-                        alibi=slopes, additive=additive, dtype=dtype)
+                        alibi=slopes, additive=additive, sinks=sinks, dtype=dtype)
         outs.append(o)
         lses.append(lse)
     out = np.stack(outs)
@@ -210,7 +221,7 @@ def naive_attention(q, k, v, **kw):
 
 
 def reference_varlen(q, k, v, cu_q, cu_k, *, scale=None, causal=False, window=None,
-                     softcap=None, alibi_slopes=None, dtype=np.float64):
+                     softcap=None, alibi_slopes=None, sinks=None, dtype=np.float64):
     """attention_varlen by its definition: each sequence is a separate dense call."""
     q, k, v = (np.asarray(a) for a in (q, k, v))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
@@ -225,7 +236,7 @@ def reference_varlen(q, k, v, cu_q, cu_k, *, scale=None, causal=False, window=No
             slopes = al if al.ndim == 1 else al[bi:bi + 1]
         o, s = reference_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale=scale,
                                    causal=causal, window=window, softcap=softcap,
-                                   alibi_slopes=slopes, dtype=dtype)
+                                   alibi_slopes=slopes, sinks=sinks, dtype=dtype)
         out[q0:q1] = o[0]
         lse[:, q0:q1] = s[0]
     return out, lse
@@ -317,7 +328,7 @@ class CacheModel:
         return pos[ok], slots[ok]
 
     def attend(self, q, rows, *, scale=None, causal=True, window=None, softcap=None,
-               alibi_slopes=None, rope=None, dtype=np.float64):
+               alibi_slopes=None, rope=None, sinks=None, dtype=np.float64):
         """attention_with_kvcache after the append: q (B, Sq, Hq, D) -> (out, lse) float64."""
         q = np.asarray(q, dtype=np.float64)
         b_n, sq, hq, d = q.shape
@@ -344,7 +355,7 @@ class CacheModel:
                 al = np.asarray(alibi_slopes, np.float32)
                 slopes = al if al.ndim == 1 else al[b]
             o, s = attend(qb, self.k[row, slots], self.v[row, slots], qpos, kpos, vis[None],
-                          scale=scale, softcap=softcap, alibi=slopes, dtype=dtype)
+                          scale=scale, softcap=softcap, alibi=slopes, sinks=sinks, dtype=dtype)
             outs.append(o)
             lses.append(s)
         return np.stack(outs), np.stack(lses)

@@ -376,8 +376,8 @@ def _all_finite(x):
 
 @njit(nogil=True, fastmath=FASTMATH)
 def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
-                  block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit, table,
-                  page_size, n_pages, kc, vc, ksc, vsc, sst, kv_format, work):
+                  sinks, block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit,
+                  table, page_size, n_pages, kc, vc, ksc, vsc, sst, kv_format, work):
     """Run every task; see the module docstring.
 
     ``q``, ``k``, ``v``: flat (1-D) query, key and value arrays; ``qst`` / ``kst`` / ``vst``
@@ -397,6 +397,9 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     (dynamic scheduling: a thread that another process delays takes fewer) and counts finished
     ones in ``done[0]``, which the caller waits for (never for a thread that found no task).
     ``alibi`` (n_seq, Hq) or (0, 0); ``mask`` additive (n_seq, Hq, Sq, Sk) view or (0, 0, 0, 0).
+    ``sinks`` (Hq,) natural-log sink logits or (0,): folded into a row's final normalisation
+    (:func:`_finish_row`), never into a partial state (merge_partials folds them after the
+    merge).
     ``table`` int64 (n_seq, max_pages) and ``page_size`` > 0: k and v are page pools (flat,
     strides along page, slot, head) and logical key row ``r`` of sequence ``s`` is slot
     ``r % page_size`` of page ``table[s, r // page_size]`` (clamped into ``[0, n_pages)``); a
@@ -596,22 +599,52 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
                     part_o[slot, r, d] = ot[r * d_v + d]
                 part_ml[slot, r, 0] = m_i[r] / unit
                 part_ml[slot, r, 1] = li
-            elif li == 0.0:
-                for d in range(d_v):
-                    out[qb, qrow0 + i, h, d] = 0.0
-                lse[qb, h, qrow0 + i] = NEG_INF
             else:
-                inv = 1.0 / li
-                for d in range(d_v):
-                    out[qb, qrow0 + i, h, d] = ot[r * d_v + d] * inv
-                lse[qb, h, qrow0 + i] = m_i[r] / unit + math.log(li)
+                _finish_row(ot[r * d_v:(r + 1) * d_v], m_i[r] / unit, li, sinks, h,
+                            out[qb, qrow0 + i, h], lse[qb, h, qrow0 + i:qrow0 + i + 1])
         _fetch_add(done, 1)  # the caller waits for this count, not for idle workers
     return 0
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def _finish_row(acc, m, li, sinks, h, out_row, lse_at):
+    """out = acc / l, lse = m + log(l) of one row from its state (acc = sum p v, m in natural
+    units, l = sum p); with ``sinks``, that state merged once with (0, sinks[h]): the sink's
+    exp(sink - m) joins l. A row that saw nothing (l = 0): out 0, lse -inf (or the sink)."""
+    d_v = out_row.shape[0]
+    if sinks.shape[0] == 0:
+        if li == 0.0:
+            for d in range(d_v):
+                out_row[d] = 0.0
+            lse_at[0] = NEG_INF
+            return
+        inv = 1.0 / li
+        for d in range(d_v):
+            out_row[d] = acc[d] * inv
+        lse_at[0] = m + math.log(li)
+        return
+    sk = float(sinks[h])
+    if li == 0.0:
+        for d in range(d_v):
+            out_row[d] = 0.0
+        lse_at[0] = sk
+        return
+    # m' = max(m, sink): one of the two exponentials is e^0 = 1 (one exp per row, not two)
+    if m >= sk:
+        mx, a, total = m, 1.0, li + math.exp(sk - m)
+    else:
+        mx, a = sk, math.exp(m - sk)
+        total = li * a + 1.0
+    inv = a / total
+    for d in range(d_v):
+        out_row[d] = acc[d] * inv
+    lse_at[0] = mx + math.log(total)
+
+
 @njit(fastmath=FASTMATH)
-def merge_partials(seq, tasks, g, part_o, part_ml, out, lse):
-    """Combine the split-key partial states ``(O, m, l)`` of each task, in slot order."""
+def merge_partials(seq, tasks, g, part_o, part_ml, out, lse, sinks):
+    """Combine the split-key partial states ``(O, m, l)`` of each task, in slot order, and
+    fold the sinks in once."""
     d_v = part_o.shape[2]
     acc = np.zeros(d_v, part_o.dtype)
     n_tasks = tasks.shape[0]
@@ -645,12 +678,6 @@ def merge_partials(seq, tasks, g, part_o, part_ml, out, lse):
                 total += wgt * lx
                 for d in range(d_v):
                     acc[d] += wgt * part_o[slot, r, d]
-            if total == 0.0:
-                for d in range(d_v):
-                    out[qb, qrow0 + i, h, d] = 0.0
-                lse[qb, h, qrow0 + i] = NEG_INF
-            else:
-                for d in range(d_v):
-                    out[qb, qrow0 + i, h, d] = acc[d] / total
-                lse[qb, h, qrow0 + i] = mu + math.log(total)
+            _finish_row(acc, mu, total, sinks, h, out[qb, qrow0 + i, h],
+                        lse[qb, h, qrow0 + i:qrow0 + i + 1])
         t = u + 1

@@ -428,11 +428,16 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
     else:
         alibi = _empty(cdt, 2)
     mask = _compact_mask(call, cdt)
+    sinks = _empty(cdt, 1) if call.sinks is None else call.sinks.astype(cdt)
     # a dense call writes every output row (each row is one task's), so no zero fill
     covered = call.dense and bool((call.q_len == sq_arr).all())
     out = (np.empty if covered else np.zeros)((bq, sq_arr, hq, d_v), cdt)
-    lse = np.empty((bq, hq, sq_arr), cdt) if covered else \
-        np.full((bq, hq, sq_arr), -np.inf, cdt)
+    if covered:
+        lse = np.empty((bq, hq, sq_arr), cdt)
+    elif call.sinks is None:
+        lse = np.full((bq, hq, sq_arr), -np.inf, cdt)
+    else:  # rows no task reaches see no key: lse = their head's sink
+        lse = np.repeat(np.repeat(sinks[None, :, None], bq, 0), sq_arr, 2)
     n_threads = numba.get_num_threads()
     g = hq // k.shape[2]
     block_m, block_n, dealt, tasks, n_slots, jit, gemm_fn, size, limit = \
@@ -445,12 +450,12 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
     if tasks.shape[0]:
         with _launch_lock, (_blas_single_thread() if limit else contextlib.nullcontext()):
             pre = (qf, kf, vf, qst, kst, vst, seq, dealt, g, float(call.scale), wl, wr,
-                   softcap, alibi, mask, int(call.ring), block_m, block_n)
+                   softcap, alibi, mask, int(call.ring), sinks, block_m, block_n)
             post = (out, lse, part_o, part_ml, gemm_fn, jit) + _paging(call, k) + quant
             _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads, size,
                        cdt)
             if n_slots:
-                _flash.merge_partials(seq, tasks, g, part_o, part_ml, out, lse)
+                _flash.merge_partials(seq, tasks, g, part_o, part_ml, out, lse, sinks)
     if dtype != cdt:
         out = out.astype(dtype)
     lse_dtype = np.float64 if dtype == np.float64 else np.float32

@@ -83,17 +83,19 @@ MERGE_WG, MERGE_COLS = 128, 32
 def launch_merge(be: OpenCLBackend, queue: Any, outs: Any, o_stride: int, lses: Any,
                  l_strides: tuple[int, int, int, int], n_states: int, s: int, h: int, dv: int,
                  n_rows: int, out: Any, lse: Any, in_kind: int, out_kind: int,
-                 acc_kind: int) -> Any:
+                 acc_kind: int, sinks: Any = None) -> Any:
     """Enqueue merge.cl over ``n_states`` partial states (layout in merge.cl's header; ``l_strides``
     = (state, batch, query row, head) strides of the LSEs) into ``out`` / ``lse``; its event.
     Work-groups take MERGE_COLS columns of a row each and split the states over the rest of their
-    work-items."""
+    work-items. ``sinks``: a buffer of float32 ``(h,)`` attention sinks folded in after the merge
+    (None: none; a run-time argument, the same build either way)."""
     wg = min(MERGE_WG, pow2_floor(be.facts.max_work_group))
     cw = min(MERGE_COLS, _next_pow2(dv), wg)
     cfg = _merge_cfg(in_kind, out_kind, acc_kind, wg, wg // cw)
     i64, i32 = np.int64, np.int32
     args = [outs, i64(o_stride), lses, *(i64(x) for x in l_strides), i32(n_states), i32(s),
-            i32(h), i32(dv), i64(n_rows), out, lse]
+            i32(h), i32(dv), i64(n_rows), out, lse,
+            dummy_buffer(queue.context) if sinks is None else sinks, i32(0 if sinks is None else h)]
     return be.launch(queue.context, queue, "merge.cl", cfg, "merge_states",
                      (wg * -(-dv // cw), n_rows), (wg, 1), args)
 
@@ -286,6 +288,7 @@ class PortablePlan:
         set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here."""
         hkv, dv, sq_arr, hq, n_out_rows, nt, item, in_kind, out_kind, acc_kind = self.geom
         split = splits > 1
+        sinks = args[ARG_SINKS] if args[ARG_SINKS + 1] else None
         if split:
             part_o = _pool.scratch(queue, splits * n_out_rows * dv * item)
             part_l = _pool.scratch(queue, splits * n_out_rows * item)
@@ -298,7 +301,7 @@ class PortablePlan:
         if split:
             launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
                          (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
-                         out, lse, in_kind, out_kind, acc_kind)
+                         out, lse, in_kind, out_kind, acc_kind, sinks)
 
 
 #: the plans by geometry (``_dispatch.forget_plans`` empties this and the repeat-call cache)
@@ -306,9 +309,10 @@ plans: dict[tuple, PortablePlan] = {}
 PLANS_MAX = 512
 # argument slots the call fills (see make_plan's argument order)
 ARG_Q, ARG_K, ARG_V, ARG_DESC, ARG_ALIBI, ARG_MASK, ARG_DST = 0, 6, 12, 18, 25, 26, 32
-ARG_TABLE = ARG_DST + 6  # paged calls only: table buffer, offset, 2 strides, width, pages
+ARG_SINKS = ARG_DST + 6  # the sinks buffer (a dummy without), then their count (0: none)
+ARG_TABLE = ARG_SINKS + 2  # paged calls only: table buffer, offset, 2 strides, width, pages
 #: the slots a repeat call's launch changes (the plan cache holds the rest fixed)
-REPEAT_VARYING = (ARG_Q, ARG_K, ARG_V, ARG_DST, ARG_DST + 1)
+REPEAT_VARYING = (ARG_Q, ARG_K, ARG_V, ARG_DST, ARG_DST + 1, ARG_SINKS)
 
 
 def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
@@ -316,7 +320,7 @@ def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_row
     return (id(be), queue.int_ptr, call.dtype, call.q.shape, call.n_kv_heads,
             call.head_dim_v, max_rows, call.n_seq, call.ring, call.scale, call.softcap,
             call.window_left, call.window_right, call.alibi is None, mask_kind, call.page_size,
-            kv_format(call), *((vw.offset, vw.strides) for vw in views))
+            call.sinks is None, kv_format(call), *((vw.offset, vw.strides) for vw in views))
 
 
 def kv_format(call: AttnCall) -> int:
@@ -364,6 +368,7 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
     args += [None, i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
              f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
     args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
+    args += [None, i32(0 if call.sinks is None else hq)]  # slots ARG_SINKS, ARG_SINKS + 1
     assert len(args) == ARG_TABLE
     if call.block_table is not None:  # slots ARG_TABLE..: the block table, set per call
         args += [None] * 6
@@ -437,6 +442,8 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
             sv = device_view(ctx, scl)
             args[first + 5 * i:first + 5 * i + 5] = [sv.buf, *(np.int64(a) for a in (
                 sv.offset, *sv.strides))]
+    args[ARG_SINKS] = dummy_buffer(ctx) if call.sinks is None else \
+        _pool.upload(queue, call.sinks, out)
     plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)
     if host:
         return out.get(), lse.get()

@@ -181,8 +181,9 @@ def counters(ctx: Any, queue: Any, n: int) -> Any:
     return buf
 
 
-#: the decode kernel's per-call argument slots: q, k, v, out, lse, partial outputs, partial LSEs
-CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6)
+#: the decode kernel's per-call argument slots: q, k, v, out, lse, partial outputs, partial LSEs,
+#: sinks (their count, the last argument, is fixed by the plan: 0 without sinks)
+CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
 class DecodePlan:
@@ -206,7 +207,8 @@ class DecodePlan:
         i64, i32 = np.int64, np.int32
         self.args = [None] * len(CALL_SLOTS) + [
             tile_buf, seq_buf, alibi_buf, counter_buf, *geometry, i32(sq_arr), i32(hq),
-            i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars]
+            i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars,
+            i32(0 if call.sinks is None else hq)]
         self.varying = CALL_SLOTS
         if call.block_table is not None:  # the block table's six arguments, set per call
             n = len(self.args)
@@ -218,16 +220,19 @@ class DecodePlan:
         self.fused, self.splits, self.spare = fused, splits, alibi_buf
 
     def enqueue(self, be: Any, queue: Any, call: AttnCall, q: Any, k: Any, v: Any, out: Any,
-                lse: Any, owner: Any = None, table: list | None = None) -> list:
+                lse: Any, owner: Any = None, table: list | None = None,
+                sinks: Any = None) -> list:
         """The launch (then merge.cl's when the splits are not merged by the kernel) into the
         buffers ``out`` and ``lse``; their events. ``owner``: the repeat-call plan whose
         launches set only the call slots; ``table``: a paged call's block-table arguments
-        (``_attention.table_args``), the kernel's last six."""
+        (``_attention.table_args``), the kernel's last six; ``sinks``: their buffer when the
+        plan's call has them (folded in by the kernel, its fused merge or merge.cl, once)."""
         bq, sq_arr, hq, d = call.q.shape
         n_out_rows = bq * sq_arr * hq
         splits, fused, spare = self.splits, self.fused, self.spare
         args = self.args.copy()
         args[0], args[1], args[2] = q, k, v
+        args[7] = spare if sinks is None else sinks
         if table is not None:
             args[-6:] = table
         if splits > 1:
@@ -243,7 +248,7 @@ class DecodePlan:
             evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
                                      (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
                                      n_out_rows, out, lse, store_kind(_F32),
-                                     store_kind(call.dtype), 0))
+                                     store_kind(call.dtype), 0, sinks))
         return evts
 
 
@@ -289,7 +294,9 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         table = None
         if call.block_table is not None:
             table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
-        evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data, table=table)
+        sinks = None if call.sinks is None else _nvidia_tables.sinks_input(queue, call, out)[0]
+        evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data, table=table,
+                            sinks=sinks)
         for e in evts:
             out.add_event(e)
             lse.add_event(e)

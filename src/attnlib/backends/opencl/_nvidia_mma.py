@@ -39,7 +39,7 @@ from ... import _config
 from ..base import AttnCall
 from . import _pool
 from ._arrays import is_cl_array
-from ._nvidia_tables import kernel_inputs, results, tables_on_device
+from ._nvidia_tables import kernel_inputs, results, sinks_input, tables_on_device
 from ._runtime import KernelBuildError, launch, program
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
@@ -249,8 +249,9 @@ class Launch:
         return (n_tiles * hq * t, 1) if self.heads_inner else (n_tiles * t, hq)
 
 
-#: the prefill kernel's per-call argument slots: q, k, v, out, lse, tile table, sequence table
-CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6)
+#: the prefill kernel's per-call argument slots: q, k, v, out, lse, tile table, sequence table,
+#: sinks (their count, the last argument, is fixed by the plan: 0 without sinks)
+CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
 class PrefillPlan:
@@ -268,15 +269,17 @@ class PrefillPlan:
         self.kernel, self.key = kernel, kernel.key(ctx, device)
         self.args = [None] * len(CALL_SLOTS) + [
             alibi_buf, *geometry, i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]),
-            i32(call.ring), *scalars]
+            i32(call.ring), *scalars, i32(0 if call.sinks is None else hq)]
 
     def enqueue(self, queue: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, tile_buf: Any,
                 seq_buf: Any, n_tiles: int, hq: int, wait_for: Any = None,
-                owner: Any = None) -> Any:
-        """Launch over ``n_tiles`` tiles of ``hq`` heads (buffers: q, k, v, out, lse, tables);
-        ``owner``: the repeat-call plan whose launches set only the call slots."""
+                owner: Any = None, sinks: Any = None) -> Any:
+        """Launch over ``n_tiles`` tiles of ``hq`` heads (buffers: q, k, v, out, lse, tables,
+        the sinks when the plan's call has them); ``owner``: the repeat-call plan whose
+        launches set only the call slots."""
         args = self.args.copy()
-        args[0:7] = [q, k, v, out, lse, tile_buf, seq_buf]
+        # without sinks, the ALiBi buffer stands in for them (never read: their count is 0)
+        args[0:8] = [q, k, v, out, lse, tile_buf, seq_buf, args[8] if sinks is None else sinks]
         kn = self.kernel
         return launch(self.key, kn.make, kn.name, queue, kn.grid(n_tiles, hq), (kn.threads, 1),
                       args, wait_for=wait_for, varying=CALL_SLOTS if owner is not None else None,
@@ -355,7 +358,8 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
         alibi_buf, bufs, geometry, scalars = kernel_inputs(ctx, call)
         prefill = PrefillPlan(ctx, device, plan, call, alibi_buf, geometry, scalars)
         evt = prefill.enqueue(queue, *bufs, out.base_data, lse.base_data, tile_buf, seq_buf,
-                              n_tiles, hq, wait_for=wait_for)
+                              n_tiles, hq, wait_for=wait_for,
+                              sinks=sinks_input(queue, call, out)[0])
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:

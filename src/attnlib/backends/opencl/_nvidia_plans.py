@@ -65,8 +65,10 @@ class _DecodeStep:
         with launch_lock:
             common.seq_table.put(queue, self.seqs)
             common.tile_table.put(queue, self.tiles)
+            sinks = None if call.sinks is None else nt.sinks_input(queue, call, out)[0]
             evts = sub.enqueue(fp.be, queue, call, q.base_data, call.k.base_data,
-                               call.v.base_data, out.base_data, lse_buf, owner=sub, table=table)
+                               call.v.base_data, out.base_data, lse_buf, owner=sub, table=table,
+                               sinks=sinks)
         for e in evts:
             if e is not None:
                 out.add_event(e)
@@ -152,9 +154,10 @@ class _MmaStep:
             lse_buf = lse.base_data
         else:
             lse, lse_buf = None, _pool.scratch(queue, bq * sq_arr * hq * 4)
+        sinks = None if call.sinks is None else nt.sinks_input(queue, call, out)[0]
         evt = common.plan.enqueue(queue, q.base_data, call.k.base_data, call.v.base_data,
                                   out.base_data, lse_buf, self.tile_buf, self.seq_buf,
-                                  self.n_tiles, hq, owner=common)
+                                  self.n_tiles, hq, owner=common, sinks=sinks)
         if evt is not None:
             out.add_event(evt)
             if lse is not None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..base import AttnCall
-from ._arrays import is_cl_array
+from ._arrays import dummy_buffer, is_cl_array
 
 SEQ_FIELDS = 9
 BIG = 1 << 40  # an unbounded side of the visible key range
@@ -131,6 +131,16 @@ def kernel_inputs(ctx: Any, call: AttnCall) -> tuple[Any, list, list, list]:
     else:
         qk_scale, cap = call.scale * _LOG2E, 0.0
     return alibi_buf, [v[0] for v in views], geometry, [np.float32(qk_scale), np.float32(cap)]
+
+
+def sinks_input(queue: Any, call: AttnCall, keep: Any) -> tuple[Any, int]:
+    """The call's sinks for both tensor-core kernels: (a device copy, enqueued on ``queue`` and
+    kept alive by ``keep``, the call's output Array; Hq) or (a stand-in buffer, 0)."""
+    if call.sinks is None:
+        return dummy_buffer(queue.context), 0
+    from . import _pool
+
+    return _pool.upload(queue, call.sinks, keep), int(call.sinks.shape[0])
 
 
 def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:

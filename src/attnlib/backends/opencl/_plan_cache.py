@@ -9,7 +9,8 @@ holds the tiling, kernel options, argument list and device tables:
 
 * the key: backend (and its facts and options), queue, dtype, the shapes, strides and offsets of
   q, k and v, the number of sequences, ring, scale, softcap, window, whether the call is causal
-  and wants the LSE. Buffers are not in it: they are set per call (only when they changed since
+  and wants the LSE, and whether it has sinks (their values are uploaded per call). Buffers
+  are not in it: they are set per call (only when they changed since
   the kernel object's last launch, see ``_runtime.KernelSlot``);
 * the per-sequence values (the nine int64 fields) are compared as bytes with the last call's:
   equal, everything derived from them (which kernel, splits, grid, the device tables) is reused
@@ -85,7 +86,7 @@ def run(be: Any, call: Any, family: Any) -> tuple[Any, Any] | None:
     key = (id(be), id(be.facts), be.tiles, be.num_splits, be.use_mma, queue.int_ptr, q.dtype,
            q.shape, q.strides, q.offset, k.shape, k.strides, k.offset, v.shape, v.strides,
            v.offset, n, call.ring, call.scale, call.softcap, call.window_left,
-           call.window_right, chi is None, call.need_lse, paged)
+           call.window_right, chi is None, call.need_lse, paged, call.sinks is None)
     fp = plans.get(key)
     if fp is None:
         fp = _new_plan(be, call, queue)
@@ -176,7 +177,7 @@ class _PortableSub:
         cap = 9 * n + 2 * n * -(-max_rows // bm)
         self.table = _pool.DeviceTable(ctx, 4 * cap, not fp.facts.simulator)
         args[A.ARG_DESC] = self.table.buf
-        args[A.ARG_ALIBI] = args[A.ARG_MASK] = dummy_buffer(ctx)
+        args[A.ARG_ALIBI] = args[A.ARG_MASK] = args[A.ARG_SINKS] = dummy_buffer(ctx)
         self.args = args
         self.owners = (object(), object())  # the KernelSlot owner of each split mode
 
@@ -201,6 +202,8 @@ class _Portable:
         args = sub.args.copy()
         args[A.ARG_Q], args[A.ARG_K] = q.base_data, call.k.base_data
         args[A.ARG_V] = call.v.base_data
+        if call.sinks is not None:
+            args[A.ARG_SINKS] = _pool.upload(queue, call.sinks, out)
         with launch_lock:
             sub.table.put(queue, self.desc)
             sub.plan.enqueue(fp.be, queue, args, out.base_data, lse_buf, self.n_groups,
