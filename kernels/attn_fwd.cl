@@ -32,6 +32,13 @@
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
  * work-item issued before their __local stores when staging a tile.
  *
+ * KV_FORMAT > 0 (kv_format.h: 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8; a load variant, SPEC section 10):
+ * k and v hold 8-bit codes (uchar) and k_scl / v_scl one float scale per (row, kv head), strides
+ * (ks_sb, ks_ss, ks_sh) along batch (or page), row (or slot), head; each element is dequantized
+ * to scale * kv_decode(code) as its tile is staged into __local (as acc_t), so the math below is
+ * unchanged and nothing dequantizes the cache as a whole. Needs the scalar staging (LOAD_VEC,
+ * CPU_VEC and CP_ASYNC off). q and out keep STORE_KIND.
+ *
  * CPU_VEC=8 (chosen on the host for CPU devices only: float32, one work-item per work-group, D,
  * Dv and BLOCK_N multiples of 8): the work-item is the whole block, so it computes S = Q K^T and
  * O += P V as register-blocked outer products of float8 vectors (K staged transposed in __local,
@@ -85,6 +92,12 @@ inline long paged_page(__global const int *t, long base, long s1, int w, int n_p
 #ifndef CP_ASYNC
 #define CP_ASYNC 0
 #endif
+#ifndef KV_FORMAT
+#define KV_FORMAT 0
+#endif
+#if KV_FORMAT && (LOAD_VEC || CP_ASYNC || (defined(CPU_VEC) && CPU_VEC))
+#error "KV_FORMAT (8-bit K/V) needs the scalar staging: LOAD_VEC, CPU_VEC and CP_ASYNC off"
+#endif
 #ifndef CPU_VEC
 #define CPU_VEC 0
 #endif
@@ -111,9 +124,25 @@ inline long paged_page(__global const int *t, long base, long s1, int w, int n_p
 
 #include "storage.h"
 
+#if KV_FORMAT
+#include "kv_format.h"
+typedef uchar kvs_t; /* K and V as stored in global memory */
+#define KV_ARGS                                                                                 \
+    , __global const float *k_scl, long ks_off, long ks_sb, long ks_ss, long ks_sh,             \
+        __global const float *v_scl, long vs_off, long vs_sb, long vs_ss, long vs_sh
+#define KSCL_ARGS k_scl, ks_off, ks_sb, ks_ss, ks_sh
+#define VSCL_ARGS v_scl, vs_off, vs_sb, vs_ss, vs_sh
+#else
+typedef store_t kvs_t;
+#define KV_ARGS
+#define KSCL_ARGS 0, 0, 0, 0, 0
+#define VSCL_ARGS 0, 0, 0, 0, 0
+#endif
+
 /* K/V tiles in __local: 16-bit storage is staged raw (half or bfloat16 bits: half the __local
- * memory and load registers) and widened when read; other storage is staged as acc_t. */
-#if STORE_KIND == 1 || STORE_KIND == 2
+ * memory and load registers) and widened when read; other storage (and 8-bit codes, dequantized
+ * as staged) as acc_t. */
+#if (STORE_KIND == 1 || STORE_KIND == 2) && !KV_FORMAT
 typedef ushort kv_t;
 typedef ushort4 kv4_t;
 #define G_RAW(p, i) (((__global const ushort *)(p))[i])
@@ -324,9 +353,18 @@ inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || b != b) ? b : a; }
 inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
 #endif
 
+/* element i of K or V as staged; KV_FORMAT: the code's value times the scale at sidx */
+#if KV_FORMAT
+#define G_KV(src, i, scl, sidx) ((acc_t)kv_decode((src)[i]) * (acc_t)(scl)[sidx])
+#else
+#define G_KV(src, i, scl, sidx) G_RAW(src, i)
+#endif
+
 /* -- stage one key tile of K or V (WIDTH columns, the first VALID of them real) into DST with
- * scalar loads; keys past k_len and padding columns are zero. Ring rows wrap at `ring`. */
-#define STAGE_TILE_SCALAR(DST, src, off, sb, ss, sh, sd, WIDTH, VALID, LD_S)                 \
+ * scalar loads; keys past k_len and padding columns are zero. Ring rows wrap at `ring`. SCL,
+ * soff, ssb, sss, ssh: the scales of 8-bit K or V (KV_FORMAT; unused otherwise). */
+#define STAGE_TILE_SCALAR(DST, src, off, sb, ss, sh, sd, WIDTH, VALID, LD_S, SCL, soff, ssb,   \
+                          sss, ssh)                                                            \
     for (int idx = lid; idx < BLOCK_N * (WIDTH); idx += NT) {                                  \
         const int n = idx / (WIDTH), dd = idx % (WIDTH);                                       \
         const long j = n0 + n;                                                                 \
@@ -334,32 +372,35 @@ inline acc_t nan_max(acc_t a, acc_t b) { return (b > a || isnan(b)) ? b : a; }
         if (j < k_len && dd < (VALID)) {                                                       \
             long row = k_row0 + j;                                                             \
             if (ring && row >= ring) row -= ring;                                              \
-            x = G_RAW(src, (off) + KV_ROW(row, sb, ss) + hk * (sh) + dd * (sd));                \
+            x = G_KV(src, (off) + KV_ROW(row, sb, ss) + hk * (sh) + dd * (sd), SCL,             \
+                     (soff) + KV_ROW(row, ssb, sss) + hk * (ssh));                              \
         }                                                                                      \
         (DST)[n * (LD_S) + dd] = x;                                                            \
     }
 
 /* stage K or V into DST: WIDTH columns (the first VALID real) into rows of LD elements */
 #if LOAD_VEC
-#define STAGE_KV(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)                               \
+#define STAGE_KV(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD, SCL)                          \
     STAGE_TILE((__local kv4_t *)(DST), SRC, OFF, SB, SS, SH, (WIDTH) / 4, (VALID) / 4, (LD) / 4)
 #else
-#define STAGE_KV(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)                               \
-    STAGE_TILE_SCALAR(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD)
+#define STAGE_KV(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD, SCL)                          \
+    STAGE_TILE_SCALAR(DST, SRC, OFF, SB, SS, SH, SD, WIDTH, VALID, LD, SCL)
 #endif
-#define STAGE_K(DST) STAGE_KV(DST, k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD)
+#define STAGE_K(DST)                                                                         \
+    STAGE_KV(DST, k, k_off, k_sb, k_ss, k_sh, k_sd, HEAD_DIM, HEAD_DIM, KS_LD,                 \
+             KSCL_ARGS)
 #define STAGE_V(DST)                                                                         \
-    STAGE_KV(DST, v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD)
+    STAGE_KV(DST, v, v_off, v_sb, v_ss, v_sh, v_sd, DV_PAD, HEAD_DIM_V, VS_LD, VSCL_ARGS)
 
 __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     __global const store_t *q, long q_off, long q_sb, long q_ss, long q_sh, long q_sd,
-    __global const store_t *k, long k_off, long k_sb, long k_ss, long k_sh, long k_sd,
-    __global const store_t *v, long v_off, long v_sb, long v_ss, long v_sh, long v_sd,
+    __global const kvs_t *k, long k_off, long k_sb, long k_ss, long k_sh, long k_sd,
+    __global const kvs_t *v, long v_off, long v_sb, long v_ss, long v_sh, long v_sd,
     __global const int *desc, int n_seq, int ring, long win_left, long win_right,
     acc_t scale, acc_t softcap, __global const float *alibi,
     __global const mask_t *mask, long m_off, long m_s0, long m_s1, long m_s2, long m_s3,
     __global out_t *out, __global acc_t *lse, int sq_arr, int n_heads, long n_out_rows,
-    int group, __global const float *sinks, int n_sinks PAGED_ARGS) {
+    int group, __global const float *sinks, int n_sinks PAGED_ARGS KV_ARGS) {
     __local acc4_t q_s4[V4(BLOCK_M * QS_LD)] ALIGN8;
     __local kv4_t kv_s4[V4(KV_SIZE)] ALIGN8; /* V is staged over K once S is done */
     __local kv_t *k_s = (__local kv_t *)kv_s4, *v_s = k_s;

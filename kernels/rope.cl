@@ -14,22 +14,7 @@
 
 #include "storage.h"
 
-#if ROTATE
-/* Element d of the row at xb rotated by the (cos, sin) pairs of cs row csr (d < R). */
-inline acc_t rotated(__global const store_t *x, long xb, long x_sd, __global const acc_t *cs,
-                     long csr, int d, int R) {
-#if INTERLEAVED
-    const int t = d / 2, first = (d % 2) == 0;
-    const acc_t a = LD(x, xb + (2 * t) * x_sd), c = LD(x, xb + (2 * t + 1) * x_sd);
-#else
-    const int half_r = R / 2, first = d < half_r, t = first ? d : d - half_r;
-    const acc_t a = LD(x, xb + t * x_sd), c = LD(x, xb + (t + half_r) * x_sd);
-#endif
-    const acc_t cs_c = cs[(csr * (R / 2) + t) * 2], cs_s = cs[(csr * (R / 2) + t) * 2 + 1];
-    /* (a, c) -> (a cos - c sin, a sin + c cos) */
-    return first ? a * cs_c - c * cs_s : a * cs_s + c * cs_c;
-}
-#endif
+#include "rope.h"
 
 __kernel void rope_copy(__global const store_t *x, long x_off, long x_sb, long x_ss, long x_sh,
                         long x_sd, __global const acc_t *cs, __global const int *dst, int S,
@@ -48,13 +33,6 @@ __kernel void rope_copy(__global const store_t *x, long x_off, long x_sb, long x
     const long slot = ((long)dst[2 * b + 1] + s) % cap;
     ST(y, dst[2 * b] * y_sb + slot * y_ss + h * y_sh + d, val);
 }
-
-#if ROTATE
-#define ROTATED(x, xb, x_sd, csr, d) \
-    ((d) < R ? rotated(x, xb, x_sd, cs, csr, d, R) : LD(x, (xb) + (d) * (x_sd)))
-#else
-#define ROTATED(x, xb, x_sd, csr, d) LD(x, (xb) + (d) * (x_sd))
-#endif
 
 /* A KV-cache append in one launch over (max(D, DV), HQ + 2 HKV, B S) work items. Heads h < HQ
  * rotate q into qo (B, S, HQ, D), C order: with RoPE, q has as many rows as the new tokens (a

@@ -124,6 +124,33 @@ def test_exact_odd_shape(tmp_path):
     assert all(r["reps"] == 2 for r in doc["results"])
 
 
+def test_decode_over_quantized_caches(tmp_path):
+    """--kv-dtypes adds each decode case over an 8-bit cache: its rows, and bytes of one byte a
+    value plus the float32 scales."""
+    path = tmp_path / "bench.json"
+    argv = ["--backends", "numpy", "--reps", "1", "-q", "--no-probes", "--json", str(path),
+            "--shape", "decode=1,4,2,77,24", "--kv-dtypes", "int8,float8_e4m3fn"]
+    assert main(argv) == 0
+    doc = json.loads(path.read_text())
+    _check_doc(doc)
+    kv = {r["shape"].get("kv_dtype"): r for r in doc["results"]}
+    assert set(kv) == {None, "int8", "float8_e4m3fn"}
+    assert kv["int8"]["bytes"] == 2 * 1 * 77 * 2 * (24 + 4)
+
+
+def test_memory_lists_the_kv_cache_per_kv_dtype():
+    import io
+
+    from attnlib._bench.memory import kv_cache_memory
+
+    out = io.StringIO()
+    rows = {r["kv_dtype"]: r["bytes"] for r in kv_cache_memory("float16", out)}
+    assert rows["float16"] == 2 * 8 * 8192 * 8 * 128 * 2
+    for kv in ("float8_e4m3fn", "float8_e5m2", "int8"):
+        assert rows[kv] == 2 * 8 * 8192 * 8 * (128 + 4)  # codes and float32 scales
+        assert kv in out.getvalue()
+
+
 def test_causal_flops_count_visible_pairs():
     rng = np.random.default_rng(7)
     for _ in range(5):
@@ -143,7 +170,8 @@ def test_bad_shape_is_rejected(bad):
 
 
 @pytest.mark.parametrize("argv", [["--backends", "nosuch"], ["--tasks", "nosuch"],
-                                  ["--dtypes", "int8"], ["--shape", "prefill=1"]])
+                                  ["--dtypes", "int8"], ["--shape", "prefill=1"],
+                                  ["--kv-dtypes", "float16"]])
 def test_bad_option_exits_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv + ["-q"])

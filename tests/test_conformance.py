@@ -14,6 +14,7 @@ from attnlib.testing.test_oracle import *  # noqa: F401,F403
 from attnlib.testing.test_paged import *  # noqa: F401,F403
 from attnlib.testing.test_paged_cascade import *  # noqa: F401,F403
 from attnlib.testing.test_paged_random import *  # noqa: F401,F403
+from attnlib.testing.test_quant_kv import *  # noqa: F401,F403
 from attnlib.testing.test_random import *  # noqa: F401,F403
 from attnlib.testing.test_rope import *  # noqa: F401,F403
 from attnlib.testing.test_sinks import *  # noqa: F401,F403

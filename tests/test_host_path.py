@@ -839,3 +839,38 @@ def test_fused_append_value_dims_and_float64(be, fused, d, dv, dtype):
     np.testing.assert_allclose(attnlib.to_numpy(dev.v).astype(np.float64),
                                attnlib.to_numpy(ref.v).astype(np.float64), atol=tol, rtol=0)
     assert fused["ran"] == 7  # the first call of each key is the full path
+
+
+@pytest.mark.parametrize("sq", [1, 20])
+def test_quantized_cache_stays_on_the_portable_kernel(emulated_nvidia, sq):
+    """On an NVIDIA sm_80+ device (emulated here) an 8-bit cache's calls run the portable
+    kernel's dequantizing load: the tensor-core decode (sq=1) and prefill (sq=20) kernels read
+    K and V in the dtype only. The same float16 call without kv_dtype takes them."""
+    from attnlib.backends.base import AttnCall
+    from attnlib.backends.opencl import _dispatch
+    from attnlib.testing.reference import naive_attention, reference_attention
+    from attnlib.testing.tolerance import check_attention
+
+    be = attnlib.get_backend("opencl")
+    rng = rng_for("quantized dispatch", sq)
+    hq, hkv, d, n = 8, 2, 64, 30
+    k, v = (rng.standard_normal((1, n, hkv, d)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((1, sq, hq, d)).astype(np.float16)
+    z = np.zeros(1, np.int64)
+    for kv_dtype, family in (("float8_e4m3fn", "portable"),
+                             (None, "decode" if sq == 1 else "mma")):
+        cache = attnlib.KVCache(1, 32, hkv, d, dtype="float16", kv_dtype=kv_dtype, backend=be)
+        cache.update(k, v, 0)
+        # the call attention_with_kvcache makes over this cache, with q on the device
+        call = AttnCall(q=attnlib.to_device(q, backend=be), k=cache.k, v=cache.v, q_batch=z,
+                        q_row0=z, q_len=z + sq, k_batch=z, k_row0=z, k_len=z + n,
+                        q_pos0=z + n - sq, k_pos0=z, causal_hi=z, scale=d ** -0.5,
+                        k_scales=cache.k_scales, v_scales=cache.v_scales)
+        assert _dispatch.kernel_family(be, call, sq * hq // hkv) == family
+        if kv_dtype is not None:
+            out = attnlib.attention_with_kvcache(q, cache)
+            kd, vd = (x[:, :n] for x in cache.dequantized())
+            ref, _ = reference_attention(q, kd, vd, causal=True)
+            naive, _ = naive_attention(q, kd.astype(np.float16), vd.astype(np.float16),
+                                       causal=True)
+            check_attention(out, None, ref, naive)

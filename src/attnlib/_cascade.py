@@ -67,7 +67,8 @@ def attention(be: Backend, call: AttnCall):
                       - n_rows, q_len=n_rows, k_batch=zeros.copy(), k_row0=zeros.copy(),
                       k_len=n_pages * ps, q_pos0=n_pages * ps, k_pos0=zeros.copy(),
                       causal_hi=None, scale=call.scale, softcap=call.softcap, need_lse=True,
-                      block_table=table, page_size=ps)
+                      block_table=table, page_size=ps, k_scales=call.k_scales,
+                      v_scales=call.v_scales)
     p_out, p_lse = be.attention(prefix)
     # the two partial states of each group row, merged on the host (the cascade runs only for
     # host queries) with the reference merge, in float64

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _spec, registry
+from . import _quant, _spec, registry
 from ._api import RoPE, check_rope, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
@@ -43,20 +43,35 @@ class KVCache:
     ``max_seq_len`` are held (sliding-window decoding, as in Mistral). ``queue=`` (a
     ``pyopencl.CommandQueue``) is short for ``backend=attnlib.get_backend("opencl",
     queue=queue)``: the buffers live in that queue's context and the work is enqueued there.
+
+    ``kv_dtype`` (``"float8_e4m3fn"``, ``"float8_e5m2"``, ``"int8"``; default: ``dtype``) stores
+    K and V in 8 bits with one float32 scale per (token, kv head) in ``k_scales`` / ``v_scales``
+    ``(max_batch_size, max_seq_len, n_kv_heads)`` (None when not quantized), set when the token
+    is written: ``scale = absmax / the format's largest value`` (RoPE applied first). The new
+    k, v and q keep ``dtype``; attention reads ``scale * stored`` inside its kernels, and
+    :meth:`dequantized` returns those values. A ring buffer keeps each token's scale in its slot.
     """
 
     def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int, *,
                  head_dim_v: int | None = None, dtype: Any = "float32", ring: bool = False,
-                 backend: str | Backend | None = None, queue: Any = None) -> None:
+                 backend: str | Backend | None = None, queue: Any = None,
+                 kv_dtype: Any = None) -> None:
         self.max_batch_size = _spec.check_int(max_batch_size, "max_batch_size", minimum=1)
         self.max_seq_len = _spec.check_int(max_seq_len, "max_seq_len", minimum=1)
         self.n_kv_heads, self.head_dim, self.head_dim_v, self.dtype = _spec.check_cache_geometry(
             n_kv_heads, head_dim, head_dim_v, dtype)
         self.ring = _spec.check_bool(ring, "ring")
+        self.kv_format = _spec.check_kv_dtype(kv_dtype, self.dtype)
+        #: the dtype K and V are stored in (``dtype`` unless quantized)
+        self.kv_dtype = self.dtype if self.kv_format is None else self.kv_format.dtype
         self.backend = pick_backend(backend, (), self.dtype, queue=queue)
         shape = (self.max_batch_size, self.max_seq_len, self.n_kv_heads)
-        self.k = self.backend.cache_alloc(shape + (self.head_dim,), self.dtype)
-        self.v = self.backend.cache_alloc(shape + (self.head_dim_v,), self.dtype)
+        self.k = self.backend.cache_alloc(shape + (self.head_dim,), self.kv_dtype)
+        self.v = self.backend.cache_alloc(shape + (self.head_dim_v,), self.kv_dtype)
+        self.k_scales = self.v_scales = None
+        if self.kv_format is not None:
+            self.k_scales = self.backend.cache_alloc(shape, np.dtype(np.float32))
+            self.v_scales = self.backend.cache_alloc(shape, np.dtype(np.float32))
         self._len = np.zeros(self.max_batch_size, dtype=np.int64)
         self._lo = np.zeros(self.max_batch_size, dtype=np.int64)
         #: repeat-call entries of attention_with_kvcache (see _fast_key)
@@ -66,7 +81,7 @@ class KVCache:
         return (f"KVCache(max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "
                 f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"head_dim_v={self.head_dim_v}, dtype={self.dtype}, ring={self.ring}, "
-                f"backend={self.backend.name!r})")
+                f"kv_dtype={self.kv_dtype}, backend={self.backend.name!r})")
 
     @property
     def lengths(self) -> np.ndarray:
@@ -91,6 +106,19 @@ class KVCache:
         an int array ``(B,)``); sets each row's length to ``start_pos + S_new``. Writing before
         the current length rewrites (rollback); a gap is an ArgumentError."""
         self._commit(self._plan(k, v, start_pos, batch_idx), None)
+
+    def dequantized(self, batch_index: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """The values attention reads, as float64 numpy arrays (for checks): ``k (rows,
+        max_seq_len, n_kv_heads, head_dim)`` and ``v (..., head_dim_v)`` of the cache rows given
+        by ``batch_index`` (None: every row), in slot order (a ring's position ``p`` in slot
+        ``p % max_seq_len``): ``scale * stored`` when quantized, else the stored values."""
+        rows = self._rows(batch_index, "batch_index", None)
+        read = self.backend.cache_read
+        k, v = read(self.k)[rows], read(self.v)[rows]
+        if self.kv_format is None:
+            return k.astype(np.float64), v.astype(np.float64)
+        return (_quant.dequantize(k, read(self.k_scales)[rows]),
+                _quant.dequantize(v, read(self.v_scales)[rows]))
 
     # ---- internals ------------------------------------------------------------------------------
     def _rows(self, index: Any, name: str, b: int | None) -> np.ndarray:
@@ -118,8 +146,8 @@ class KVCache:
 
     def _commit(self, w: _Write, rope: RopeSpec | None) -> None:
         if w.k.shape[1] > 0:
-            self.backend.cache_write(self.k, w.k, w.rows, w.start, rope)
-            self.backend.cache_write(self.v, w.v, w.rows, w.start, None)
+            self.backend.cache_write(self.k, w.k, w.rows, w.start, rope, self.k_scales)
+            self.backend.cache_write(self.v, w.v, w.rows, w.start, None, self.v_scales)
         self._len[w.rows] = w.new_len
         self._lo[w.rows] = np.minimum(w.new_lo, w.new_len)
 
@@ -181,7 +209,7 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
         scale=_spec.check_scale(scale, d), window_left=left, window_right=right,
         softcap=_spec.check_softcap(softcap), alibi=_spec.check_alibi(alibi_slopes, b, hq),
         ring=cache.max_seq_len if cache.ring else 0, need_lse=return_lse,
-        sinks=_spec.check_sinks(sinks, hq),
+        sinks=_spec.check_sinks(sinks, hq), k_scales=cache.k_scales, v_scales=cache.v_scales,
     )
     # the cache's backend was chosen, and its dtype checked, at construction: only q's array kind
     # is left to check (the decode hot path skips the full backend resolution)
@@ -250,7 +278,7 @@ def _frozen_fields_ok() -> bool:
 _CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len",
                 "q_pos0", "k_pos0", "causal_hi", "scale", "window_left", "window_right",
                 "softcap", "alibi", "mask_view", "mask_kind", "ring", "dense", "need_lse",
-                "block_table", "page_size", "sinks")
+                "block_table", "page_size", "sinks", "k_scales", "v_scales")
 
 
 _COPY_CALL = _frozen_fields_ok()
@@ -315,10 +343,11 @@ class _FastEntry:
         q_rot = None
         if n_new:  # everything is checked: only now touch the cache (as _commit does)
             if self.fused is not None:
-                q_rot = self.fused(cache.k, cache.v, k, v, q, rows, start, self.rope)
+                q_rot = self.fused(cache.k, cache.v, k, v, q, rows, start, self.rope,
+                                   cache.k_scales, cache.v_scales)
             if q_rot is None:
-                be.cache_write(cache.k, k, rows, start, self.rope)
-                be.cache_write(cache.v, v, rows, start, None)
+                be.cache_write(cache.k, k, rows, start, self.rope, cache.k_scales)
+                be.cache_write(cache.v, v, rows, start, None, cache.v_scales)
         if n_new is not None:  # lo <= new_len here (as np.minimum in _commit)
             if rows is self.rows:
                 cache._len[:b], cache._lo[:b] = new_len, lo_arr
@@ -328,7 +357,8 @@ class _FastEntry:
         values = dict(self.fields, q=q, k=cache.k, v=cache.v, q_batch=q_batch.copy(),
                       q_row0=q_row0.copy(), q_len=q_len.copy(), k_batch=rows.copy(),
                       k_row0=k_row0, k_len=k_len, q_pos0=q_pos0, k_pos0=k_pos0,
-                      causal_hi=None if chi is None else chi.copy(), sinks=sinks)
+                      causal_hi=None if chi is None else chi.copy(), sinks=sinks,
+                      k_scales=cache.k_scales, v_scales=cache.v_scales)
         if q_rot is not None:
             values["q"] = q_rot
         elif self.rope is not None:

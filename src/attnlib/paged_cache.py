@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import _cascade, _spec, registry
+from . import _cascade, _quant, _spec, registry
 from ._api import _device_contiguous, check_rope, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
@@ -56,6 +56,14 @@ class PagedKVCache:
     pages. A page returns to the pool when no sequence holds it. ``block_table(sids)`` is the
     int32 ``(B, max_pages)`` table (vLLM's ``block_tables``; -1 past each sequence's last page).
 
+    ``kv_dtype`` (``"float8_e4m3fn"``, ``"float8_e5m2"``, ``"int8"``; default: ``dtype``) stores
+    the pages in 8 bits with the float32 scale pools ``k_scales`` / ``v_scales`` ``(num_pages,
+    page_size, n_kv_heads)`` beside them (None when not quantized): one scale per (token, kv
+    head), set when the token is written (``absmax / the format's largest value``, after RoPE),
+    in the same slot as the token, so fork, copy-on-write and truncate keep them together.
+    Attention reads ``scale * stored`` inside its kernels; :meth:`dequantized` returns those
+    values, and ``paged_attention(..., k_scales=, v_scales=)`` reads the pools directly.
+
     Errors: an append needing more pages than are free is a ``CacheOverflowError``; an unknown or
     freed id, a duplicate id in one call, a length beyond a sequence's length are
     ``ArgumentError``; k / v of another dtype are a ``DTypeError``. A refused call changes
@@ -63,15 +71,22 @@ class PagedKVCache:
     """
 
     def __init__(self, num_pages, page_size, n_kv_heads, head_dim, *, head_dim_v=None,
-                 dtype="float32", backend=None, queue=None):
+                 dtype="float32", backend=None, queue=None, kv_dtype=None):
         self.num_pages = _spec.check_int(num_pages, "num_pages", minimum=1)
         self.page_size = _spec.check_int(page_size, "page_size", minimum=1)
         self.n_kv_heads, self.head_dim, self.head_dim_v, self.dtype = _spec.check_cache_geometry(
             n_kv_heads, head_dim, head_dim_v, dtype)
+        self.kv_format = _spec.check_kv_dtype(kv_dtype, self.dtype)
+        #: the dtype the pages are stored in (``dtype`` unless quantized)
+        self.kv_dtype = self.dtype if self.kv_format is None else self.kv_format.dtype
         self.backend: Backend = pick_backend(backend, (), self.dtype, queue=queue)
         shape = (self.num_pages, self.page_size, self.n_kv_heads)
-        self.k_pages = self.backend.page_alloc(shape + (self.head_dim,), self.dtype)
-        self.v_pages = self.backend.page_alloc(shape + (self.head_dim_v,), self.dtype)
+        self.k_pages = self.backend.page_alloc(shape + (self.head_dim,), self.kv_dtype)
+        self.v_pages = self.backend.page_alloc(shape + (self.head_dim_v,), self.kv_dtype)
+        self.k_scales = self.v_scales = None
+        if self.kv_format is not None:
+            self.k_scales = self.backend.cache_alloc(shape, np.dtype(np.float32))
+            self.v_scales = self.backend.cache_alloc(shape, np.dtype(np.float32))
         self._refs = np.zeros(self.num_pages, np.int64)
         # a stack: pages are taken from its end, so a fresh cache hands out 0, 1, 2, ...
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
@@ -83,7 +98,7 @@ class PagedKVCache:
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"head_dim_v={self.head_dim_v}, dtype={self.dtype}, "
-                f"backend={self.backend.name!r})")
+                f"kv_dtype={self.kv_dtype}, backend={self.backend.name!r})")
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     @property
@@ -139,6 +154,27 @@ class PagedKVCache:
         each sequence's last page."""
         ids = _spec.check_sids(sids, self._pages)
         return self._table(ids.tolist())
+
+    def dequantized(self, sids) -> tuple[np.ndarray, np.ndarray]:
+        """The values attention reads for the sequences ``sids``, as float64 numpy arrays (for
+        checks): packed ``k (total, n_kv_heads, head_dim)`` and ``v (..., head_dim_v)``, each
+        sequence's tokens in order, one after another (split them by :meth:`lengths`):
+        ``scale * stored`` when quantized, else the stored values."""
+        ids = _spec.check_sids(sids, self._pages)
+        ps, read = self.page_size, self.backend.cache_read
+        slots = [np.asarray(self._pages[i], np.int64)[np.arange(self._len[i]) // ps] * ps
+                 + np.arange(self._len[i]) % ps for i in ids.tolist()]
+        flat = _cat(slots)
+        out = []
+        for pool, scales in ((self.k_pages, self.k_scales), (self.v_pages, self.v_scales)):
+            x = read(pool)
+            x = x.reshape((-1,) + x.shape[2:])[flat]
+            if scales is None:
+                out.append(x.astype(np.float64))
+            else:
+                sc = read(scales)
+                out.append(_quant.dequantize(x, sc.reshape((-1,) + sc.shape[2:])[flat]))
+        return out[0], out[1]
 
     @_spec.front_door
     def append(self, sids, k, v, *, cu_seqlens=None) -> None:
@@ -226,11 +262,12 @@ class PagedKVCache:
     def _commit(self, w: _Append, rope: RopeSpec | None) -> None:
         be = self.backend
         if w.cow_src.size:  # copies first: a later write of this call may go into a source
-            be.copy_pages(self.k_pages, w.cow_src, w.cow_dst)
-            be.copy_pages(self.v_pages, w.cow_src, w.cow_dst)
+            for pool in (self.k_pages, self.v_pages, self.k_scales, self.v_scales):
+                if pool is not None:
+                    be.copy_pages(pool, w.cow_src, w.cow_dst)
         if w.slots.size:
-            be.cache_write_slots(self.k_pages, w.k, w.slots, w.positions, rope)
-            be.cache_write_slots(self.v_pages, w.v, w.slots, w.positions, None)
+            be.cache_write_slots(self.k_pages, w.k, w.slots, w.positions, rope, self.k_scales)
+            be.cache_write_slots(self.v_pages, w.v, w.slots, w.positions, None, self.v_scales)
         if w.taken:
             del self._free[len(self._free) - len(w.taken):]
         for p in w.taken:
@@ -322,7 +359,8 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     call = AttnCall(q=q4, k=cache.k_pages, v=cache.v_pages, q_batch=q_batch, q_row0=q_row0,
                     q_len=q_len, k_batch=zeros, k_row0=zeros.copy(), k_len=new_len.copy(),
                     q_pos0=new_len - q_len, k_pos0=zeros.copy(), need_lse=return_lse,
-                    block_table=table, page_size=cache.page_size, **opts)
+                    block_table=table, page_size=cache.page_size, k_scales=cache.k_scales,
+                    v_scales=cache.v_scales, **opts)
     if rope_spec is not None and q4.shape[1] and q4.shape[0]:
         positions = np.zeros(q4.shape[:2], np.int64)
         for s in range(n_seq):
@@ -336,7 +374,7 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
 @_spec.keywords_checked
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=None, causal=True,
                     scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
-                    return_lse=False, backend=None):
+                    return_lse=False, backend=None, k_scales=None, v_scales=None):
     """Attention over a caller-owned page pool (the stateless form, for engines that manage
     pages themselves; vLLM's and FlashAttention's ``block_table`` / ``seq_lens`` names).
 
@@ -352,6 +390,13 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     attention sinks, as in ``attention``. With a host table and a host
     ``q``, shared leading full pages are read once per group of sequences, as in
     ``attention_with_paged_kvcache``.
+
+    Quantized pools (SPEC section 10; a ``PagedKVCache(kv_dtype=...)``'s pages): ``k_pages`` /
+    ``v_pages`` of ``ml_dtypes.float8_e4m3fn``, ``ml_dtypes.float8_e5m2`` or ``int8`` with
+    ``k_scales`` / ``v_scales`` float32 ``(num_pages, page_size, Hkv)``; the keys read are
+    ``k_scales[..., None] * k_pages`` (likewise v), dequantized inside the kernel; q (any float
+    dtype) sets the compute and output dtype. Pools of those dtypes without scales, or scales
+    with float pools, are a ``DTypeError``.
     """
     return_lse = _spec.check_bool(return_lse, "return_lse")
     _spec.check_array(k_pages, "k_pages", ndim=4)
@@ -361,7 +406,11 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     if n_seq < 0:
         _spec.check_array(block_table, "block_table", ndim=2)
     q4, q_batch, q_row0, q_len = _spec.paged_queries(q, cu_seqlens_q, n_seq)
-    dtype = _spec.check_qkv(q4, k_pages, v_pages, ndim=4)
+    if k_scales is None and v_scales is None:
+        _spec.check_unscaled_pools(k_pages, v_pages)
+        dtype = _spec.check_qkv(q4, k_pages, v_pages, ndim=4)
+    else:
+        dtype = _spec.check_scale_pools(q4, k_pages, v_pages, k_scales, v_scales)
     _spec.check_heads(q4.shape, k_pages.shape, v_pages.shape, ("q", "k_pages", "v_pages"))
     _spec.check_page_pool(k_pages)
     num_pages, page_size = int(k_pages.shape[0]), int(k_pages.shape[1])
@@ -369,10 +418,11 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     _spec.check_query_rows(q_len, lens, "sequence")
     hq, d = q4.shape[2], q4.shape[3]
     opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes, sinks)
-    be = pick_backend(backend, (q, k_pages, v_pages, table), dtype)
+    arrays = (q, k_pages, v_pages, table) + (() if k_scales is None else (k_scales, v_scales))
+    be = pick_backend(backend, arrays, dtype)
     zeros = np.zeros(n_seq, np.int64)
     call = AttnCall(q=q4, k=k_pages, v=v_pages, q_batch=q_batch, q_row0=q_row0, q_len=q_len,
                     k_batch=zeros, k_row0=zeros.copy(), k_len=lens, q_pos0=lens - q_len,
                     k_pos0=zeros.copy(), need_lse=return_lse, block_table=table,
-                    page_size=page_size, **opts)
+                    page_size=page_size, k_scales=k_scales, v_scales=v_scales, **opts)
     return _finish(be, call, cu_seqlens_q is not None, return_lse)

@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
-from .shapes import SHAPE_HELP, TASKS, default_ladders, parse_shape
+from .shapes import DECODE_TASKS, SHAPE_HELP, TASKS, default_ladders, parse_shape
 
 __all__ = ["main", "build_parser"]
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
+KV_DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8")
 
 
 def _csv(text: str) -> list[str]:
@@ -40,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(TASKS)} (default: all)")
     p.add_argument("--dtypes", type=_csv, default=["float32"], metavar="LIST",
                    help=f"comma-separated subset of {','.join(_DTYPES)} (default: float32)")
+    p.add_argument("--kv-dtypes", type=_csv, default=[], metavar="LIST",
+                   help="decode tasks: also time caches stored in these kv_dtypes (subset of "
+                        f"{','.join(KV_DTYPES)}; default: none)")
     p.add_argument("--causal", choices=("yes", "no", "both"), default="both",
                    help="prefill masking (default: both)")
     p.add_argument("--shape", action="append", default=[], metavar="TASK=DIMS",
@@ -166,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in args.dtypes if d not in _DTYPES]
     if bad:
         parser.error(f"--dtypes: unknown {bad}; expected a subset of {','.join(_DTYPES)}")
+    bad = [d for d in args.kv_dtypes if d not in KV_DTYPES]
+    if bad:
+        parser.error(f"--kv-dtypes: unknown {bad}; expected a subset of {','.join(KV_DTYPES)}")
     if args.budget <= 0 or (args.reps is not None and args.reps < 1):
         parser.error("--budget and --reps must be positive")
     if args.plot:
@@ -196,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         ladders = [[c] for c in shapes]
     else:
         ladders = default_ladders(profile, args.tasks, args.dtypes, causal)
+    ladders += [[replace(c, kv_dtype=kv) for c in lad] for kv in args.kv_dtypes
+                for lad in list(ladders) if lad[0].task in DECODE_TASKS]
     from .report import annotate, print_table, to_json, write_json
     from .suite import Budget, run_family, warm_up
 
@@ -234,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _memory(args: argparse.Namespace, names: list[str], progress: Any) -> int:
-    from .memory import default_memory_backends, memory_case, run_memory
+    from .memory import default_memory_backends, kv_cache_memory, memory_case, run_memory
 
     if args.backends is None:
         names, slow = default_memory_backends(names)
@@ -243,12 +253,14 @@ def _memory(args: argparse.Namespace, names: list[str], progress: Any) -> int:
                      f"--backends {','.join(names + slow)} runs them too")
     case = memory_case(args.dtypes[0], causal=args.causal != "no")
     rows = run_memory(names, case, args.memory_timeout, progress, sys.stdout)
+    kv_rows = kv_cache_memory(args.dtypes[0], sys.stdout)
     if args.json:
         import json
 
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"schema": "attnlib-bench-memory/1", "case": case.dims(),
-                       "naive_scores_bytes": case.naive_scores_bytes(), "results": rows}, f,
+                       "naive_scores_bytes": case.naive_scores_bytes(), "results": rows,
+                       "kv_cache": kv_rows}, f,
                       indent=2)
             f.write("\n")
     if not any(r.get("time_s") is not None for r in rows):

@@ -1,11 +1,12 @@
 """``attnlib bench --memory``: the motivating example, S = 16384, 32 heads, D = 128, float32.
 
 A naive softmax(QK^T)V materialises the score matrix, ``B * H * S * S * 4`` bytes = 32 GiB here;
-exact tiled attention needs only its inputs and output. Each backend runs in a fresh subprocess
-(``python -m attnlib._bench.memory``) so that one backend's allocator pools cannot hide another's
-peak: inputs are made, a small case of the same head size compiles the kernels, the time of the
-full call is predicted from a mid-sized one (a backend too slow for ``--memory-timeout`` is
-reported, not run), then one full call runs under the peak meter of
+exact tiled attention needs only its inputs and output. Then the memory of a decode KV cache
+(:func:`kv_cache_memory`) in the dtype and in each 8-bit ``kv_dtype``. Each backend runs in a
+fresh subprocess (``python -m attnlib._bench.memory``) so that one backend's allocator pools
+cannot hide another's peak: inputs are made, a small case of the same head size compiles the
+kernels, the time of the full call is predicted from a mid-sized one (a backend too slow for
+``--memory-timeout`` is reported, not run), then one full call runs under the peak meter of
 :mod:`attnlib._bench.measure`. The subprocess prints its progress on stderr (passed on, with a
 line every ``HEARTBEAT_S`` while the full call runs) and one JSON line on stdout.
 
@@ -26,7 +27,8 @@ from typing import TextIO
 
 from .shapes import Case
 
-__all__ = ["memory_case", "run_memory", "default_memory_backends", "HEARTBEAT_S"]
+__all__ = ["memory_case", "run_memory", "kv_cache_memory", "default_memory_backends",
+           "HEARTBEAT_S"]
 
 HEARTBEAT_S = 10.0
 
@@ -107,6 +109,33 @@ def _child(argv: list[str]) -> int:
     out["input_bytes"] = full.input_bytes()
     print(json.dumps(out))
     return 0
+
+
+#: the decode cache of ``--memory``'s KV-cache lines (SPEC section 10's benchmark shape)
+KV_CACHE_SHAPE = dict(B=8, L=8192, Hkv=8, D=128)
+
+
+def kv_cache_memory(dtype: str, out: TextIO) -> list[dict]:
+    """The bytes a ``KVCache`` of :data:`KV_CACHE_SHAPE` allocates (K, V and, when quantized,
+    their float32 scales; numpy backend, measured from its arrays) in ``dtype`` and in each
+    8-bit kv_dtype; printed with the ratio to ``dtype``, returned as rows."""
+    import attnlib
+    from attnlib import _quant
+
+    b, length, hkv, d = (KV_CACHE_SHAPE[n] for n in ("B", "L", "Hkv", "D"))
+    rows = []
+    for kv in (None, *_quant.FORMATS):
+        cache = attnlib.KVCache(b, length, hkv, d, dtype=dtype, kv_dtype=kv, backend="numpy")
+        parts = [cache.k, cache.v] + ([cache.k_scales, cache.v_scales] if kv else [])
+        rows.append({"kv_dtype": kv or dtype, "bytes": int(sum(x.nbytes for x in parts))})
+        del cache, parts
+    base = rows[0]["bytes"]
+    print(f"\nKV cache B={b} L={length} Hkv={hkv} D={d}, dtype={dtype} (K, V and their "
+          "scales as allocated):", file=out)
+    for r in rows:
+        print(f"  {r['kv_dtype']:<14} {r['bytes'] / (1 << 20):9.1f} MiB  "
+              f"{r['bytes'] / base:5.3f}x", file=out)
+    return rows
 
 
 def run_memory(backends: list[str], case: Case, limit: float, progress, out: TextIO) -> list:

@@ -91,7 +91,7 @@ class AttnlibRunner:
 
         elif case.task == "decode":
             cache = attnlib.KVCache(case.B, case.L, case.Hkv, case.D, dtype=case.dtype,
-                                    backend=name)
+                                    backend=name, kv_dtype=case.kv_dtype or None)
             cache.update(inputs["k"], inputs["v"], 0)
             q = dev(inputs["q"])
 
@@ -139,7 +139,7 @@ def _paged_cache(case: Case, inputs: dict[str, Any], name: str) -> tuple[Any, li
 
     per = -(-case.L // ps)
     cache = attnlib.PagedKVCache(case.B * per, ps, case.Hkv, case.D, dtype=case.dtype,
-                                 backend=name)
+                                 backend=name, kv_dtype=case.kv_dtype or None)
     fill = [cache.new_sequence() for _ in range(case.B * per)]
     one = np.zeros((len(fill), 1, case.Hkv, case.D), np_dtype(case.dtype))
     cache.append(fill, one, one)

@@ -57,6 +57,12 @@ class Case:
     rows: int = 0
     cols: int = 0
     n: int = 0
+    kv_dtype: str = ""  # decode: the cache's kv_dtype (SPEC section 10); "" stores dtype
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of one cached K or V value (8-bit formats: 1)."""
+        return 1 if self.kv_dtype else self.itemsize
 
     # ---- description ------------------------------------------------------------------------
     def dims(self) -> dict:
@@ -65,7 +71,8 @@ class Case:
             return {"B": self.B, "H": self.H, "Hkv": self.Hkv, "S": self.S, "D": self.D,
                     "causal": self.causal}
         if self.task in DECODE_TASKS:
-            return {"B": self.B, "Hq": self.H, "Hkv": self.Hkv, "L": self.L, "D": self.D}
+            kv = {"kv_dtype": self.kv_dtype} if self.kv_dtype else {}
+            return {"B": self.B, "Hq": self.H, "Hkv": self.Hkv, "L": self.L, "D": self.D, **kv}
         if self.task == "softmax":
             return {"rows": self.rows, "cols": self.cols}
         return {"n": self.n, "B": self.B, "S": self.S, "H": self.H, "D": self.D}
@@ -77,8 +84,9 @@ class Case:
             return f"prefill B={self.B} {heads} S={self.S} D={self.D}{c} {self.dtype}"
         if self.task in DECODE_TASKS:
             name = self.task.replace("_", " ")
+            kv = f" kv={self.kv_dtype}" if self.kv_dtype else ""
             return (f"{name} B={self.B} Hq={self.H} Hkv={self.Hkv} L={self.L} D={self.D} "
-                    f"{self.dtype}")
+                    f"{self.dtype}{kv}")
         if self.task == "softmax":
             return f"softmax {self.rows}x{self.cols} {self.dtype}"
         return f"merge n={self.n} B={self.B} S={self.S} H={self.H} D={self.D} {self.dtype}"
@@ -108,8 +116,9 @@ class Case:
             q_out = 2 * self.B * self.S * self.H * self.D
             kv = 2 * self.B * self.S * self.Hkv * self.D
             return float((q_out + kv) * it)
-        if self.task in DECODE_TASKS:
-            return float(2 * self.B * self.L * self.Hkv * self.D * it)
+        if self.task in DECODE_TASKS:  # the cache read once (8-bit: its float32 scales too)
+            scales = 4 if self.kv_dtype else 0
+            return float(2 * self.B * self.L * self.Hkv * (self.D * self.kv_bytes + scales))
         if self.task == "softmax":
             return float(2 * self.rows * self.cols * it)
         states = (self.n + 1) * self.B * self.S * self.H

@@ -6,9 +6,12 @@ from typing import Any
 
 import numpy as np
 
+from .._quant import FORMATS, KVFormat, format_of
 from ..errors import ArgumentError, CacheOverflowError, DTypeError, ShapeError
 from ._arrays import (
+    BFLOAT16,
     check_array,
+    check_float_dtype,
     check_int,
     check_seqlens,
     host,
@@ -413,3 +416,71 @@ def check_page_pool(k_pages: Any) -> None:
     if int(k_pages.shape[1]) < 1 or int(k_pages.shape[0]) < 1:
         raise ShapeError(f"k_pages has shape {tuple(k_pages.shape)}; expected at least one "
                          "page of at least one slot")
+
+
+# ---- quantized KV caches (SPEC section 10) -------------------------------------------------------
+def check_kv_dtype(kv_dtype: Any, dtype: np.dtype) -> KVFormat | None:
+    """A cache's ``kv_dtype``: None or ``dtype`` itself (K and V stored as ``dtype``: None), or
+    one of the 8-bit formats of :data:`attnlib._quant.FORMATS` by name or numpy dtype."""
+    if kv_dtype is None:
+        return None
+    if isinstance(kv_dtype, str) and kv_dtype in FORMATS:
+        return FORMATS[kv_dtype]
+    try:
+        dt = BFLOAT16 if kv_dtype in ("bfloat16", "bf16") else np.dtype(kv_dtype)
+    except (TypeError, ValueError):
+        dt = None
+    if dt is not None:
+        if dt == dtype:
+            return None
+        fmt = format_of(dt)
+        if fmt is not None:
+            return fmt
+    raise DTypeError(
+        f"kv_dtype={kv_dtype!r} is not supported; expected {', '.join(map(repr, FORMATS))} or "
+        f"the cache's dtype {dtype}"
+    )
+
+
+def check_scale_pools(q: Any, k_pages: Any, v_pages: Any, k_scales: Any,
+                      v_scales: Any) -> np.dtype:
+    """``paged_attention`` over quantized pools: q of a float dtype (returned: the compute
+    dtype), k_pages and v_pages of one 8-bit format, and float32 scale pools ``(num_pages,
+    page_size, Hkv)``; all of one kind of array (numpy, or one backend's device arrays)."""
+    dtype = check_float_dtype(q, "q")
+    if (k_scales is None) != (v_scales is None):
+        raise ArgumentError("k_scales and v_scales must be given together (or both left out)")
+    fmt = format_of(k_pages.dtype)
+    if fmt is None or np.dtype(v_pages.dtype) != fmt.dtype:
+        raise DTypeError(
+            f"k_scales / v_scales were given but k_pages has dtype {k_pages.dtype} and v_pages "
+            f"{v_pages.dtype}; scaled pools hold one of {', '.join(FORMATS)}"
+        )
+    want = tuple(int(n) for n in k_pages.shape[:3])
+    for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+        check_array(s, name, ndim=3)
+        if np.dtype(s.dtype) != np.float32:
+            raise DTypeError(f"{name} has dtype {s.dtype}; expected float32")
+        if tuple(int(n) for n in s.shape) != want:
+            raise ShapeError(
+                f"{name} has shape {tuple(s.shape)}; expected (num_pages, page_size, Hkv) = "
+                f"{want}"
+            )
+    kinds = [is_device_array(x) for x in (q, k_pages, v_pages, k_scales, v_scales)]
+    if len(set(kinds)) > 1:
+        raise ArgumentError(
+            "q, k_pages, v_pages, k_scales and v_scales must all be numpy arrays or all device "
+            "arrays of one backend, got " + ", ".join("device" if d else "numpy" for d in kinds)
+        )
+    return dtype
+
+
+def check_unscaled_pools(k_pages: Any, v_pages: Any) -> None:
+    """Pools of an 8-bit format need their scales: without them they are a DTypeError that
+    says so (float pools go on to the usual q, k, v dtype checks)."""
+    for name, pool in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if format_of(pool.dtype) is not None:
+            raise DTypeError(
+                f"{name} has dtype {pool.dtype}, a quantized format: pass k_scales and v_scales "
+                "(float32, (num_pages, page_size, Hkv))"
+            )

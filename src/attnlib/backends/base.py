@@ -59,6 +59,15 @@ The mask, when present, is only used by dense calls, where sequence ``s`` is bat
 ``mask_view`` is a numpy array already broadcast to ``(n_seq, Hq, Sq_arr, k_len)`` (zero strides
 where broadcast). ``mask_kind`` is "bool" or "additive" (any float dtype; read it as float32 or
 wider).
+
+Quantized keys and values (``k_scales`` is not None; a load variant, SPEC section 10): ``k`` and
+``v`` hold 8-bit codes of one format (their dtype: ``ml_dtypes.float8_e4m3fn``,
+``ml_dtypes.float8_e5m2`` or ``int8``; :func:`attnlib._quant.format_of` names it) and
+``k_scales`` / ``v_scales`` float32 ``k.shape[:3]`` / ``v.shape[:3]`` (C order) one scale per
+(row, kv head): the key read is ``k_scales[b, row, hk] * decode(k[b, row, hk, :])``, with
+``decode`` exact (:func:`attnlib._quant.decode_table`), and likewise for v. q, out and the compute
+keep q's dtype (``AttnCall.dtype``). A backend dequantizes as it loads (never a dequantized copy of
+the cache).
 """
 
 from __future__ import annotations
@@ -68,6 +77,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+
+from .. import _quant
 
 __all__ = [
     "AttnCall",
@@ -116,6 +127,8 @@ class AttnCall:
     block_table: Any = None  # (n_seq, max_pages) int32/int64: paged k, v (see the docstring)
     page_size: int = 0
     sinks: np.ndarray | None = None  # float32 (Hq,): one softmax sink logit per query head
+    k_scales: Any = None  # float32 k.shape[:3]: k, v hold 8-bit codes (see the docstring)
+    v_scales: Any = None
 
     @property
     def n_seq(self) -> int:
@@ -140,6 +153,10 @@ class AttnCall:
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(self.q.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scales is not None
 
 
 class Backend:
@@ -231,12 +248,16 @@ class Backend:
         rows: np.ndarray,
         start_pos: np.ndarray,
         rope: RopeSpec | None,
+        scales: Any = None,
     ) -> None:
         """Write ``src (B, S_new, Hkv, D)`` (any strides, buf's dtype) into ``buf``:
         ``buf[rows[b], (start_pos[b] + s) % max_seq_len] = src[b, s]`` (rotated at absolute
         position ``start_pos[b] + s`` when ``rope`` is given; fuse it where the backend can).
         ``rows``, ``start_pos``: int64 numpy (B,). Already validated: nothing can fail half-way
-        for a user reason."""
+        for a user reason. ``scales`` (float32 ``buf.shape[:3]``): ``buf`` holds 8-bit codes
+        and ``src`` the cache's float dtype; each row is rotated, then quantized as
+        :func:`attnlib._quant.quantize` does, its scale written to the same slot of ``scales``.
+        """
         raise NotImplementedError
 
     # ---- paged KV cache storage ---------------------------------------------------------------
@@ -252,17 +273,21 @@ class Backend:
         slot_mapping: np.ndarray,
         positions: np.ndarray,
         rope: RopeSpec | None,
+        scales: Any = None,
     ) -> None:
         """Write the packed tokens ``src (T, Hkv, D)`` (any strides, buf's dtype) into the page
         pool ``buf (num_pages, page_size, Hkv, D)``: token ``t`` goes to flat slot
         ``slot_mapping[t]`` (``page * page_size + slot``, vLLM's ``slot_mapping``), rotated at
         absolute position ``positions[t]`` when ``rope`` is given (fused where the backend can).
-        ``slot_mapping``, ``positions``: int64 numpy (T,), validated, distinct slots."""
+        ``slot_mapping``, ``positions``: int64 numpy (T,), validated, distinct slots.
+        ``scales``: the scale pool ``(num_pages, page_size, Hkv)`` of a quantized ``buf``, as in
+        :meth:`cache_write`."""
         raise NotImplementedError
 
     def copy_pages(self, buf: Any, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
         """``buf[dst_pages[i]] = buf[src_pages[i]]`` for every i (copy-on-write of shared pages;
-        int64 numpy arrays, validated, no page both a source and a destination)."""
+        int64 numpy arrays, validated, no page both a source and a destination). ``buf`` is a
+        page pool or a scale pool ``(num_pages, page_size, Hkv)``."""
         raise NotImplementedError
 
     def cache_append(
@@ -275,9 +300,12 @@ class Backend:
         rows: np.ndarray,
         start: np.ndarray,
         rope: RopeSpec | None,
+        k_scales: Any = None,
+        v_scales: Any = None,
     ) -> Any:
         """One decode step's append in fewer launches, where the backend has a way: ``k`` and
-        ``v`` written as two :meth:`cache_write` calls would (k rotated with ``rope``), and the
+        ``v`` written as two :meth:`cache_write` calls would (k rotated with ``rope``; with
+        ``k_scales`` / ``v_scales``, quantized as :meth:`cache_write` does), and the
         query returned, rotated at positions ``start[b] + s`` with ``rope`` (q has as many rows
         as the new tokens then), else ``q`` itself. None when the backend does not take the
         call: then nothing was written and the caller makes the primitive calls. The default
@@ -294,11 +322,15 @@ class HostPages:
     in by the numpy and numba backends; each rotates with its own :meth:`Backend.rope`)."""
 
     def cache_write_slots(self, buf: np.ndarray, src: Any, slot_mapping: np.ndarray,
-                          positions: np.ndarray, rope: RopeSpec | None) -> None:
+                          positions: np.ndarray, rope: RopeSpec | None,
+                          scales: np.ndarray | None = None) -> None:
         chunk = np.asarray(src)
         if rope is not None:
             chunk = self.rope(chunk[None], np.asarray(positions, np.int64)[None], rope)[0]
         ps = buf.shape[1]
+        if scales is not None:
+            chunk, sc = _quant.quantize(chunk, _quant.format_of(buf.dtype))
+            scales[slot_mapping // ps, slot_mapping % ps] = sc
         buf[slot_mapping // ps, slot_mapping % ps] = chunk
 
     def copy_pages(self, buf: np.ndarray, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _quant
 from .base import AttnCall, Backend, HostPages, RopeSpec
 
 # Each chunk holds a few (rows, k_len) float64 arrays: scores, visibility, probabilities.
@@ -76,16 +77,20 @@ class NumpyBackend(HostPages, Backend):
         if call.ring:
             rows %= call.ring
         kb = int(call.k_batch[s])
-        k_seq, v_seq = k, v
+        k_seq, v_seq, ksc, vsc = k, v, call.k_scales, call.v_scales
         if call.block_table is not None:
-            k_seq, v_seq, rows, kb = _paged_rows(call, s, rows)
+            k_seq, v_seq, ksc, vsc, rows, kb = _paged_rows(call, s, rows)
         qpos = int(call.q_pos0[s]) + np.arange(n_q)
         kpos = int(call.k_pos0[s]) + np.arange(n_k)
         for h in range(q.shape[2]):
             hk = h // group
             qs = _f64(q[qb, q0:q0 + n_q, h, :])
-            ks = _f64(k_seq[kb][rows, hk, :])
-            vs = _f64(v_seq[kb][rows, hk, :])
+            if call.quantized:  # the reference reads scale * stored, exact in float64
+                ks = _quant.dequantize(k_seq[kb][rows, hk, :], ksc[kb][rows, hk])
+                vs = _quant.dequantize(v_seq[kb][rows, hk, :], vsc[kb][rows, hk])
+            else:
+                ks = _f64(k_seq[kb][rows, hk, :])
+                vs = _f64(v_seq[kb][rows, hk, :])
             step = _rows_per_chunk(n_k)
             for i0 in range(0, n_q, step):
                 i1 = min(n_q, i0 + step)
@@ -183,7 +188,8 @@ class NumpyBackend(HostPages, Backend):
     def cache_alloc(self, shape, dtype) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
 
-    def cache_write(self, buf, src, rows, start_pos, rope: RopeSpec | None) -> None:
+    def cache_write(self, buf, src, rows, start_pos, rope: RopeSpec | None,
+                    scales=None) -> None:
         cap = buf.shape[1]
         n_new = src.shape[1]
         for b in range(src.shape[0]):
@@ -191,6 +197,9 @@ class NumpyBackend(HostPages, Backend):
             chunk = src[b]
             if rope is not None:
                 chunk = self.rope(chunk[None], pos[None], rope)[0]
+            if scales is not None:
+                chunk, scales[int(rows[b]), pos % cap] = _quant.quantize(
+                    chunk, _quant.format_of(buf.dtype))
             buf[int(rows[b]), pos % cap] = chunk
 
 
@@ -211,9 +220,10 @@ def fold_sinks(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray) -> tuple[np.
 
 
 def _paged_rows(call: AttnCall, s: int, rows: np.ndarray):
-    """Sequence ``s``'s keys of a paged call as (k, v, rows, batch): the pools seen as one
-    batch of ``num_pages * page_size`` rows, and the flat row of each logical row (page
-    indices clamped into the pool, as every backend does for a table it did not check)."""
+    """Sequence ``s``'s keys of a paged call as (k, v, k_scales, v_scales, rows, batch): the
+    pools (and scale pools, None when not quantized) seen as one batch of ``num_pages *
+    page_size`` rows, and the flat row of each logical row (page indices clamped into the pool,
+    as every backend does for a table it did not check)."""
     ps = call.page_size
     n_pages = call.k.shape[0]
     table = np.asarray(call.block_table)[s]
@@ -222,7 +232,11 @@ def _paged_rows(call: AttnCall, s: int, rows: np.ndarray):
     flat = pages * ps + rows % ps
     k = np.asarray(call.k).reshape((1, n_pages * ps) + tuple(call.k.shape[2:]))
     v = np.asarray(call.v).reshape((1, n_pages * ps) + tuple(call.v.shape[2:]))
-    return k, v, flat, 0
+    ksc = vsc = None
+    if call.quantized:
+        ksc = np.asarray(call.k_scales).reshape((1, n_pages * ps, -1))
+        vsc = np.asarray(call.v_scales).reshape((1, n_pages * ps, -1))
+    return k, v, ksc, vsc, flat, 0
 
 
 def rope_reference(x: np.ndarray, positions: np.ndarray, spec: RopeSpec) -> np.ndarray:

@@ -11,6 +11,9 @@ is installed, else scipy's OpenBLAS (:mod:`._blas`).
 Paged calls (``AttnCall.block_table``) run the same kernel: a key tile whose pages follow each
 other in the pool is read in place, any other is gathered one page at a time into the thread's
 scratch tile (``_flash._load_paged``); fp16/bf16 pools widen only the pages in use.
+Quantized caches (``AttnCall.k_scales``) are read by the same kernel: each key / value tile is
+dequantized into the scratch tile as it is loaded (``_flash._load_quant``: a byte's value from
+its bits, in registers, times the row's scale), never as a copy of the cache.
 
 The other primitives (softmax, merge_states, rope, the KV caches) are small numba / numpy code.
 Compiled functions are cached on disk (:mod:`._cache`: ``NUMBA_CACHE_DIR`` when set, else
@@ -25,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import _quant
 from ..base import AttnCall, Backend, HostPages, RopeSpec
 from . import _launch
 
@@ -102,7 +106,8 @@ class NumbaBackend(HostPages, Backend):
         p, ps, h, d = shape
         return np.zeros((p, h, ps, d), dtype=dtype).transpose(0, 2, 1, 3)
 
-    def cache_write(self, buf, src, rows, start_pos, rope: RopeSpec | None) -> None:
+    def cache_write(self, buf, src, rows, start_pos, rope: RopeSpec | None,
+                    scales=None) -> None:
         from . import _ops
 
         cap = buf.shape[1]
@@ -110,5 +115,9 @@ class NumbaBackend(HostPages, Backend):
         pos = np.asarray(start_pos, np.int64)[:, None] + np.arange(n_new)[None, :]
         if rope is not None:
             src = _ops.rope(np.asarray(src), pos, rope)
+        if scales is not None:
+            src, sc = _quant.quantize(src, _quant.format_of(buf.dtype))
+            for b in range(src.shape[0]):
+                scales[int(rows[b]), pos[b] % cap] = sc[b]
         for b in range(src.shape[0]):
             buf[int(rows[b]), pos[b] % cap] = src[b]

@@ -254,6 +254,62 @@ def _load_paged(src, st, table, s, row0, nrows, page_size, n_pages, h, dst, widt
         t += run
 
 
+F8_E4M3, F8_E5M2, INT8 = 1, 2, 3  # kv formats (attnlib._quant.KVFormat.code)
+_E4M3_UNBIAS = np.float32(2.0 ** 120)  # 2**(127 - 7): a float32's exponent bias to e4m3's
+_E5M2_UNBIAS = np.float32(2.0 ** 112)  # 2**(127 - 15)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _f8_value(c, fmt):
+    """The value of the fp8 code ``c`` (int32 0..255), exactly: its exponent and mantissa bits
+    moved into a float32's (a subnormal code lands on a float32 subnormal of the same
+    significand) and the exponent bias corrected by one power-of-two multiply; e4m3fn's NaN code,
+    e5m2's infinities and NaNs (all exponent bits set: the same bits moved into a float32's
+    all-ones exponent) chosen by selects. No branch, so the tile loop vectorises."""
+    sign = (c & 0x80) << 24
+    if fmt == F8_E4M3:
+        x = _bits_to_f32(((c & 0x7f) << 20) | sign) * _E4M3_UNBIAS
+        return np.float32(np.nan) if (c & 0x7f) == 0x7f else x
+    x = _bits_to_f32(((c & 0x7f) << 21) | sign) * _E5M2_UNBIAS
+    special = _bits_to_f32(sign | 0x7f800000 | ((c & 3) << 21))
+    return special if (c & 0x7c) == 0x7c else x
+
+
+@njit(fastmath=FASTMATH)
+def _load_quant(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_size, n_pages, h,
+                dst, width):
+    """Dequantizing tile load: ``dst[t*width + d] = scale * value(code)`` for logical row
+    ``row0 + t`` of kv head ``h``, where ``src`` holds the 8-bit codes (flat uint8, element
+    strides ``st``) of format ``fmt`` (F8_E4M3, F8_E5M2, INT8), ``sc`` the float32 scales (flat,
+    strides ``sst`` along batch / page, row / slot, head). Paged (``page_size > 0``): the row
+    lives in sequence ``s``'s pages (clamped into the pool); else in batch ``b``, wrapping at
+    ``ring``."""
+    for t in range(nrows):
+        r = row0 + t
+        if page_size > 0:
+            p = _page_at(table, s, r // page_size, n_pages)
+            slot = r % page_size
+            off = p * st[0] + slot * st[1] + h * st[2]
+            so = p * sst[0] + slot * sst[1] + h * sst[2]
+        else:
+            if ring > 0 and r >= ring:
+                r -= ring
+            off = b * st[0] + r * st[1] + h * st[2]
+            so = b * sst[0] + r * sst[1] + h * sst[2]
+        f = sc[so]
+        codes = src[off:off + width]
+        out = dst[t * width:(t + 1) * width]
+        if fmt == INT8:
+            for d in range(width):
+                out[d] = np.float32(np.int8(codes[d])) * f
+        elif fmt == F8_E4M3:
+            for d in range(width):
+                out[d] = _f8_value(np.int32(codes[d]), F8_E4M3) * f
+        else:
+            for d in range(width):
+                out[d] = _f8_value(np.int32(codes[d]), F8_E5M2) * f
+
+
 @njit(fastmath=FASTMATH)
 def _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi, softcap, alibi, mask,
                    full, unit):
@@ -321,7 +377,7 @@ def _all_finite(x):
 @njit(nogil=True, fastmath=FASTMATH)
 def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
                   sinks, block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit,
-                  table, page_size, n_pages, work):
+                  table, page_size, n_pages, kc, vc, ksc, vsc, sst, kv_format, work):
     """Run every task; see the module docstring.
 
     ``q``, ``k``, ``v``: flat (1-D) query, key and value arrays; ``qst`` / ``kst`` / ``vst``
@@ -349,6 +405,11 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     ``r % page_size`` of page ``table[s, r // page_size]`` (clamped into ``[0, n_pages)``); a
     tile whose pages follow each other in the pool is read in place, any other is gathered into
     the scratch tile first. ``page_size`` 0: not paged (``table`` (0, 0)).
+    ``kv_format`` > 0: a quantized cache (F8_E4M3, F8_E5M2, INT8). ``kc`` / ``vc`` then hold
+    the keys' and values' 8-bit codes (flat uint8, strides ``kst`` / ``vst``; ``k`` and ``v``
+    are unused), ``ksc`` / ``vsc`` their float32 scales (flat, strides ``sst``), and every tile
+    is dequantized into the scratch tile as it is loaded (:func:`_load_quant`). 0: those are
+    empty.
     ``work``: this thread's scratch, 1-D of the compute dtype, at least
     ``work_layout(block_m, block_n, D, Dv)[-1]`` elements, 64-byte aligned; no other thread
     uses it during the call.
@@ -391,6 +452,7 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     paged = page_size > 0
     # consecutive pages are consecutive rows only when the pool's page stride is page_size rows
     pool_flat = paged and kst[0] == page_size * k_ld and vst[0] == page_size * v_ld
+    quant = kv_format > 0
     while True:
         t = _fetch_add(counter, 1)
         if t >= n_tasks:
@@ -433,7 +495,17 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             if ring > 0 and row >= ring:
                 row -= ring
             copied = ring > 0 and row + n > ring  # the tile wraps: copy it
-            if paged:
+            if quant:
+                # -- dequantize as the tiles load: scale * value of each code
+                lrow = seq[s, 4] + jb if paged else row
+                _load_quant(kc, kst, ksc, sst, kv_format, table, s, kb, lrow, n, ring,
+                            page_size, n_pages, kvh, kt, d_qk)
+                _load_quant(vc, vst, vsc, sst, kv_format, table, s, kb, lrow, n, ring,
+                            page_size, n_pages, kvh, vt, d_v)
+                copied = True
+                k_addr, k_lead = np.int64(kt.ctypes.data), d_qk
+                v_addr, v_lead = np.int64(vt.ctypes.data), d_v
+            elif paged:
                 prow = _paged_start(table, s, row, n, page_size, n_pages) if pool_flat else -1
                 copied = prow < 0
                 if copied:

@@ -142,6 +142,35 @@ def _flat(x: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, flat, st
 
 
+def _quantized(call: AttnCall, cdt: np.dtype) -> tuple:
+    """A quantized call's kernel arrays: (k codes 4-D, empty k, k strides, the same for v, and
+    the kernel's quantized arguments ``(kc, vc, ksc, vsc, sst, kv_format)``): the codes as flat
+    uint8 read in place (no copy of the cache), the float32 scales flat with their strides, the
+    format's code."""
+    from ... import _quant
+
+    fmt = _quant.format_of(call.k.dtype)
+    k, kc, kst = _flat(np.asarray(call.k).view(np.uint8), np.dtype(np.uint8))
+    v, vc, vst = _flat(np.asarray(call.v).view(np.uint8), np.dtype(np.uint8))
+    ksc = _readonly_c(call.k_scales, np.dtype(np.float32))
+    vsc = _readonly_c(call.v_scales, np.dtype(np.float32))
+    _, s, h = ksc.shape
+    sst = np.array([s * h, h, 1], np.int64)
+    empty = _empty(cdt, 1)
+    return (k, empty, kst, v, empty, vst,
+            (kc, vc, ksc.reshape(-1), vsc.reshape(-1), sst, fmt.code))
+
+
+def _not_quantized() -> tuple:
+    """The kernel's quantized arguments for a call that is not: empty arrays (one signature)."""
+    u8 = _empties.get(("u8",))
+    if u8 is None:
+        u8 = _empties[("u8",)] = (np.zeros(0, np.uint8), np.zeros(0, np.uint8),
+                                  np.zeros(0, np.float32), np.zeros(0, np.float32),
+                                  np.zeros(3, np.int64))
+    return u8 + (0,)
+
+
 def _narrow_keys(call: AttnCall) -> AttnCall:
     """The call over only the key rows it reads, when k and v must be converted anyway
     (float16/bfloat16 are widened to float32): a decode call over a KV cache then widens the
@@ -374,11 +403,15 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
 
     dtype = call.dtype
     cdt = _ops.compute_dtype(dtype)
-    if dtype != cdt:
+    if dtype != cdt and not call.quantized:
         call = _narrow_pages(call) if call.block_table is not None else _narrow_keys(call)
     q, qf, qst = _flat(call.q, cdt)
-    k, kf, kst = _flat(call.k, cdt)
-    v, vf, vst = _flat(call.v, cdt)
+    if call.quantized:
+        k, kf, kst, v, vf, vst, quant = _quantized(call, cdt)
+    else:
+        k, kf, kst = _flat(call.k, cdt)
+        v, vf, vst = _flat(call.v, cdt)
+        quant = _not_quantized()
     bq, sq_arr, hq, _ = q.shape
     d_v = v.shape[3]
     big = _flash.BIG
@@ -418,7 +451,7 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
         with _launch_lock, (_blas_single_thread() if limit else contextlib.nullcontext()):
             pre = (qf, kf, vf, qst, kst, vst, seq, dealt, g, float(call.scale), wl, wr,
                    softcap, alibi, mask, int(call.ring), sinks, block_m, block_n)
-            post = (out, lse, part_o, part_ml, gemm_fn, jit) + _paging(call, k)
+            post = (out, lse, part_o, part_ml, gemm_fn, jit) + _paging(call, k) + quant
             _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads, size,
                        cdt)
             if n_slots:

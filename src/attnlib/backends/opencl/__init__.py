@@ -284,23 +284,26 @@ class OpenCLBackend(Backend):
         return buf
 
     def cache_write(self, buf: Any, src: Any, rows: np.ndarray, start_pos: np.ndarray,
-                    rope: RopeSpec | None) -> None:
+                    rope: RopeSpec | None, scales: Any = None) -> None:
         with device_errors("the KV-cache append"):
-            _ops.cache_write(self, buf, src, rows, start_pos, rope)
+            _ops.cache_write(self, buf, src, rows, start_pos, rope, scales)
 
     def cache_write_slots(self, buf: Any, src: Any, slot_mapping: np.ndarray,
-                          positions: np.ndarray, rope: RopeSpec | None) -> None:
+                          positions: np.ndarray, rope: RopeSpec | None,
+                          scales: Any = None) -> None:
         with device_errors("the paged KV-cache append"):
-            _ops.cache_write_slots(self, buf, src, slot_mapping, positions, rope)
+            _ops.cache_write_slots(self, buf, src, slot_mapping, positions, rope, scales)
 
     def copy_pages(self, buf: Any, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
         with device_errors("the paged KV-cache page copy"):
             _ops.copy_pages(self, buf, src_pages, dst_pages)
 
     def cache_append(self, k_buf: Any, v_buf: Any, k: Any, v: Any, q: Any, rows: np.ndarray,
-                     start: np.ndarray, rope: RopeSpec | None) -> Any:
+                     start: np.ndarray, rope: RopeSpec | None, k_scales: Any = None,
+                     v_scales: Any = None) -> Any:
         with device_errors("the KV-cache append"):
-            return _ops.fused_append(self, k_buf, v_buf, k, v, q, rows, start, rope)
+            return _ops.fused_append(self, k_buf, v_buf, k, v, q, rows, start, rope,
+                                     k_scales is not None)
 
     def cache_read(self, buf: Any) -> np.ndarray:
         return buf.get()

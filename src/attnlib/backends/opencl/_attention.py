@@ -4,7 +4,10 @@ merge pass.
 
 Paged calls (``AttnCall.block_table``) build the kernel with ``-DPAGE_SIZE``: each K/V row is
 found through the block table (``KV_ROW`` in the kernel), whose entries the kernel clamps into
-the pool, so a device-resident table is used as given and no read leaves the pool."""
+the pool, so a device-resident table is used as given and no read leaves the pool.
+
+Quantized calls (``AttnCall.k_scales``) build it with ``-DKV_FORMAT``: k and v are read as 8-bit
+codes with their scales and dequantized as each tile is staged (the scalar staging path)."""
 
 from __future__ import annotations
 
@@ -54,6 +57,14 @@ class FwdConfig(KernelConfig):
     CP_ASYNC_EMULATE: bool = False  # plain copies in cp.async's place (any device; tests)
     CPU_VEC: int = 0  # CPU devices: one work-item per block, register tiles of 8/16-wide vectors
     PAGE_SIZE: int = 0  # paged K/V pools: rows found through the block table
+
+
+@dataclass(frozen=True)
+class QuantFwdConfig(FwdConfig):
+    """attn_fwd.cl over 8-bit K/V with scales: the load variant KV_FORMAT (the format's
+    ``attnlib._quant.KVFormat.code``; other calls build without it, which the kernel reads as 0)."""
+
+    KV_FORMAT: int = 1
 
 
 @dataclass(frozen=True)
@@ -309,7 +320,16 @@ def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_row
     return (id(be), queue.int_ptr, call.dtype, call.q.shape, call.n_kv_heads,
             call.head_dim_v, max_rows, call.n_seq, call.ring, call.scale, call.softcap,
             call.window_left, call.window_right, call.alibi is None, mask_kind, call.page_size,
-            call.sinks is None, *((vw.offset, vw.strides) for vw in views))
+            call.sinks is None, kv_format(call), *((vw.offset, vw.strides) for vw in views))
+
+
+def kv_format(call: AttnCall) -> int:
+    """attn_fwd.cl's KV_FORMAT of ``call``: its 8-bit format's code, 0 when not quantized."""
+    if call.k_scales is None:
+        return 0
+    from ... import _quant
+
+    return _quant.format_of(call.k.dtype).code
 
 
 def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
@@ -318,22 +338,25 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
     acc = acc_dtype(dtype)
     bq, sq_arr, hq, d = call.q.shape
     hkv, dv = call.n_kv_heads, call.head_dim_v
-    kv_bytes = 2 if dtype.itemsize == 2 else acc.itemsize
+    fmt = kv_format(call)  # 8-bit K/V: staged dequantized, as acc_t, by scalar loads
+    kv_bytes = 2 if dtype.itemsize == 2 and not fmt else acc.itemsize
     bm, bn, tmh, tnh = tiles = choose_tiles(be.facts, max_rows, d, dv, acc.itemsize, kv_bytes,
                                             be.tiles)
     d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
-    load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0
+    load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0 and not fmt
                 and all(vw.strides[3] == 1 for vw in views))
     cp_mode, cp_emulate = cp_async_mode(be, views, load_vec, dtype)
-    cfgs = tuple(FwdConfig(
+    config = QuantFwdConfig if fmt else FwdConfig
+    extra = {"KV_FORMAT": fmt} if fmt else {}
+    cfgs = tuple(config(
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
         THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
         MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
         HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
         CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
-        CPU_VEC=cpu_vec(be.facts, tiles, d, dv, dtype),
-        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0)
+        CPU_VEC=0 if fmt else cpu_vec(be.facts, tiles, d, dv, dtype),
+        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0, **extra)
         for split in (False, True))
     wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
     wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
@@ -349,6 +372,8 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
     assert len(args) == ARG_TABLE
     if call.block_table is not None:  # slots ARG_TABLE..: the block table, set per call
         args += [None] * 6
+    if fmt:  # then the scales of k and v (buffer, offset, 3 strides each), set per call
+        args += [None] * 10
     geom = (hkv, dv, sq_arr, hq, n_out_rows, tmh * tnh, acc.itemsize, store_kind(acc),
             store_kind(dtype), int(acc == np.float64))
     return PortablePlan(tiles, cfgs, args, tuple(c.options() for c in cfgs), geom)
@@ -409,7 +434,14 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
         strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
         args[ARG_MASK:ARG_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
     if call.block_table is not None:
-        args[ARG_TABLE:] = table_args(queue, call.block_table, int(call.k.shape[0]), out)
+        args[ARG_TABLE:ARG_TABLE + 6] = table_args(queue, call.block_table, int(call.k.shape[0]),
+                                                   out)
+    if call.k_scales is not None:
+        first = ARG_TABLE + (6 if call.block_table is not None else 0)
+        for i, scl in enumerate((call.k_scales, call.v_scales)):
+            sv = device_view(ctx, scl)
+            args[first + 5 * i:first + 5 * i + 5] = [sv.buf, *(np.int64(a) for a in (
+                sv.offset, *sv.strides))]
     args[ARG_SINKS] = dummy_buffer(ctx) if call.sinks is None else \
         _pool.upload(queue, call.sinks, out)
     plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)

@@ -9,9 +9,9 @@
   :data:`~._attention.DECODE_ROWS` packed query rows;
 * ``"decode"``: NVIDIA tensor cores, float16/bfloat16, at most 16 packed query rows per kv head
   (``_nvidia_decode``), paged calls included;
-* ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls included; a
-  paged call of prefill chunks and decode steps with host arrays runs its decode sequences on
-  the decode kernel and the rest here (``_mixed_paged``).
+* ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls and quantized
+  KV caches included; a paged call of prefill chunks and decode steps with host arrays runs its
+  decode sequences on the decode kernel and the rest here (``_mixed_paged``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
     """The kernel family of ``call`` on ``be`` (``max_rows``: its largest number of packed query
     rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a block
     table) run the decode kernel when it takes them, else the portable kernel: the prefill
-    kernel does not read page tables."""
+    kernel does not read page tables. Quantized K/V (``k_scales``) run the portable kernel: the
+    tensor-core kernels read K and V in the dtype only."""
+    if call.k_scales is not None:
+        return "portable"
     if be.use_mma and max_rows > _attention.DECODE_ROWS and call.block_table is None:
         if _nvidia_mma.applicable(be.device, call):
             return "mma"
@@ -55,7 +58,8 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         return _nvidia_mma.run(queue.context, queue, be.device, call)
     if family == "decode":
         return _nvidia_decode.run(be, queue, call)
-    if call.block_table is not None and be.use_mma and max_rows > _nvidia_decode.MAX_ROWS:
+    if (call.block_table is not None and call.k_scales is None and be.use_mma
+            and max_rows > _nvidia_decode.MAX_ROWS):
         res = _mixed_paged(be, queue, call, rows)
         if res is not None:
             return res

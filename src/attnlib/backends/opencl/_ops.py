@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _pool
-from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
+from ._arrays import (
+    STORE_KINDS,
+    acc_dtype,
+    device_view,
+    dummy_buffer,
+    is_cl_array,
+    store_kind,
+    upload,
+)
 from ._attention import launch_merge, pow2_floor
 from ._runtime import KernelConfig, launch_lock
 
@@ -41,6 +49,17 @@ class RopeConfig(KernelConfig):
     ACC_KIND: int
     ROTATE: bool
     INTERLEAVED: bool
+
+
+@dataclass(frozen=True)
+class QuantConfig(KernelConfig):
+    """kv_quant.cl: STORE_KIND the cache's dtype (the new tokens'), KV_FORMAT the 8-bit format."""
+
+    STORE_KIND: int
+    ACC_KIND: int
+    ROTATE: bool
+    INTERLEAVED: bool
+    KV_FORMAT: int
 
 
 def _finish(host: bool, *arrays: Any) -> Any:
@@ -287,15 +306,49 @@ def _cache_write_fast(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray,
 
 
 def cache_write(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray, start_pos: np.ndarray,
-                rope_spec: RopeSpec | None) -> None:
-    if rope_spec is None and _cache_write_fast(be, buf, src, rows, start_pos):
+                rope_spec: RopeSpec | None, scales: Any = None) -> None:
+    if rope_spec is None and scales is None and _cache_write_fast(be, buf, src, rows, start_pos):
         return
     queue = be.queue_for(buf)
     cap = buf.shape[1]
     bsz, s = src.shape[:2]
     start = np.asarray(start_pos, np.int64)
     pos = start[:, None] + np.arange(s, dtype=np.int64)[None, :] if rope_spec else None
+    if scales is not None:
+        _quant_write(be, queue, src, buf, scales, np.asarray(rows, np.int64), start % cap, cap,
+                     pos, rope_spec)
+        return
     _rope_copy(be, queue, src, buf, np.asarray(rows, np.int64), start % cap, cap, pos, rope_spec)
+
+
+def _quant_write(be: OpenCLBackend, queue: Any, src: Any, dst: Any, scales: Any,
+                 dst_rows: np.ndarray, dst_start: np.ndarray, cap: int,
+                 positions: np.ndarray | None, spec: RopeSpec | None) -> None:
+    """kv_quant.cl's write of ``src (B, S, H, D)`` (the cache's dtype) into the 8-bit ``dst``
+    and its scales, addressed as :func:`_rope_copy` addresses its destination."""
+    from ... import _quant
+
+    bsz, s, h, d = src.shape
+    if bsz * s * h == 0:
+        return
+    ctx = queue.context
+    sdt = np.dtype(src.dtype)
+    acc = acc_dtype(sdt)
+    rotate = spec is not None and spec.rotary_dim > 0
+    cs = (_pool.upload(queue, _cos_sin(positions, spec, acc), _uploads) if rotate
+          else dummy_buffer(ctx))
+    cfg = QuantConfig(STORE_KIND=store_kind(sdt), ACC_KIND=int(acc == np.float64),
+                      ROTATE=rotate, INTERLEAVED=bool(spec and spec.interleaved),
+                      KV_FORMAT=_quant.format_of(dst.dtype).code)
+    view = device_view(ctx, src)
+    table = np.stack([dst_rows, dst_start], axis=1).astype(np.int32)
+    i64, i32 = np.int64, np.int32
+    args = [view.buf, i64(view.offset), *(i64(st) for st in view.strides), cs,
+            _pool.upload(queue, table, _uploads), i32(s), i32(h), i32(d),
+            i32(spec.rotary_dim if rotate else 0), i32(cap), dst.data,
+            *(i64(st // dst.dtype.itemsize) for st in dst.strides[:3]), scales.data,
+            *(i64(st // 4) for st in scales.strides[:3])]
+    be.launch(ctx, queue, "kv_quant.cl", cfg, "kv_quant_write", (h, bsz * s), None, args)
 
 
 # ---- the decode step's append with RoPE --------------------------------------------------------
@@ -395,15 +448,17 @@ _PLAIN_VARYING = (_K, _V, _KC, _VC)  # no RoPE: q, its copy and cs are the fixed
 
 
 def fused_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any,
-                 rows: np.ndarray, start: np.ndarray, spec: RopeSpec | None) -> Any:
+                 rows: np.ndarray, start: np.ndarray, spec: RopeSpec | None,
+                 scales: bool = False) -> Any:
     """A KV-cache append in one launch: the new ``k``, ``v`` (B, S, ...) go to cache rows
     ``rows`` (B,) from positions ``start`` (B,) on; with RoPE (``spec``) k and ``q`` (B, S, HQ,
     D: q row s at position start + s) are rotated and q's rotated copy is returned, without it
     q is not read and returned as it is. None when the call is not one this takes (anything but
     device arrays of the caches' queue, a position table past its limit): then nothing was
-    enqueued and the caller makes the primitive calls."""
+    enqueued and the caller makes the primitive calls (so for a quantized cache, ``scales``:
+    its writes go through kv_quant.cl)."""
     rotate = spec is not None
-    if not (is_cl_array(k) and is_cl_array(v)) or kbuf.offset or vbuf.offset:
+    if scales or not (is_cl_array(k) and is_cl_array(v)) or kbuf.offset or vbuf.offset:
         return None
     queue = kbuf.queue
     qp = queue.int_ptr
@@ -457,7 +512,7 @@ def fused_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any
 
 
 def cache_write_slots(be: OpenCLBackend, buf: Any, src: Any, slot_mapping: np.ndarray,
-                      positions: np.ndarray, rope: RopeSpec | None) -> None:
+                      positions: np.ndarray, rope: RopeSpec | None, scales: Any = None) -> None:
     """rope.cl's strided copy (rotating with RoPE) with one token per row: token ``t`` goes to
     page ``slot_mapping[t] // page_size`` from slot ``slot_mapping[t] % page_size`` on."""
     t = int(src.shape[0])
@@ -469,14 +524,30 @@ def cache_write_slots(be: OpenCLBackend, buf: Any, src: Any, slot_mapping: np.nd
     ps = int(buf.shape[1])
     slots = np.asarray(slot_mapping, np.int64)
     pos = np.asarray(positions, np.int64)[:, None] if rope is not None else None
+    if scales is not None:
+        _quant_write(be, be.queue_for(buf), src4, buf, scales, slots // ps, slots % ps, ps, pos,
+                     rope)
+        return
     _rope_copy(be, be.queue_for(buf), src4, buf, slots // ps, slots % ps, ps, pos, rope)
+
+
+#: kv_quant.cl's options for kv_copy_pages (a byte copy: the kinds do not matter)
+_COPY_CFG = QuantConfig(STORE_KIND=0, ACC_KIND=0, ROTATE=False, INTERLEAVED=False, KV_FORMAT=1)
 
 
 def copy_pages(be: OpenCLBackend, buf: Any, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
     """Copy whole pages within the pool (distinct source and destination pages: no overlap),
     through rope.cl's strided copy: a kernel's writes, which Oclgrind's uninitialised-value
-    checks follow (they do not follow clEnqueueCopyBuffer)."""
+    checks follow (they do not follow clEnqueueCopyBuffer). The pools of a quantized cache (8-bit
+    codes, float32 scales ``(num_pages, page_size, Hkv)``) are copied as bytes by kv_quant.cl."""
     queue = be.queue_for(buf)
+    if buf.ndim == 3 or np.dtype(buf.dtype) not in STORE_KINDS:
+        page_bytes = int(np.prod(buf.shape[1:])) * buf.dtype.itemsize
+        pairs = np.stack([src_pages, dst_pages], axis=1).astype(np.int32)
+        args = [buf.base_data, _pool.upload(queue, pairs, _uploads), np.int64(page_bytes)]
+        be.launch(queue.context, queue, "kv_quant.cl", _COPY_CFG, "kv_copy_pages",
+                  (page_bytes, len(pairs)), None, args)
+        return
     ps = int(buf.shape[1])
     for s, d in zip(np.asarray(src_pages).tolist(), np.asarray(dst_pages).tolist()):
         _rope_copy(be, queue, buf[s:s + 1], buf, np.array([d], np.int64),

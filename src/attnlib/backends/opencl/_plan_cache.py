@@ -17,11 +17,11 @@ holds the tiling, kernel options, argument list and device tables:
   and nothing is uploaded; different, it is derived again and the plan's device tables are
   rewritten in place (``_pool.DeviceTable``: one fill of at most 128 bytes for one sequence).
 
-Calls with device arrays only, no mask and no ALiBi take it, on each of the three kernel
-families the dispatch (``_dispatch.kernel_family``) picks: portable (here), NVIDIA tensor-core
-decode and prefill (``_nvidia_plans``); paged calls (a block table: its type, shape and dtype in
-the key, its arguments set per call) on the decode kernel only. Every other call takes its
-family's ``run`` (this returns None for them).
+Calls with device arrays only, no mask, no ALiBi and no quantized K/V take it, on each of the
+three kernel families the dispatch (``_dispatch.kernel_family``) picks: portable (here), NVIDIA
+tensor-core decode and prefill (``_nvidia_plans``); paged calls (a block table: its type, shape
+and dtype in the key, its arguments set per call) on the decode kernel only. Every other call
+takes its family's ``run`` (this returns None for them).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def run(be: Any, call: Any, family: Any) -> tuple[Any, Any] | None:
     arr = _ARRAY[0]
     q, k, v = call.q, call.k, call.v
     if (type(q) is not arr or type(k) is not arr or type(v) is not arr
-            or call.mask_view is not None or call.alibi is not None or q.queue is None):
+            or call.mask_view is not None or call.alibi is not None or q.queue is None
+            or call.k_scales is not None):
         return None
     chi = call.causal_hi
     n = call.q_len.shape[0]
