@@ -28,8 +28,42 @@
 // Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_N, WARPS, STAGES (>= 2), IS_BF16,
 // SOFTCAP, ALIBI, SCALE_POS (scale > 0), SPLIT, USE_PTX (0: the exact emulation of nv_warp.h),
 // PAGE_SIZE (0: k, v are (batch, rows, Hkv, D) arrays).
+//
+// KV_FORMAT > 0 (kv_format.h: 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8; SPEC section 10): k and v hold
+// 8-bit codes with one float scale per (row or slot, kv head) in k_scl / v_scl (element offset,
+// batch-or-page stride, row-or-slot stride; the head stride is 1).  Each staged element is
+// scale * decode(code) rounded once to the compute dtype (the value an fp16/bf16 cache of the
+// dequantized keys would hold): the MMA operands stay fp16/bf16, the global reads halve.  The
+// codes are read by plain 8-byte loads and written converted into the same K/V buffers
+// (cp.async copies bytes only), so the tile loop, masking and softmax are those of the other
+// formats.
 
 #include "nv_warp.h"
+#ifndef KV_FORMAT
+#define KV_FORMAT 0
+#endif
+#if KV_FORMAT
+#include "kv_format.h"
+typedef uchar kv_code_t;
+#define QUANT_PARAMS                                                                           \
+  , __global const float *k_scl, const long ks_off, const long ks_sb, const long ks_sr,       \
+      __global const float *v_scl, const long vs_off, const long vs_sb, const long vs_sr
+// 8 codes at SRC (8-byte aligned) times the scale SC, as 8 fp16/bf16 values into DST (16 bytes)
+#define STORE_DEQ8(DST, SRC, SC)                                                               \
+  {                                                                                            \
+    const uint2 c_ = *(__global const uint2 *)(SRC);                                           \
+    const float s_ = (SC);                                                                     \
+    uint4 h_;                                                                                  \
+    h_.x = pack2(kv_decode((uchar)c_.x) * s_, kv_decode((uchar)(c_.x >> 8)) * s_);           \
+    h_.y = pack2(kv_decode((uchar)(c_.x >> 16)) * s_, kv_decode((uchar)(c_.x >> 24)) * s_);  \
+    h_.z = pack2(kv_decode((uchar)c_.y) * s_, kv_decode((uchar)(c_.y >> 8)) * s_);           \
+    h_.w = pack2(kv_decode((uchar)(c_.y >> 16)) * s_, kv_decode((uchar)(c_.y >> 24)) * s_);  \
+    *(__local uint4 *)(DST) = h_;                                                              \
+  }
+#else
+typedef ushort kv_code_t;
+#define QUANT_PARAMS
+#endif
 
 #define THREADS (32 * WARPS)
 #define KW (BLOCK_N / WARPS)        // keys of a tile per warp
@@ -88,8 +122,8 @@
 #define EMPTY_W (-1.f) /* the fused merge's weight of an empty split state */
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
-void attn_decode_mma(__global const ushort *q, __global const ushort *k,
-                     __global const ushort *v,
+void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
+                     __global const kv_code_t *v,
                      __global uint *out, __global float *lse,      // SPLIT=0
                      __global float *part_o, __global float *part_l,  // SPLIT=1
                      __global const float *sinks,  // (Hq,) when n_sinks (not into partials)
@@ -102,7 +136,7 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
                      const long v_off, const long v_sb, const long v_sr, const long v_sh,
                      const int sq_arr, const int n_heads, const int group, const int ring,
                      const long n_out_rows, const float qk_scale, const float cap,
-                     const int n_sinks PAGED_PARAMS) {
+                     const int n_sinks QUANT_PARAMS PAGED_PARAMS) {
   __local uint4 smem[STAGES * 2 * TILE / 8];   // STAGES x (K tile, V tile)
   __local ushort sQ[16 * LDS] __attribute__((aligned(16)));
   __local float sM[WARPS * 16], sL[WARPS * 16];
@@ -154,8 +188,12 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     t_last = min(t0 + n_t - 1, t_first + per - 1);
   }
 
-  __global const ushort *kh = k + k_off + kb * k_sb + hk * k_sh;
-  __global const ushort *vh = v + v_off + kb * v_sb + hk * v_sh;
+  __global const kv_code_t *kh = k + k_off + kb * k_sb + hk * k_sh;
+  __global const kv_code_t *vh = v + v_off + kb * v_sb + hk * v_sh;
+#if KV_FORMAT
+  __global const float *ksh = k_scl + ks_off + kb * ks_sb + hk;
+  __global const float *vsh = v_scl + vs_off + kb * vs_sb + hk;
+#endif
 #if PAGE_SIZE
   // The table row of this sequence; entries of tile TL: columns (krow0 + TL BLOCK_N) / PAGE_SIZE
   // + [0, NPG), clamped to the row, copied into slot SLOT of sPg.
@@ -249,9 +287,51 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
     }                                                                                          \
   }
 #endif
-  const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDS + ch0_ * 8;
+#if KV_FORMAT
+// 8-bit K/V: every tile by the checked loop, each chunk's 8 codes decoded and scaled on the way
 #if PAGE_SIZE
+#define QROW_OFF(ROW, TL, SLOT, KO, VO, KS, VS)                                                \
+  {                                                                                            \
+    const long pg_ = clamp(sPg[(SLOT) * NPG + (int)((ROW) / PAGE_SIZE - PG_FIRST(TL))], 0,     \
+                           n_pages - 1);                                                       \
+    const long sl_ = (ROW) % PAGE_SIZE;                                                        \
+    KO = pg_ * k_sb + sl_ * k_sr;                                                              \
+    VO = pg_ * v_sb + sl_ * v_sr;                                                              \
+    KS = pg_ * ks_sb + sl_ * ks_sr;                                                            \
+    VS = pg_ * vs_sb + sl_ * vs_sr;                                                            \
+  }
+#else
+#define QROW_OFF(ROW, TL, SLOT, KO, VO, KS, VS)                                                \
+  {                                                                                            \
+    long row_ = (ROW);                                                                         \
+    if (ring > 0 && row_ >= ring) row_ -= ring;                                                \
+    KO = row_ * k_sr;                                                                          \
+    VO = row_ * v_sr;                                                                          \
+    KS = row_ * ks_sr;                                                                         \
+    VS = row_ * vs_sr;                                                                         \
+  }
+#endif
+#undef LOAD_KV
+#define LOAD_KV(TL, BUF)                                                                       \
+  for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
+    const int r = c / CHUNKS, ch = c % CHUNKS, j = (TL) * BLOCK_N + r;                         \
+    __local ushort *dk = sKV + (BUF) * 2 * TILE + r * LDS + ch * 8;                            \
+    if (j >= lo_blk && j <= hi_blk) {                                                          \
+      long ko, vo, kso, vso;                                                                   \
+      QROW_OFF(krow0 + j, TL, BUF, ko, vo, kso, vso)                                           \
+      STORE_DEQ8(dk, kh + ko + ch * 8, ksh[kso]);                                              \
+      STORE_DEQ8(dk + TILE, vh + vo + ch * 8, vsh[vso]);                                       \
+    } else {                                                                                   \
+      ZERO16(dk);                                                                              \
+      ZERO16(dk + TILE);                                                                       \
+    }                                                                                          \
+  }
+#endif
+  const int r0_ = tid / CHUNKS, ch0_ = tid % CHUNKS, so0 = r0_ * LDS + ch0_ * 8;
+#if PAGE_SIZE && !KV_FORMAT
   __global const ushort *kc0 = kh + ch0_ * 8, *vc0 = vh + ch0_ * 8;
+#endif
+#if PAGE_SIZE
   // the entries of the prologue's tiles, before any K/V load (once per work-group)
   for (int st = 0; st < STAGES - 1; st++) {
     if (t_first + st <= t_last) FETCH_PAGES(t_first + st, st)
@@ -259,7 +339,7 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
   CP_COMMIT();
   CP_WAIT(0);
   barrier(CLK_LOCAL_MEM_FENCE);
-#else
+#elif !KV_FORMAT
   __global const ushort *kp0 = kh + (krow0 + r0_) * k_sr + ch0_ * 8;
   __global const ushort *vp0 = vh + (krow0 + r0_) * v_sr + ch0_ * 8;
   const long k_step = ROW_STEP * k_sr, v_step = ROW_STEP * v_sr;
@@ -446,15 +526,25 @@ void attn_decode_mma(__global const ushort *q, __global const ushort *k,
           const long row = krow0 + j;
           const long pg = clamp((long)tbl[min(row / PAGE_SIZE, (long)(tbl_w - 1)) * tbl_s1], 0L,
                                 (long)(n_pages - 1));
-          __global const ushort *vr = vh + pg * v_sb + (row % PAGE_SIZE) * v_sr + 2 * tg;
+          __global const kv_code_t *vr = vh + pg * v_sb + (row % PAGE_SIZE) * v_sr + 2 * tg;
+#if KV_FORMAT
+          const float vsc = vsh[pg * vs_sb + (row % PAGE_SIZE) * vs_sr];
+#endif
 #else
           long row = krow0 + j;
           if (ring > 0 && row >= ring) row -= ring;
-          __global const ushort *vr = vh + row * v_sr + 2 * tg;
+          __global const kv_code_t *vr = vh + row * v_sr + 2 * tg;
+#if KV_FORMAT
+          const float vsc = vsh[row * vs_sr];
+#endif
 #endif
           UNROLL for (int nd = 0; nd < NT_O; nd++) {
             UNROLL for (int e = 0; e < 2; e++) {
+#if KV_FORMAT  // the staged value's bits (as STORE_DEQ8 rounds it)
+              const uint b = pack2(kv_decode(vr[nd * 8 + e]) * vsc, 0.f) & 0xffffu;
+#else
               const uint b = vr[nd * 8 + e];
+#endif
               if (NONFINITE16(b)) o[nd][2 * hf + e] += nonfinite_value(b);
             }
           }

@@ -464,3 +464,57 @@ def test_paged_dispatch_emulated(monkeypatch):
         assert len(launches) == 7
     finally:
         _dispatch.forget_plans()
+
+
+# ---- quantized K/V (the KV_FORMAT load variant): 8-bit codes and per-(row, kv head) scales -----
+
+QUANT = [
+    # name, kv format, compute dtype, shape, splits, call options
+    ("e4m3 gqa4 d128 odd length sinks", "float8_e4m3fn", "float16",
+     dict(b=2, q_len=1, klens=[333, 70], hq=8, hkv=2, d=128), 3, {"sinks": True}),
+    ("e5m2 q_len 2 bf16 window", "float8_e5m2", "bfloat16",
+     dict(b=1, q_len=2, klens=[201], hq=8, hkv=2, d=64), 2, {"window": (90, 0)}),
+    ("int8 mha q_len 3 one split", "int8", "float16",
+     dict(b=1, q_len=3, klens=[150], hq=4, hkv=4, d=64), 1, {}),
+]
+
+
+def quantized(call: AttnCall, fmt_name: str) -> tuple[AttnCall, AttnCall]:
+    """``call`` with k and v stored in the 8-bit format (codes and scales), and the same call over
+    the dequantized values in float64 (the reference's input)."""
+    from dataclasses import replace
+
+    from attnlib import _quant
+
+    fmt = _quant.FORMATS[fmt_name]
+    (kc, ks), (vc, vs) = (_quant.quantize(np.asarray(x, np.float32), fmt)
+                          for x in (call.k, call.v))
+    deq = replace(call, k=_quant.dequantize(kc, ks), v=_quant.dequantize(vc, vs))
+    return replace(call, k=kc, v=vc, k_scales=ks, v_scales=vs), deq
+
+
+@pytest.mark.parametrize("name,fmt,dtype,shape,splits,opts", QUANT, ids=[c[0] for c in QUANT])
+def test_decode_quantized(name, fmt, dtype, shape, splits, opts):
+    """8-bit K/V decoded and scaled as the kernel stages them, against the float64 reference on
+    the dequantized cache (exact emulation)."""
+    from dataclasses import replace
+
+    from attnlib.backends.opencl import _nvidia_decode
+
+    rng = rng_for("decode quant", name)
+    opts = dict(opts)
+    sinks = opts.pop("sinks", False)
+    call = decode_call(rng, dtype, **shape, **opts)
+    if sinks:
+        call = replace(call, sinks=rng.standard_normal(shape["hq"]).astype(np.float32))
+    qcall, deq = quantized(call, fmt)
+    be = attnlib.get_backend("opencl")
+    out, lse = _nvidia_decode.run(be, be.queue, qcall, splits=splits, use_ptx=False)
+    ref, ref_lse = reference_call(deq)
+    naive, _ = reference_call(replace(deq, k=deq.k.astype(call.dtype), v=deq.v.astype(call.dtype)),
+                              call.dtype)
+    assert out.dtype == call.dtype
+    assert_rule(out, ref, naive)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-2)

@@ -8,7 +8,8 @@
   kernel of ``_nvidia_wgmma``), float16/bfloat16, float32 as 3xTF32, more than
   :data:`~._attention.DECODE_ROWS` packed query rows;
 * ``"decode"``: NVIDIA tensor cores, float16/bfloat16, at most 16 packed query rows per kv head
-  (``_nvidia_decode``), paged calls included;
+  (``_nvidia_decode``), paged calls and quantized KV caches (8-bit codes, its KV_FORMAT load
+  variant) included;
 * ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls and quantized
   KV caches included; a paged call of prefill chunks and decode steps with host arrays runs its
   decode sequences on the decode kernel and the rest here (``_mixed_paged``).
@@ -32,11 +33,10 @@ def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
     """The kernel family of ``call`` on ``be`` (``max_rows``: its largest number of packed query
     rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a block
     table) run the decode kernel when it takes them, else the portable kernel: the prefill
-    kernel does not read page tables. Quantized K/V (``k_scales``) run the portable kernel: the
-    tensor-core kernels read K and V in the dtype only."""
-    if call.k_scales is not None:
-        return "portable"
-    if be.use_mma and max_rows > _attention.DECODE_ROWS and call.block_table is None:
+    kernel does not read page tables. Quantized K/V (``k_scales``) run the decode kernel's
+    KV_FORMAT variant when it takes them, else the portable kernel: the prefill kernel reads K
+    and V in the dtype only."""
+    if be.use_mma and call.k_scales is None and max_rows > _attention.DECODE_ROWS and call.block_table is None:
         if _nvidia_mma.applicable(be.device, call):
             return "mma"
     if be.use_mma and max_rows <= _nvidia_decode.MAX_ROWS:

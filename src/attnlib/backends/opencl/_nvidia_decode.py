@@ -14,7 +14,10 @@ Covered: every :class:`~attnlib.backends.base.AttnCall` with float16/bfloat16, D
 included), window, softcap, alibi, GQA/MQA/MHA, ring caches, paged K/V pools (any page size:
 ``-DPAGE_SIZE``, the block table read through the kernel's pipeline), varlen, any positions; the
 LSE is always returned. Hidden keys whose k or v hold inf/NaN do not leak (see the kernel).
-Masks and other head dims go to the portable kernel.
+Quantized K/V (``AttnCall.k_scales``: fp8 e4m3fn / e5m2 or int8 codes with per-(row, kv head)
+scales) build the load variant ``-DKV_FORMAT``: the codes are read (half the bytes of fp16) and
+staged as scale * code rounded to the compute dtype. Masks and other head dims go to the portable
+kernel.
 """
 
 from __future__ import annotations
@@ -79,7 +82,25 @@ def applicable(device: Any, call: AttnCall, head_dims: tuple = HEAD_DIMS) -> boo
         return False
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
         return False
+    if call.k_scales is not None and not all(
+            _scales_ok(x) for x in (call.k_scales, call.v_scales)):
+        return False
     return all(_nvidia_mma.array_ok(x) for x in (call.q, call.k, call.v))
+
+
+def _scales_ok(x: Any) -> bool:
+    """Device scales are read in place: float32, unit head stride, whole-element strides."""
+    if not is_cl_array(x):
+        return True
+    return (x.dtype == _F32 and (x.strides[2] == 4 or x.shape[2] == 1) and x.offset % 4 == 0
+            and all(s % 4 == 0 and s >= 0 for s in x.strides[:2]))
+
+
+def kv_format(call: AttnCall) -> int:
+    """The kernel's KV_FORMAT of ``call`` (kv_format.h's code; 0: k and v in the dtype)."""
+    from ._attention import kv_format as fmt
+
+    return fmt(call)
 
 
 def local_bytes(head_dim: int, config: tuple, page_size: int = 0) -> int:
@@ -93,9 +114,10 @@ def local_bytes(head_dim: int, config: tuple, page_size: int = 0) -> int:
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
                   alibi: bool = False, scale_pos: bool = True, split: bool = False,
                   use_ptx: bool = True, fused: bool = False,
-                  page_size: int = 0) -> tuple[str, ...]:
+                  page_size: int = 0, kv_format: int = 0) -> tuple[str, ...]:
     block_n, warps, stages = config
-    return (f"-DPAGE_SIZE={int(page_size)}",
+    fmt = (f"-DKV_FORMAT={int(kv_format)}",) if kv_format else ()
+    return (*fmt, f"-DPAGE_SIZE={int(page_size)}",
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_N={block_n}", f"-DWARPS={warps}",
         f"-DSTAGES={stages}", f"-DIS_BF16={int(np.dtype(dtype) == _nvidia_mma.BF16)}",
         f"-DSOFTCAP={int(softcap)}", f"-DALIBI={int(alibi)}", f"-DSCALE_POS={int(scale_pos)}",
@@ -114,7 +136,7 @@ def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
     opts = build_options(d, call.dtype, config, softcap=call.softcap is not None,
                          alibi=call.alibi is not None, scale_pos=call.scale > 0,
                          split=splits > 1, use_ptx=use_ptx, fused=fused,
-                         page_size=page_size(call))
+                         page_size=page_size(call), kv_format=kv_format(call))
     return opts, fused
 
 
@@ -181,6 +203,25 @@ def counters(ctx: Any, queue: Any, n: int) -> Any:
     return buf
 
 
+def scale_args(ctx: Any, call: AttnCall) -> list:
+    """The kernel's 8 quantized-K/V arguments of ``call`` (k_scl, offset, batch-or-page and
+    row-or-slot element strides, then v's): float32 scales with unit head stride."""
+    import pyopencl as cl
+
+    res = []
+    for x in (call.k_scales, call.v_scales):
+        if is_cl_array(x):
+            buf, off, st = x.base_data, x.offset // 4, [s // 4 for s in x.strides[:2]]
+        else:
+            h = np.ascontiguousarray(x, np.float32)
+            if h.size == 0:
+                h = np.zeros(4, np.float32)
+            buf = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=h)
+            off, st = 0, [x.shape[1] * x.shape[2], x.shape[2]]
+        res += [buf, np.int64(off), np.int64(st[0]), np.int64(st[1])]
+    return res
+
+
 #: the decode kernel's per-call argument slots: q, k, v, out, lse, partial outputs, partial LSEs,
 #: sinks (their count, the last argument, is fixed by the plan: 0 without sinks)
 CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7)
@@ -193,7 +234,8 @@ class DecodePlan:
     counters, offsets and strides, sizes, scalars). :func:`run` and the repeat-call plans
     (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
 
-    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare", "varying")
+    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare", "varying",
+                 "scale_slot")
 
     def __init__(self, queue: Any, device: Any, call: AttnCall, config: tuple, splits: int,
                  n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any, seq_buf: Any,
@@ -210,6 +252,11 @@ class DecodePlan:
             i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars,
             i32(0 if call.sinks is None else hq)]
         self.varying = CALL_SLOTS
+        self.scale_slot = None
+        if call.k_scales is not None:  # quantized K/V: the scales' eight arguments, per call
+            n = self.scale_slot = len(self.args)
+            self.args += [None] * 8
+            self.varying = self.varying + tuple(range(n, n + 8))
         if call.block_table is not None:  # the block table's six arguments, set per call
             n = len(self.args)
             self.args += [None] * 6
@@ -221,12 +268,13 @@ class DecodePlan:
 
     def enqueue(self, be: Any, queue: Any, call: AttnCall, q: Any, k: Any, v: Any, out: Any,
                 lse: Any, owner: Any = None, table: list | None = None,
-                sinks: Any = None) -> list:
+                sinks: Any = None, scales: list | None = None) -> list:
         """The launch (then merge.cl's when the splits are not merged by the kernel) into the
         buffers ``out`` and ``lse``; their events. ``owner``: the repeat-call plan whose
         launches set only the call slots; ``table``: a paged call's block-table arguments
         (``_attention.table_args``), the kernel's last six; ``sinks``: their buffer when the
-        plan's call has them (folded in by the kernel, its fused merge or merge.cl, once)."""
+        plan's call has them (folded in by the kernel, its fused merge or merge.cl, once);
+        ``scales``: a quantized call's :func:`scale_args`."""
         bq, sq_arr, hq, d = call.q.shape
         n_out_rows = bq * sq_arr * hq
         splits, fused, spare = self.splits, self.fused, self.spare
@@ -235,6 +283,8 @@ class DecodePlan:
         args[7] = spare if sinks is None else sinks
         if table is not None:
             args[-6:] = table
+        if scales is not None:
+            args[self.scale_slot:self.scale_slot + 8] = scales
         if splits > 1:
             part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
             part_l = _pool.scratch(queue, splits * n_out_rows * 4)
@@ -295,8 +345,9 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         if call.block_table is not None:
             table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
         sinks = None if call.sinks is None else _nvidia_tables.sinks_input(queue, call, out)[0]
+        scales = None if call.k_scales is None else scale_args(ctx, call)
         evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data, table=table,
-                            sinks=sinks)
+                            sinks=sinks, scales=scales)
         for e in evts:
             out.add_event(e)
             lse.add_event(e)
