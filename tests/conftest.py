@@ -44,6 +44,9 @@ _GRID = {
     # run; the other page sizes, tilings and the fused merge are grid
     ("test_nvidia_decode_emulated.py", "test_decode_paged"): lambda p: p.get("page") != 8,
     ("test_nvidia_decode_emulated.py", "test_paged_mixed_batch_emulated"): True,
+    # quantized K/V: the int8 paged front-door test stays in the default run; the kernel's
+    # formats (contiguous, every format) are grid
+    ("test_nvidia_decode_emulated.py", "test_decode_quantized"): True,
     # the default build: serial schedule (every option =0), the 128-byte swizzle (WG_SWIZZLE=1,
     # the default at D = 64 and 128); one key tile in bfloat16 is left to the grid
     ("test_nvidia_wgmma.py", "test_wgmma_kernel_emulated"):
