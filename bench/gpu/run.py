@@ -34,6 +34,11 @@ CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
   as a fraction of the device's copy rate (``enqueue_copy`` buffer to buffer, read + write
   bytes). ``--quick`` shrinks every shape (S/8, L/16, ...) so the table also runs on a CPU
   OpenCL device (PoCL) as a check of the script.
+* **quant** (``quant``): the decode step of ``decode`` over a float16 ``KVCache`` and over the
+  same cache stored as int8, fp8 e4m3fn and fp8 e5m2 (``kv_dtype``; half the bytes), B=8
+  L=8192 and B=1 L=131072: µs per call and pipelined, the ratio to the float16 cache
+  (pipelined) and the cache read rate, and the max |error| of sequence 0 against the float64
+  reference on ``cache.dequantized()``. ``--quick`` (L/16) runs it on a CPU OpenCL device.
 * **host** (``host``): what a repeated call costs the host (``bench/gpu/hostcost.py``: the call
   with its kernel launches stubbed, the real enqueue, back to back), and what a repeated call
   does on the queue (kernel enqueues, table fills, host-to-device copies).
@@ -55,7 +60,9 @@ PREFILL = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16
 DECODE = [(1, 8192), (8, 8192), (1, 131072)]  # (batch, cache length); 32 q heads, 8 kv, D 128
 PAGED = [(8, 8192), (32, 4096), (1, 131072)]
 PAGE_SIZES = (1, 8, 16, 32)
-FORKS = (32, 8192, 256)  # forks, prompt tokens, own tokens each
+FORKS = (32, 8192, 256)
+QUANT = [(8, 8192), (1, 131072)]
+QUANT_FORMATS = (None, "int8", "float8_e4m3fn", "float8_e5m2")  # forks, prompt tokens, own tokens each
 
 
 def _median_time(fn, sync, warm: int, reps: int) -> float:
@@ -193,6 +200,55 @@ def decode(reps: int, with_torch: bool, rows: list) -> None:
             del tk, tv
             torch.cuda.empty_cache()
         rows.append(row)
+
+
+def quant(reps: int, rows: list, quick: bool = False) -> None:
+    hq, hkv, d = 32, 8, 128
+    for b, n in QUANT:
+        n = n // 16 if quick else n
+        rng = np.random.default_rng(1)
+        k, v = _contiguous_kv(rng, b, n, hkv, d)
+        q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
+        for fmt in QUANT_FORMATS:
+            cache = attnlib.KVCache(b, n, hkv, d, dtype="float16", kv_dtype=fmt,
+                                    backend="opencl")
+            step = min(n, 8192)
+            for p in range(0, n, step):
+                cache.update(k[:, p:p + step], v[:, p:p + step], p)
+            qd = attnlib.to_device(q, backend="opencl")
+            out = attnlib.attention_with_kvcache(qd, cache)
+
+            def step_once(x=qd, c=cache):
+                return attnlib.attention_with_kvcache(x, c)
+
+            t = _median_time(step_once, out.queue.finish, warm=3, reps=max(reps, 20))
+            tp = _pipelined_time(step_once, out.queue.finish, max(reps, 20))
+            k0, v0 = cache.dequantized([0])
+            ref = attnlib.attention(q[:1].astype(np.float64), k0, v0,
+                                    backend="numpy")
+            err = float(np.max(np.abs(out.get()[:1].astype(np.float64) - ref)))
+            nbytes = 2 * b * n * hkv * d * (1 if fmt else 2) + (2 * b * n * hkv * 4 if fmt else 0)
+            rows.append({"kind": "quant", "kv_dtype": fmt or "float16", "batch": b,
+                         "cache_len": n, "opencl_us": t * 1e6, "opencl_pipe_us": tp * 1e6,
+                         "opencl_pipe_TBps": nbytes / tp / 1e12, "max_err": err})
+            del cache, out
+
+
+def quant_table(rows: list) -> str:
+    lines = ["| B | L | cache | µs per call | µs pipelined | × float16 (pipelined) | TB/s "
+             "(pipelined) | max err vs float64 |", "|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for r in rows:
+        if r["kind"] != "quant":
+            continue
+        key = (r["batch"], r["cache_len"])
+        if r["kv_dtype"] == "float16":
+            base[key] = r["opencl_pipe_us"]
+        ratio = r["opencl_pipe_us"] / base[key] if key in base else float("nan")
+        lines.append(f"| {r['batch']} | {r['cache_len']} | {r['kv_dtype']} | "
+                     f"{_fmt(r['opencl_us'])} | {_fmt(r['opencl_pipe_us'])} | {ratio:.2f} | "
+                     f"{r['opencl_pipe_TBps']:.2f} | {r['max_err']:.1e} |")
+    return "\n".join(lines)
 
 
 def _contiguous_kv(rng, b: int, n: int, hkv: int, d: int) -> tuple:
@@ -592,9 +648,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--only", action="append",
                     choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "decode",
-                             "paged", "forks", "host", "portable"])
+                             "paged", "forks", "host", "portable", "quant"])
     ap.add_argument("--quick", action="store_true",
-                    help="portable: every shape divided (a smoke run on a CPU device)")
+                    help="portable, quant: every shape divided (a smoke run on a CPU device)")
     args = ap.parse_args(argv)
     be = attnlib.get_backend("opencl")
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "opencl backend:", be.info(),
@@ -605,7 +661,7 @@ def main(argv=None) -> int:
     args.no_torch = args.no_torch or missing is not None
     rows: list = []
     parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "decode", "paged",
-                          "forks", "host"]
+                          "forks", "quant", "host"]
     for part, dtype, portable in (("prefill32", "float32", False),
                                   ("prefill16p", "float16", True),
                                   ("prefill16", "float16", False),
@@ -622,6 +678,12 @@ def main(argv=None) -> int:
     if "forks" in parts:
         print("forks ...", flush=True)
         forks(args.reps, rows)
+    if "quant" in parts:
+        print("quantized caches ...", flush=True)
+        quant(args.reps, rows, quick=args.quick)
+        print("\n## Decode over 8-bit KV caches, float16 compute, 32 q / 8 kv heads, D=128 "
+              "(attention_with_kvcache, device queries)\n")
+        print(quant_table(rows))
     if any(r["kind"] == "prefill" for r in rows):
         print("\n## Prefill, TFLOP/s (per call / pipelined)\n")
         print(prefill_table(rows))
