@@ -48,10 +48,11 @@ typedef uchar kv_code_t;
 #define QUANT_PARAMS                                                                           \
   , __global const float *k_scl, const long ks_off, const long ks_sb, const long ks_sr,       \
       __global const float *v_scl, const long vs_off, const long vs_sb, const long vs_sr
-// 8 codes at SRC (8-byte aligned) times the scale SC, as 8 fp16/bf16 values into DST (16 bytes)
-#define STORE_DEQ8(DST, SRC, SC)                                                               \
+// 8 codes (a uint2) times the scale SC, as 8 fp16/bf16 values into DST (16 bytes); a zero-filled
+// key (codes 0, scale 0) stores zeros
+#define STORE_DEQ8(DST, CODES, SC)                                                             \
   {                                                                                            \
-    const uint2 c_ = *(__global const uint2 *)(SRC);                                           \
+    const uint2 c_ = (CODES);                                                                  \
     const float s_ = (SC);                                                                     \
     uint4 h_;                                                                                  \
     h_.x = pack2(kv_decode((uchar)c_.x) * s_, kv_decode((uchar)(c_.x >> 8)) * s_);           \
@@ -288,7 +289,8 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
   }
 #endif
 #if KV_FORMAT
-// 8-bit K/V: every tile by the checked loop, each chunk's 8 codes decoded and scaled on the way
+// 8-bit K/V: every tile by one checked loop, each chunk's 8 codes decoded and scaled on the way
+// (plain loads: cp.async copies bytes, the conversion needs registers)
 #if PAGE_SIZE
 #define QROW_OFF(ROW, TL, SLOT, KO, VO, KS, VS)                                                \
   {                                                                                            \
@@ -312,18 +314,34 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
   }
 #endif
 #undef LOAD_KV
+// QB chunks per thread at a time: their codes and scales loaded first, then decoded and stored
+// (QB loads in flight per thread instead of one)
+#define QB 4
+#if (BLOCK_N * CHUNKS) % (QB * THREADS)
+#error "KV_FORMAT needs BLOCK_N * HEAD_DIM / 8 to be a multiple of 4 * 32 * WARPS"
+#endif
 #define LOAD_KV(TL, BUF)                                                                       \
-  for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
-    const int r = c / CHUNKS, ch = c % CHUNKS, j = (TL) * BLOCK_N + r;                         \
-    __local ushort *dk = sKV + (BUF) * 2 * TILE + r * LDS + ch * 8;                            \
-    if (j >= lo_blk && j <= hi_blk) {                                                          \
-      long ko, vo, kso, vso;                                                                   \
-      QROW_OFF(krow0 + j, TL, BUF, ko, vo, kso, vso)                                           \
-      STORE_DEQ8(dk, kh + ko + ch * 8, ksh[kso]);                                              \
-      STORE_DEQ8(dk + TILE, vh + vo + ch * 8, vsh[vso]);                                       \
-    } else {                                                                                   \
-      ZERO16(dk);                                                                              \
-      ZERO16(dk + TILE);                                                                       \
+  for (int c0 = tid; c0 < BLOCK_N * CHUNKS; c0 += QB * THREADS) {                              \
+    uint2 kq_[QB], vq_[QB];                                                                    \
+    float kf_[QB], vf_[QB];                                                                    \
+    UNROLL for (int u = 0; u < QB; u++) {                                                      \
+      const int c = c0 + u * THREADS, r = c / CHUNKS, ch = c % CHUNKS, j = (TL) * BLOCK_N + r;  \
+      kq_[u] = vq_[u] = (uint2)(0u, 0u);                                                       \
+      kf_[u] = vf_[u] = 0.f;                                                                   \
+      if (j >= lo_blk && j <= hi_blk) {                                                        \
+        long ko, vo, kso, vso;                                                                 \
+        QROW_OFF(krow0 + j, TL, BUF, ko, vo, kso, vso)                                         \
+        kq_[u] = *(__global const uint2 *)(kh + ko + ch * 8);                                  \
+        vq_[u] = *(__global const uint2 *)(vh + vo + ch * 8);                                  \
+        kf_[u] = ksh[kso];                                                                     \
+        vf_[u] = vsh[vso];                                                                     \
+      }                                                                                        \
+    }                                                                                          \
+    UNROLL for (int u = 0; u < QB; u++) {                                                      \
+      const int c = c0 + u * THREADS, r = c / CHUNKS, ch = c % CHUNKS;                         \
+      __local ushort *dk = sKV + (BUF) * 2 * TILE + r * LDS + ch * 8;                          \
+      STORE_DEQ8(dk, kq_[u], kf_[u]);                                                          \
+      STORE_DEQ8(dk + TILE, vq_[u], vf_[u]);                                                   \
     }                                                                                          \
   }
 #endif
