@@ -44,9 +44,10 @@ _GRID = {
     # run; the other page sizes, tilings and the fused merge are grid
     ("test_nvidia_decode_emulated.py", "test_decode_paged"): lambda p: p.get("page") != 8,
     ("test_nvidia_decode_emulated.py", "test_paged_mixed_batch_emulated"): True,
-    # quantized K/V: the int8 paged front-door test stays in the default run; the kernel's
-    # formats (contiguous, every format) are grid
+    # quantized K/V on the decode kernel: e4m3 through the front door is test_host_path.py's
+    # test_quantized_cache_dispatch (default run); every format and the paged build are grid
     ("test_nvidia_decode_emulated.py", "test_decode_quantized"): True,
+    ("test_nvidia_decode_emulated.py", "test_quantized_paged_dispatch_emulated"): True,
     # the default build: serial schedule (every option =0), the 128-byte swizzle (WG_SWIZZLE=1,
     # the default at D = 64 and 128); one key tile in bfloat16 is left to the grid
     ("test_nvidia_wgmma.py", "test_wgmma_kernel_emulated"):

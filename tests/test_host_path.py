@@ -842,10 +842,12 @@ def test_fused_append_value_dims_and_float64(be, fused, d, dv, dtype):
 
 
 @pytest.mark.parametrize("sq", [1, 20])
-def test_quantized_cache_stays_on_the_portable_kernel(emulated_nvidia, sq):
-    """On an NVIDIA sm_80+ device (emulated here) an 8-bit cache's calls run the portable
-    kernel's dequantizing load: the tensor-core decode (sq=1) and prefill (sq=20) kernels read
-    K and V in the dtype only. The same float16 call without kv_dtype takes them."""
+def test_quantized_cache_dispatch(emulated_nvidia, sq):
+    """On an NVIDIA sm_80+ device (emulated here) an 8-bit cache's decode call (sq=1) runs the
+    tensor-core decode kernel's dequantizing load (KV_FORMAT), its prefill call (sq=20) the
+    portable kernel's: the prefill kernel reads K and V in the dtype only. The same float16 call
+    without kv_dtype takes the tensor-core kernels. Checked against the float64 reference on the
+    dequantized cache."""
     from attnlib.backends.base import AttnCall
     from attnlib.backends.opencl import _dispatch
     from attnlib.testing.reference import naive_attention, reference_attention
@@ -857,7 +859,7 @@ def test_quantized_cache_stays_on_the_portable_kernel(emulated_nvidia, sq):
     k, v = (rng.standard_normal((1, n, hkv, d)).astype(np.float16) for _ in range(2))
     q = rng.standard_normal((1, sq, hq, d)).astype(np.float16)
     z = np.zeros(1, np.int64)
-    for kv_dtype, family in (("float8_e4m3fn", "portable"),
+    for kv_dtype, family in (("float8_e4m3fn", "decode" if sq == 1 else "portable"),
                              (None, "decode" if sq == 1 else "mma")):
         cache = attnlib.KVCache(1, 32, hkv, d, dtype="float16", kv_dtype=kv_dtype, backend=be)
         cache.update(k, v, 0)

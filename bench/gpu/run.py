@@ -60,9 +60,9 @@ PREFILL = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16
 DECODE = [(1, 8192), (8, 8192), (1, 131072)]  # (batch, cache length); 32 q heads, 8 kv, D 128
 PAGED = [(8, 8192), (32, 4096), (1, 131072)]
 PAGE_SIZES = (1, 8, 16, 32)
-FORKS = (32, 8192, 256)
-QUANT = [(8, 8192), (1, 131072)]
-QUANT_FORMATS = (None, "int8", "float8_e4m3fn", "float8_e5m2")  # forks, prompt tokens, own tokens each
+FORKS = (32, 8192, 256)  # forks, prompt tokens, own tokens each
+QUANT = [(8, 8192), (1, 131072)]  # (batch, cache length) of the quantized-cache decode
+QUANT_FORMATS = (None, "int8", "float8_e4m3fn", "float8_e5m2")  # None: the float16 cache
 
 
 def _median_time(fn, sync, warm: int, reps: int) -> float:

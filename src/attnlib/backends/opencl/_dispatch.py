@@ -36,7 +36,8 @@ def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
     kernel does not read page tables. Quantized K/V (``k_scales``) run the decode kernel's
     KV_FORMAT variant when it takes them, else the portable kernel: the prefill kernel reads K
     and V in the dtype only."""
-    if be.use_mma and call.k_scales is None and max_rows > _attention.DECODE_ROWS and call.block_table is None:
+    if (be.use_mma and call.k_scales is None and max_rows > _attention.DECODE_ROWS
+            and call.block_table is None):
         if _nvidia_mma.applicable(be.device, call):
             return "mma"
     if be.use_mma and max_rows <= _nvidia_decode.MAX_ROWS:
