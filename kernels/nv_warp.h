@@ -235,7 +235,7 @@ inline int emu_any(int pred, __local uint *scr) {
 #define FOLD 1
 #endif
 #define LN2 0.6931471805599453f
-// Attention sinks (SPEC section 10): a row's final state (M, L) in the exp2 domain merged once
+// Attention sinks (contract §10): a row's final state (M, L) in the exp2 domain merged once
 // with (out 0, lse SK), SK the sink (natural log): with s2 = SK log2(e), m' = max(M, s2),
 // l' = L 2^(M - m') + 2^(s2 - m'); sets INV (the factor of the unnormalised output) and LSE
 // (natural log). A row that saw no key (L = 0): INV 0, LSE = SK exactly. The partial states of

@@ -1,7 +1,7 @@
 """The cp.async K/V staging of kernels/attn_fwd.cl (taken on NVIDIA sm_80+ only), run on any
 OpenCL device with plain copies in cp.async's place (``CP_ASYNC_EMULATE``). The tile walk,
 barriers and zero padding are the ones the H200 runs; each case is compared with the float64
-oracle by the SPEC's accuracy rule."""
+oracle by the contract's accuracy rule."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 from attnlib.testing.reference import naive_attention, reference_attention
 from attnlib.testing.tolerance import check_attention
 
-#: every dtype of the SPEC, by name
+#: every dtype of the contract, by name
 DTYPES = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
@@ -59,7 +59,7 @@ def kernel_call(q, k, v, opts):
 
 
 def unsupported_ok(backend, dtype) -> bool:
-    """The SPEC lets a backend refuse only float64 (OpenCL devices without cl_khr_fp64), and
+    """The contract lets a backend refuse only float64 (OpenCL devices without cl_khr_fp64), and
     only when its own ``unsupported_dtype_reason`` says so."""
     import attnlib
 
@@ -71,7 +71,7 @@ def unsupported_ok(backend, dtype) -> bool:
 
 def call_or_unsupported(backend, dtype, fn):
     """Run ``fn()``; if the backend refuses the dtype it must do so with UnsupportedError (and
-    only where the SPEC allows it): then return None and the caller checks nothing more."""
+    only where the contract allows it): then return None and the caller checks nothing more."""
     from attnlib.errors import UnsupportedError
 
     if unsupported_ok(backend, dtype):

@@ -1,4 +1,4 @@
-"""SPEC section 2 on dense inputs: every rule against the float64 oracle, on every backend."""
+"""contract §2 on dense inputs: every rule against the float64 oracle, on every backend."""
 
 from __future__ import annotations
 
