@@ -133,6 +133,22 @@ def kernel_inputs(ctx: Any, call: AttnCall) -> tuple[Any, list, list, list]:
     return alibi_buf, [v[0] for v in views], geometry, [np.float32(qk_scale), np.float32(cap)]
 
 
+def mask_args(ctx: Any, call: AttnCall) -> list:
+    """The prefill kernels' mask arguments: (buffer, element offset, element strides over
+    sequence, head, row, key), the strides 0 where the mask broadcasts. The unbroadcast mask is
+    uploaded (uint8 for bool, float32 for additive: the contract reads it as float32 or wider);
+    a 1-byte stand-in buffer when the call has none."""
+    i64 = np.int64
+    mv = call.mask_view
+    if mv is None:
+        buf = _memoised(("no mask", ctx.int_ptr), lambda: _device_copy(ctx, np.zeros(1, np.uint8)))
+        return [buf, i64(0), i64(0), i64(0), i64(0), i64(0)]
+    base = mv[tuple(slice(0, 1) if st == 0 else slice(None) for st in mv.strides)]
+    base = np.ascontiguousarray(base, np.uint8 if call.mask_kind == "bool" else np.float32)
+    strides = [0 if n == 1 else st // base.itemsize for st, n in zip(base.strides, base.shape)]
+    return [_device_copy(ctx, base), i64(0), *(i64(st) for st in strides)]
+
+
 def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
     """The call's (out, lse): the Arrays themselves for device inputs, else host copies."""
     import pyopencl as cl
