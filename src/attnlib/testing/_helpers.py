@@ -45,8 +45,8 @@ def qkv(rng, b, sq, sk, hq, hkv, d, dv=None, dtype="float32", scale=1.0):
 def kernel_call(q, k, v, opts):
     """What the kernel-level tests hand a backend's kernel: the AttnCall of a dense attention
     of bshd ``q, k, v`` with the log-sum-exp wanted and ``opts`` (causal, window, softcap, scale,
-    mask, and ``alibi=True`` for slopes 0.05 .. 0.4 over the query heads). Returns (call, slopes, kw),
-    kw being ``opts`` without ``alibi``, for the reference's call."""
+    mask, and ``alibi=True`` for slopes 0.05 .. 0.4 over the query heads). Returns (call, slopes,
+    kw), kw being ``opts`` without ``alibi``, for the reference's call."""
     from attnlib import _spec
 
     kw = dict(opts)
