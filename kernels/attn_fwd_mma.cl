@@ -98,13 +98,21 @@
     const int n_ = (N) - (CH) * EPC;                                                            \
     UNROLL for (int e_ = 0; e_ < EPC; e_++) (DST)[e_] = e_ < n_ ? (SRC)[e_] : (ELEM)0;          \
   }
-// masks (-DMASK_KIND, 0: none): 1 bool (uchar, 0 hides the key), 2 additive (float32, added to
-// the score; -inf hides the key), read per (sequence, head, row, key) with the host's strides
+// masks (-DMASK_KIND, 0: none): 1 bool (uchar, 0 hides the key), additive (added to the score;
+// -inf hides the key) stored as 2 float32, 3 float16, 4 bfloat16 (the caller's own 16-bit
+// masks, read exactly as float32), per (sequence, head, row, key) with the host's strides
 #ifndef MASK_KIND
 #define MASK_KIND 0
 #endif
 #if MASK_KIND == 2
 #define MASK_T float
+#define MASK_VALUE(P) (*(P))
+#elif MASK_KIND == 3
+#define MASK_T half
+#define MASK_VALUE(P) vload_half(0, P)
+#elif MASK_KIND == 4
+#define MASK_T ushort
+#define MASK_VALUE(P) as_float((uint)*(P) << 16)
 #else
 #define MASK_T uchar
 #endif
@@ -164,13 +172,13 @@
 // The mask of row (MT, HF) and key J (a key inside the row's range): MASK_SEES whether the row
 // sees it, MASK_SCORE hides it (bool) or adds its value to the exp2-domain score X (additive)
 #if MASK_KIND
-#define MASK_AT(MT, HF, J) mask[mrow[MT][HF] + (long)(J) * m_s3]
+#define MASK_PTR(MT, HF, J) (mask + mrow[MT][HF] + (long)(J) * m_s3)
 #if MASK_KIND == 1
-#define MASK_SEES(MT, HF, J) (MASK_AT(MT, HF, J) != 0)
-#define MASK_SCORE(X, MT, HF, J) if (!MASK_AT(MT, HF, J)) X = -INFINITY;
+#define MASK_SEES(MT, HF, J) (*MASK_PTR(MT, HF, J) != 0)
+#define MASK_SCORE(X, MT, HF, J) if (!*MASK_PTR(MT, HF, J)) X = -INFINITY;
 #else
-#define MASK_SEES(MT, HF, J) (MASK_AT(MT, HF, J) != -INFINITY)
-#define MASK_SCORE(X, MT, HF, J) X = fma(MASK_AT(MT, HF, J), LOG2E, X);
+#define MASK_SEES(MT, HF, J) (MASK_VALUE(MASK_PTR(MT, HF, J)) != -INFINITY)
+#define MASK_SCORE(X, MT, HF, J) X = fma(MASK_VALUE(MASK_PTR(MT, HF, J)), LOG2E, X);
 #endif
 #else
 #define MASK_SEES(MT, HF, J) 1

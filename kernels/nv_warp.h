@@ -229,7 +229,7 @@ inline int emu_any(int pred, __local uint *scr) {
 #define RESCALE_THRESH 8.0f
 // Fold the scale into the exponent (p = 2^(s c - m) as one FMA) when the scores need no other
 // transform and c > 0 (then max(s) c = max(s c)).
-#if SOFTCAP || ALIBI || !SCALE_POS || MASK_KIND == 2
+#if SOFTCAP || ALIBI || !SCALE_POS || MASK_KIND >= 2
 #define FOLD 0
 #else
 #define FOLD 1

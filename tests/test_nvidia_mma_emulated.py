@@ -251,12 +251,15 @@ def test_mma_candidate_options_refuse_f32(extra):
 
 
 def _mask(rng, name, shape):
-    """A bool (keeps ~70% of keys) or additive (normal values, ~20% -inf) mask of ``shape``."""
+    """A bool (keeps ~70% of keys) or additive (normal values, ~20% -inf; float32, or the dtype
+    the name says: "bf16 values", "f16 values") mask of ``shape``."""
     if "bool" in name:
         return rng.random(shape) < 0.7
     m = rng.standard_normal(shape).astype(np.float32)
     m[rng.random(shape) < 0.2] = -np.inf
-    return m.astype(ml_dtypes.bfloat16) if "bf16 values" in name else m
+    if "bf16 values" in name:
+        return m.astype(ml_dtypes.bfloat16)
+    return m.astype(np.float16) if "f16 values" in name else m
 
 
 # head dims other than 64/128 (padded to 16 inside the kernel; D = 59 and 111 also read their
@@ -275,7 +278,7 @@ SHAPE_CASES = [
      {"causal": True}),
     ("f16 d48 bool mask causal pipe", "float16", (1, 70, 101, 2, 1, 48, 48), (70, 101),
      {"causal": True, "alibi": True}),
-    ("bf16 d160/96 additive mask window softcap", "bfloat16", (1, 50, 90, 2, 1, 160, 96),
+    ("bf16 d160/96 additive mask f16 values window softcap", "bfloat16", (1, 50, 90, 2, 1, 160, 96),
      (1, 1, 50, 90), {"window": (30, 10), "softcap": 20.0}),
     ("f16 d224 bool mask rows", "float16", (1, 40, 64, 2, 2, 224, 224), (40, 1), {}),
     ("f16 d96 additive mask bf16 values", "float16", (2, 30, 45, 2, 1, 96, 96), (2, 2, 30, 45),
@@ -306,7 +309,9 @@ def test_mma_shapes_masks(name, dtype, shape, mask, opts):
     else:
         v[0, sk - 1, 0, dv - 1] = np.nan  # hidden from some rows (causal / window) or seen
     call, slopes, kw = kernel_call(q, k, v, opts)
-    assert _nvidia_mma.mask_kind(call) == (0 if mask is None else 1 if "bool" in name else 2)
+    kinds = {"bool": 1, "bf16 values": 4, "f16 values": 3}
+    assert _nvidia_mma.mask_kind(call) == (0 if mask is None else next(
+        (n for key, n in kinds.items() if key in name), 2))
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
     assert out.shape == (b, sq, hq, dv)
     _check(q, k, v, slopes, kw, out, lse)

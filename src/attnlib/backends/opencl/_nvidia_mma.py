@@ -192,10 +192,13 @@ def applicable(device: Any, call: AttnCall) -> bool:
 
 
 def mask_kind(call: AttnCall) -> int:
-    """The kernel's -DMASK_KIND of ``call``: 0 no mask, 1 bool, 2 additive."""
+    """The kernel's -DMASK_KIND of ``call``: 0 no mask, 1 bool, additive: 3 float16, 4 bfloat16
+    (read in place of float32: exact), 2 float32 (every other float dtype, converted)."""
     if call.mask_view is None:
         return 0
-    return 1 if call.mask_kind == "bool" else 2
+    if call.mask_kind == "bool":
+        return 1
+    return {np.dtype(np.float16): 3, BF16: 4}.get(call.mask_view.dtype, 2)
 
 
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,

@@ -136,15 +136,24 @@ def kernel_inputs(ctx: Any, call: AttnCall) -> tuple[Any, list, list, list]:
 def mask_args(ctx: Any, call: AttnCall) -> list:
     """The prefill kernels' mask arguments: (buffer, element offset, element strides over
     sequence, head, row, key), the strides 0 where the mask broadcasts. The unbroadcast mask is
-    uploaded (uint8 for bool, float32 for additive: the contract reads it as float32 or wider);
-    a 1-byte stand-in buffer when the call has none."""
+    uploaded: bool as uint8, additive float16 / bfloat16 as they are (the kernel reads them as
+    float32, exactly), other additive dtypes as float32 (the contract reads them as float32 or
+    wider); a 1-byte stand-in buffer when the call has none."""
     i64 = np.int64
     mv = call.mask_view
     if mv is None:
         buf = _memoised(("no mask", ctx.int_ptr), lambda: _device_copy(ctx, np.zeros(1, np.uint8)))
         return [buf, i64(0), i64(0), i64(0), i64(0), i64(0)]
     base = mv[tuple(slice(0, 1) if st == 0 else slice(None) for st in mv.strides)]
-    base = np.ascontiguousarray(base, np.uint8 if call.mask_kind == "bool" else np.float32)
+    if call.mask_kind == "bool":
+        dtype = np.uint8
+    elif base.dtype.itemsize == 2 and base.dtype.kind in "fV":  # float16, bfloat16
+        dtype = base.dtype
+    else:
+        dtype = np.float32
+    base = np.ascontiguousarray(base, dtype)
+    if base.itemsize == 2:
+        base = base.view(np.uint16)  # the bits (the device copy takes plain buffers)
     strides = [0 if n == 1 else st // base.itemsize for st, n in zip(base.strides, base.shape)]
     return [_device_copy(ctx, base), i64(0), *(i64(st) for st in strides)]
 
