@@ -146,14 +146,11 @@ def mask_args(ctx: Any, call: AttnCall) -> list:
         return [buf, i64(0), i64(0), i64(0), i64(0), i64(0)]
     base = mv[tuple(slice(0, 1) if st == 0 else slice(None) for st in mv.strides)]
     if call.mask_kind == "bool":
-        dtype = np.uint8
+        base = np.ascontiguousarray(base).view(np.uint8)  # (no copy of a contiguous mask)
     elif base.dtype.itemsize == 2 and base.dtype.kind in "fV":  # float16, bfloat16
-        dtype = base.dtype
+        base = np.ascontiguousarray(base).view(np.uint16)  # the bits: a plain buffer's dtype
     else:
-        dtype = np.float32
-    base = np.ascontiguousarray(base, dtype)
-    if base.itemsize == 2:
-        base = base.view(np.uint16)  # the bits (the device copy takes plain buffers)
+        base = np.ascontiguousarray(base, np.float32)
     strides = [0 if n == 1 else st // base.itemsize for st, n in zip(base.strides, base.shape)]
     return [_device_copy(ctx, base), i64(0), *(i64(st) for st in strides)]
 
