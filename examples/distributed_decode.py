@@ -1,7 +1,10 @@
 """Decoding over a long context whose KV cache is split across MPI ranks.
 
     pip install -e ".[mpi]"
-    mpiexec -n 4 python examples/distributed_decode.py
+    mpiexec -n 4 python -m mpi4py examples/distributed_decode.py
+
+(``-m mpi4py`` makes an uncaught exception on one rank end every rank instead of leaving the
+others waiting.)
 
 Each rank holds a contiguous shard of the prompt's keys and values in its own ``attnlib.KVCache``
 (rank ``r`` of ``P``: prompt tokens ``[r*L/P, (r+1)*L/P)``); the last rank also receives the

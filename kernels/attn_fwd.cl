@@ -28,11 +28,13 @@
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
  * work-item issued before their __local stores when staging a tile.
  *
- * CPU_VEC=8 or 16 (chosen on the host for CPU devices only: float32, one work-item per
- * work-group, D, Dv and BLOCK_N multiples of CPU_VEC): the work-item is the whole block, so it
- * computes S = Q K^T and O += P V as register-blocked outer products of CPU_VEC-wide vectors (K
- * staged transposed in __local, so consecutive keys are one vector) and the exponentials a vector
- * at a time. Everything else (staging of Q and V,
+ * CPU_VEC=8 (chosen on the host for CPU devices only: float32, one work-item per work-group, D,
+ * Dv and BLOCK_N multiples of 8): the work-item is the whole block, so it computes S = Q K^T and
+ * O += P V as register-blocked outer products of float8 vectors (K staged transposed in __local,
+ * so consecutive keys are one vector) and the exponentials a vector at a time. Not float16: PoCL
+ * 3.0 (LLVM 14) on an AVX-512 CPU its LLVM cannot name (AMD Zen 4) compiles the kernel for an
+ * older CPU without AVX-512 but links its AVX-512 builtin library, and a 512-bit vector passed to
+ * a builtin (exp) then crosses that ABI mismatch and crashes. Everything else (staging of Q and V,
  * masking, the online softmax, the epilogue) is the code every device runs.
  */
 #ifndef HEAD_DIM
@@ -82,10 +84,10 @@ inline long paged_page(__global const int *t, long base, long s1, int w, int n_p
 #ifndef CPU_VEC
 #define CPU_VEC 0
 #endif
-#if CPU_VEC && ((CPU_VEC != 8 && CPU_VEC != 16) || THREADS_M != 1 || THREADS_N != 1 ||          \
+#if CPU_VEC && (CPU_VEC != 8 || THREADS_M != 1 || THREADS_N != 1 ||          \
                 STORE_KIND != 0 || ACC_KIND || HEAD_DIM % CPU_VEC || HEAD_DIM_V % CPU_VEC ||      \
                 BLOCK_N % CPU_VEC || V_VEC != 4)
-#error "CPU_VEC (8 or 16) needs one work-item per work-group, float32, D, Dv, BLOCK_N multiples"
+#error "CPU_VEC (8) needs one work-item per work-group, float32, D, Dv, BLOCK_N multiples"
 #endif
 #ifndef CP_ASYNC_EMULATE
 #define CP_ASYNC_EMULATE 0
@@ -161,11 +163,7 @@ typedef store_t out_t;
 #if CPU_VEC
 /* vector loads and stores straight from the arrays (PoCL calls vload8 / vstore8 out of line):
  * rows of multiples of CPU_VEC floats, arrays aligned to 64 bytes */
-#if CPU_VEC == 16
-typedef float16 cvec_t;
-#else
 typedef float8 cvec_t;
-#endif
 #define PS_LD BLOCK_N
 #define ALIGN8 __attribute__((aligned(64)))
 #define L8(p) (*(__local cvec_t *)(p))
@@ -619,12 +617,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
                 l8 += p;
                 L8(p_s + mr * PS_LD + CPU_VEC * c8) = p;
             }
-#if CPU_VEC == 16
-            const float8 l4 = l8.lo + l8.hi;
-#else
-            const float8 l4 = l8;
-#endif
-            l_i[r] += ((l4.s0 + l4.s1) + (l4.s2 + l4.s3)) + ((l4.s4 + l4.s5) + (l4.s6 + l4.s7));
+            l_i[r] += ((l8.s0 + l8.s1) + (l8.s2 + l8.s3)) + ((l8.s4 + l8.s5) + (l8.s6 + l8.s7));
 #else
             for (int c = 0; c < TN; ++c) {
                 const acc_t p = empty ? (acc_t)0 : exp(s[r][c] - mt);

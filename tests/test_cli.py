@@ -145,3 +145,19 @@ def test_a_bad_attnlib_backend_raises_errors_that_name_it(monkeypatch):
     finally:
         registry._registered.pop("absent-here", None)
         registry._classes.pop("absent-here", None)
+
+
+def test_first_compile_says_so_once(monkeypatch, capsys):
+    """A build that outlasts the threshold prints one line on stderr, once per kind; a fast one
+    (a cache hit) prints nothing."""
+    import time
+
+    from attnlib import _notice
+
+    monkeypatch.setattr(_notice, "_said", set())
+    with _notice.if_slow("k", "fast", after_s=5.0):
+        pass
+    for _ in range(2):
+        with _notice.if_slow("k", "slow build", after_s=0.01):
+            time.sleep(0.2)
+    assert capsys.readouterr().err == "attnlib: slow build\n"

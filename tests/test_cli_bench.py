@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ def _check_doc(doc: dict) -> None:
     assert doc["schema"] == "attnlib-bench/1"
     assert {"machine", "versions", "config", "ceilings", "results"} <= set(doc)
     for key, c in doc["ceilings"].items():
-        assert set(c) == {"device", "byte_per_s", "flop_per_s", "method"}, key
+        assert set(c) == {"device", "byte_per_s", "flop_per_s", "method", "raised"}, key
         assert _positive(c["byte_per_s"]) and _positive(c["flop_per_s"])
     for r in doc["results"]:
         assert set(r) == RESULT_KEYS
@@ -48,6 +49,7 @@ def _check_doc(doc: dict) -> None:
         if doc["ceilings"]:
             assert r["device_key"] in doc["ceilings"]
             assert _positive(r["pct_roof"]) and r["bound"] in ("compute", "memory")
+            assert r["pct_roof"] <= 100.0, r
 
 
 def test_tiny_run_writes_wellformed_json(tmp_path, capsys):
@@ -64,6 +66,46 @@ def test_tiny_run_writes_wellformed_json(tmp_path, capsys):
     assert "cpu" in doc["ceilings"]
     out = capsys.readouterr().out
     assert "median" in out and "%roof" in out and "ceilings" in out
+    assert out.count("=> only numpy ran this shape") == len({r["label"] for r in doc["results"]})
+
+
+def test_a_roof_bounds_what_it_roofs(capsys):
+    """A probe below what a case then reached (PoCL's FMA probe under its attention kernel; a
+    bandwidth probe on a busy machine) is raised to the best achieved: no %roof above 100; each
+    table names its fastest backend."""
+    from attnlib._bench.probes import Ceiling
+    from attnlib._bench.report import annotate, print_table
+    from attnlib._bench.suite import Result
+
+    big = Case(task="prefill", B=1, H=8, Hkv=8, S=2048, D=64)  # compute-bound
+    small = Case(task="decode", B=1, H=8, Hkv=2, L=4096, D=64)  # memory-bound
+    res = [Result(big, "opencl", "PoCL", "cl", median_s=big.flops() / 181e9),
+           Result(big, "numpy", "CPU", "cl", median_s=big.flops() / 20e9),
+           Result(small, "opencl", "PoCL", "cl", median_s=small.nbytes() / 49e9),
+           Result(small, "numpy", "CPU", "cl", error="MemoryError: ")]
+    ceil = {"cl": Ceiling("PoCL [OpenCL CPU]", 31e9, 112e9, "probe")}
+    annotate(res, ceil)
+    assert ceil["cl"].flop_per_s == pytest.approx(181e9)
+    assert ceil["cl"].byte_per_s == pytest.approx(49e9)
+    assert "112 GFLOP/s" in ceil["cl"].raised and "31 GB/s" in ceil["cl"].raised
+    pct = {(r.case.task, r.backend): r.pct_roof for r in res}
+    assert pct[("prefill", "opencl")] == pytest.approx(100.0)
+    assert pct[("decode", "opencl")] == pytest.approx(100.0)
+    assert pct[("prefill", "numpy")] == pytest.approx(100 * 20 / 181)
+    print_table(res, ceil, sys.stdout)
+    out = capsys.readouterr().out
+    assert "=> fastest: opencl (numpy 9.05x its time)" in out
+    assert "=> only opencl ran this shape" in out
+    assert "raised to the best achieved" in out
+
+
+def test_every_case_failed_exits_nonzero(monkeypatch, capsys):
+    def no_memory(case):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr("attnlib._bench.suite.make_inputs", no_memory)
+    assert main(TINY + ["--tasks", "softmax"]) == 1
+    assert "every case failed" in capsys.readouterr().err
 
 
 def test_exact_odd_shape(tmp_path):
@@ -262,3 +304,36 @@ def test_memory_child_progress_is_passed_on(monkeypatch):
     assert "  x: compiled and warm in 0.0 s" in lines
     assert any("still running" in line for line in lines)
     assert lines[-1] == "  x: done in 0.7 s"
+
+
+def test_gpu_bench_without_cuda_torch_runs_attnlib_rows(monkeypatch, capsys):
+    """``python bench/gpu/run.py`` without a CUDA PyTorch (none at all, or a CPU build) runs
+    attnlib's rows alone and says why the anchors are missing, as ``--no-torch`` does."""
+    import importlib.util
+    from pathlib import Path
+
+    import attnlib
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "run.py"
+    spec = importlib.util.spec_from_file_location("attnlib_gpu_bench", path)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    calls = []
+    monkeypatch.setattr(run, "prefill", lambda dtype, reps, with_torch, rows, portable=False:
+                        calls.append(with_torch))
+
+    class _Opencl:
+        def info(self):
+            return {}
+
+    monkeypatch.setattr(attnlib, "get_backend", lambda name: _Opencl())
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    assert run.torch_cuda_missing() == "PyTorch is not installed"
+    assert run.main(["--only", "prefill32"]) == 0
+    assert calls == [False]
+    assert "PyTorch is not installed: attnlib's rows only" in capsys.readouterr().out
+    cpu_build = types.SimpleNamespace(  # what a CPU wheel of PyTorch answers
+        __version__="2.13.0+cpu", version=types.SimpleNamespace(cuda=None),
+        cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", cpu_build)
+    assert run.torch_cuda_missing() == "PyTorch 2.13.0+cpu is built without CUDA"

@@ -288,3 +288,44 @@ def test_queue_and_backend_that_disagree():
             attnlib.to_device(np.ones(3, np.float32), queue=queue, backend=backend)
     with pytest.raises(ArgumentError, match="not a known backend"):
         attnlib.KVCache(queue=queue, backend="bogus", **kw)
+
+
+def test_unknown_keyword_names_attnlib_spelling():
+    """PyTorch's ``is_causal=`` (and any unknown keyword) at every function that takes
+    ``causal=`` is an ArgumentError naming ``causal=`` (or the valid keywords), raised before
+    any backend runs; a misspelled keyword is never silently dropped."""
+    import attnlib.distributed as dist
+
+    q3 = Q[0]
+    cu = np.array([0, Q.shape[1]], np.int32)
+    cache = attnlib.KVCache(max_batch_size=1, max_seq_len=8, n_kv_heads=1, head_dim=4,
+                            backend="tripwire")
+    pages = attnlib.PagedKVCache(num_pages=2, page_size=4, n_kv_heads=1, head_dim=4,
+                                 backend="tripwire")
+    calls = {
+        "attention": lambda **kw: attnlib.attention(Q, K, V, backend="tripwire", **kw),
+        "attention_varlen": lambda **kw: attnlib.attention_varlen(
+            q3, K[0], V[0], cu, cu, backend="tripwire", **kw),
+        "OnlineAttention": lambda **kw: attnlib.OnlineAttention(Q, backend="tripwire", **kw),
+        "attention_with_kvcache": lambda **kw: attnlib.attention_with_kvcache(Q, cache, **kw),
+        "attention_with_paged_kvcache": lambda **kw: attnlib.attention_with_paged_kvcache(
+            q3, pages, [0], **kw),
+        "paged_attention": lambda **kw: attnlib.paged_attention(q3, None, None, None, None,
+                                                                **kw),
+        "ring_attention": lambda **kw: dist.ring_attention(Q, K, V, None, **kw),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ArgumentError, match=rf"^{name}\(\) .*'is_causal'.* causal="):
+            call(is_causal=True)
+        with pytest.raises(ArgumentError, match=r"'causl'.*expected one of .*causal"):
+            call(causl=True)
+
+
+@pytest.mark.parametrize("start_pos,echo", [(-1, "start_pos=-1 "), (np.int32(-2), "start_pos=-2 "),
+                                            (np.array([3, -1]), r"start_pos=\[3, -1\] ")])
+def test_start_pos_echoed_as_given(start_pos, echo):
+    cache = attnlib.KVCache(max_batch_size=2, max_seq_len=8, n_kv_heads=1, head_dim=4,
+                            backend="numpy")
+    k = np.ones((2, 1, 1, 4), np.float32)
+    with pytest.raises(ArgumentError, match=echo):
+        cache.update(k, k, start_pos=start_pos)

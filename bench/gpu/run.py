@@ -115,12 +115,14 @@ def _torch_times(q, k, v, causal: bool, reps: int, mask=None) -> dict:
 def prefill(dtype: str, reps: int, with_torch: bool, rows: list, portable: bool = False) -> None:
     """``portable=True`` keeps float16/bfloat16 off the tensor-core kernel (``use_mma=False``)."""
     import ml_dtypes
-    import torch
 
     np_dtype = {"float32": np.float32, "float16": np.float16,
                 "bfloat16": ml_dtypes.bfloat16}[dtype]
-    t_dtype = {"float32": torch.float32, "float16": torch.float16,
-               "bfloat16": torch.bfloat16}[dtype]
+    if with_torch:
+        import torch
+
+        t_dtype = {"float32": torch.float32, "float16": torch.float16,
+                   "bfloat16": torch.bfloat16}[dtype]
     be = attnlib.get_backend("opencl", use_mma=False) if portable else "opencl"
     for b, h, s, d in PREFILL:
         if (dtype == "float32" or portable) and h * s > 16 * 8192:
@@ -208,7 +210,8 @@ def shapes(reps: int, with_torch: bool, rows: list, cases: list = SHAPES) -> Non
 
 
 def decode(reps: int, with_torch: bool, rows: list) -> None:
-    import torch
+    if with_torch:
+        import torch
 
     hq, hkv, d = 32, 8, 128
     for b, n in DECODE:
@@ -328,6 +331,19 @@ def host_table(times: dict, counts: dict) -> str:
     return "\n".join(out)
 
 
+def torch_cuda_missing() -> str | None:
+    """Why PyTorch cannot be the anchor here (not installed, or built without CUDA, or no CUDA
+    device), or None when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
+    if not torch.cuda.is_available():
+        why = "has no CUDA device here" if torch.version.cuda else "is built without CUDA"
+        return f"PyTorch {torch.__version__} {why}"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write every row here")
@@ -340,6 +356,10 @@ def main(argv=None) -> int:
     be = attnlib.get_backend("opencl")
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "opencl backend:", be.info(),
           flush=True)
+    missing = None if args.no_torch else torch_cuda_missing()
+    if missing:
+        print(f"{missing}: attnlib's rows only, no PyTorch anchors (as --no-torch)", flush=True)
+    args.no_torch = args.no_torch or missing is not None
     rows: list = []
     parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "shapes",
                           "decode", "host"]

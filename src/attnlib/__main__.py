@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 
@@ -19,6 +20,37 @@ def _opencl_devices() -> list[str]:
     except cl.Error as exc:
         return [f"(no OpenCL platform: {exc})"]
     return lines or ["(no OpenCL devices)"]
+
+
+def _caches() -> list[str]:
+    """Where compiled kernels are kept on disk, as the libraries that keep them decide."""
+    from attnlib import _config
+
+    lines = [f"numba kernels: {_config.numba_cache_dir()}"]
+    try:
+        import platformdirs
+        import pyopencl as cl
+        from pyopencl.characterize import has_src_build_cache
+        from pyopencl.invoker import invoker_cache
+    except Exception as exc:  # noqa: BLE001 - pyopencl missing or unusable
+        return lines + [f"OpenCL: (pyopencl not usable: {exc})"]
+    # pyopencl's own binary cache serves only devices whose driver has none (has_src_build_cache)
+    own = os.path.join(platformdirs.user_cache_dir("pyopencl", "pyopencl"),
+                       "pyopencl-compiler-cache-v2-py" + ".".join(map(str, sys.version_info)))
+    try:
+        devices = [d for p in cl.get_platforms() for d in p.get_devices()]
+    except cl.Error:
+        devices = []
+    for dev in devices:
+        if dev.platform.name == "Portable Computing Language":
+            where = f"PoCL's cache {_config.pocl_cache_dir()}"
+        elif has_src_build_cache(dev):
+            where = "the driver's own cache"
+        else:
+            where = f"pyopencl's cache {own}"
+        lines.append(f"OpenCL kernels for {dev.name.strip()}: {where}")
+    lines.append(f"pyopencl's kernel argument code: {invoker_cache.container_dir}")
+    return lines
 
 
 def _render(value, indent: str) -> list[str]:
@@ -90,6 +122,9 @@ def cmd_info(_args) -> int:
                   "fixed or unset")
     print("OpenCL devices:")
     for line in _opencl_devices():
+        print("  " + line)
+    print("caches (compiled once, loaded by later processes):")
+    for line in _caches():
         print("  " + line)
     shown = shown_variables(("ATTNLIB_BACKEND", "PYOPENCL_CTX"))
     if shown:

@@ -79,6 +79,7 @@ def _from_bshd(x: Any, layout: str, be: Backend) -> Any:
     return _device_contiguous(xt, be)
 
 
+@_spec.keywords_checked
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
               causal: bool | str = False, window: tuple[int | None, int | None] | None = None,
               mask: Any = None, softcap: float | None = None, alibi_slopes: Any = None,
@@ -223,6 +224,7 @@ def _run(be: Backend, call: AttnCall):
     return be.attention(call)
 
 
+@_spec.keywords_checked
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
                      scale: float | None = None, causal: bool | str = False,
                      window: tuple[int | None, int | None] | None = None,

@@ -45,6 +45,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "where the numba backend keeps its compiled kernels (numba's own variable, honoured)",
     ),
     "XDG_CACHE_HOME": ("~/.cache", "the user cache directory holding attnlib/numba"),
+    "POCL_CACHE_DIR": (
+        "$XDG_CACHE_HOME/pocl/kcache (~/.cache/pocl/kcache)",
+        "where PoCL caches the kernels it builds (PoCL's own variable; shown by attnlib info)",
+    ),
 }
 
 
@@ -123,3 +127,14 @@ def numba_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
         os.path.expanduser("~"), ".cache")
     return os.path.join(base, "attnlib", "numba")
+
+
+def pocl_cache_dir() -> str:
+    """Where PoCL caches the kernels it builds (PoCL's own rule, pocl_cache.c): POCL_CACHE_DIR
+    when set, else ``pocl/kcache`` in XDG_CACHE_HOME, else in ``$HOME/.cache``."""
+    value = os.environ.get("POCL_CACHE_DIR", "")
+    if value:
+        return value
+    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(
+        os.environ.get("HOME", "/tmp"), ".cache")
+    return os.path.join(base, "pocl", "kcache")

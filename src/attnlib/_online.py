@@ -26,6 +26,7 @@ class OnlineAttention:
     [[[-inf]]]
     """
 
+    @_spec.keywords_checked
     def __init__(self, q: Any, *, scale: float | None = None, causal: bool | str = False,
                  softcap: float | None = None, layout: str = "bshd",
                  backend: str | Backend | None = None, total_keys: int | None = None) -> None:

@@ -122,6 +122,7 @@ class KVCache:
         self._lo[w.rows] = np.minimum(w.new_lo, w.new_len)
 
 
+@_spec.keywords_checked
 def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None, *,
                            start_pos: Any = None, batch_idx: Any = None, rope: RoPE | None = None,
                            causal: bool = True, scale: float | None = None,

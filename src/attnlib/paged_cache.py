@@ -266,6 +266,7 @@ def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):
     return (out, lse) if return_lse else out
 
 
+@_spec.keywords_checked
 def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q=None, rope=None,
                                  causal=True, scale=None, window=None, softcap=None,
                                  alibi_slopes=None, return_lse=False, backend=None):
@@ -325,6 +326,7 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     return _finish(be, call, cu_seqlens_q is not None, return_lse)
 
 
+@_spec.keywords_checked
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=None, causal=True,
                     scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False,
                     backend=None):

@@ -8,7 +8,10 @@
 * CUDA (PyTorch): a tensor copy and a float32 matmul with TF32 off.
 
 Each probe is calibrated to run ~20-50 ms and the best of a few runs is kept: a ceiling is what
-the device reached, never a datasheet number. These are float32 roofs.
+the device reached, never a datasheet number. These are float32 roofs. A probe can come out
+below what a benchmark then reaches (a busy machine, a compiler that vectorises the probe
+worse than the kernel): the report raises such a roof to the best rate achieved on that device
+(:func:`attnlib._bench.report.annotate`), so that a roof always bounds what it roofs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Ceiling:
     byte_per_s: float  # measured copy bandwidth (read + write)
     flop_per_s: float  # measured float32 FMA rate
     method: str
+    raised: str = ""  # what the report raised above the probe, and the probe's own figure
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -4,7 +4,8 @@ Columns: median time of the repeated calls; the first call of that shape (the JI
 kernel build of each task ran before, untimed; its time is printed below the tables); achieved
 FLOP/s and GB/s with the counting rules of :mod:`attnlib._bench.shapes`; ``%roof`` = achieved
 FLOP/s over the roofline bound ``min(peak FLOP/s, bandwidth * intensity)`` of the backend's
-device, both measured by :mod:`attnlib._bench.probes` (``C`` compute-bound, ``M``
+device, both measured by :mod:`attnlib._bench.probes` and raised to the best rate achieved
+on that device where a probe measured less, so never above 100% (``C`` compute-bound, ``M``
 memory-bound); ``vs torch`` = PyTorch's time over the backend's on the same case (above 1:
 faster than PyTorch); peak memory of one call. A backend that stopped below a shape has a row
 there saying so.
@@ -24,8 +25,30 @@ __all__ = ["annotate", "print_table", "to_json", "SCHEMA"]
 SCHEMA = "attnlib-bench/1"
 
 
+def raise_roofs(results: list[Result], ceilings: dict[str, Ceiling]) -> None:
+    """Raise each device's roofs, in place, to the best rate any result on it achieved (bytes/s
+    of every case; FLOP/s of the float32 cases, those the compute roof covers), so that no
+    result is above its roof; ``raised`` says which and what the probe measured."""
+    for key, ceil in ceilings.items():
+        done = [r for r in results if r.device_key == key and r.median_s]
+        best_b = max((r.case.nbytes() / r.median_s for r in done), default=0.0)
+        best_f = max((r.case.flops() / r.median_s for r in done if r.case.dtype == "float32"),
+                     default=0.0)
+        notes = []
+        if best_b > ceil.byte_per_s > 0:
+            notes.append(f"bandwidth probe {ceil.byte_per_s / 1e9:.3g} GB/s")
+            ceil.byte_per_s = best_b
+        if best_f > ceil.flop_per_s > 0:
+            notes.append(f"compute probe {ceil.flop_per_s / 1e9:.3g} GFLOP/s")
+            ceil.flop_per_s = best_f
+        if notes:
+            ceil.raised = " and ".join(notes) + ", raised to the best achieved here"
+
+
 def annotate(results: list[Result], ceilings: dict[str, Ceiling]) -> None:
-    """Fill ``pct_roof``, ``bound`` and ``vs_torch`` in place."""
+    """Raise the roofs that a result exceeds (:func:`raise_roofs`), then fill ``pct_roof``
+    (at most 100), ``bound`` and ``vs_torch`` in place."""
+    raise_roofs(results, ceilings)
     torch_t = {r.case: r.median_s for r in results if r.backend == "torch" and r.median_s}
     for r in results:
         if not r.median_s:
@@ -38,7 +61,7 @@ def annotate(results: list[Result], ceilings: dict[str, Ceiling]) -> None:
             roof = min(mem_roof, ceil.flop_per_s)
             # the compute roof is a float32 probe: it says nothing about float16 tensor cores
             if r.bound == "memory" or r.case.dtype == "float32":
-                r.pct_roof = 100.0 * (r.case.flops() / r.median_s) / roof
+                r.pct_roof = min(100.0, 100.0 * (r.case.flops() / r.median_s) / roof)
         if r.backend != "torch" and r.case in torch_t:
             r.vs_torch = torch_t[r.case] / r.median_s
 
@@ -122,12 +145,15 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
                 _mib(r.peak_mem_bytes),
             ]
             print(_row(cells), file=out)
+        print(_winner(rows), file=out)
     print("", file=out)
     if ceilings:
         print("ceilings (measured here; float32):", file=out)
     for c in ceilings.values():
         print(f"  {c.device:<40} {_si(c.byte_per_s, 'B/s'):>12} "
               f"{_si(c.flop_per_s, 'FLOP/s'):>14}   ({c.method})", file=out)
+        if c.raised:
+            print(f"  {'':<40} {c.raised}", file=out)
     methods = sorted({r.mem_method for r in results if r.mem_method})
     if warm_s:
         print("compile / kernel build before timing (one small untimed call per table): "
@@ -136,7 +162,10 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
         "median of the repeated calls; '1st call': the first call of that shape, after the "
         "compile above; F = FLOP, B = bytes",
         "%roof: achieved FLOP/s over min(peak FLOP/s, bandwidth x FLOP/byte) of the device; "
-        "C compute-bound, M memory-bound (compute roofs are float32: '-' for other dtypes)",
+        "C compute-bound, M memory-bound (compute roofs are float32: '-' for other dtypes); "
+        "a roof a result exceeded is raised to the best achieved on that device",
+        "=> fastest: the backend with the lowest median of the table, the others' median as a "
+        "multiple of its",
         "vs torch: PyTorch's time / this backend's time (above 1 = faster than PyTorch)",
     ]
     if methods:
@@ -147,6 +176,19 @@ def print_table(results: list[Result], ceilings: dict[str, Ceiling], out: TextIO
                      f"{busy['cpu_count']} CPUs): timings are noisy")
     for n in notes:
         print("  " + n, file=out)
+
+
+def _winner(rows: list[Result]) -> str:
+    """One line: the fastest backend of a table and the others' time as a multiple of its."""
+    timed = sorted((r for r in rows if r.median_s), key=lambda r: r.median_s)
+    if not timed:
+        return "=> no backend ran this shape"
+    best = timed[0]
+    if len(timed) == 1:
+        return f"=> only {best.backend} ran this shape"
+    others = ", ".join(f"{r.backend} {r.median_s / best.median_s:.2f}x its time"
+                       for r in timed[1:])
+    return f"=> fastest: {best.backend} ({others})"
 
 
 def machine_load() -> dict:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -129,6 +132,42 @@ def check_scale(scale: Any, head_dim: int) -> float:
 
 def check_softcap(softcap: Any) -> float | None:
     return None if softcap is None else check_real(softcap, "softcap", positive=True)
+
+
+#: keywords of other libraries and what attnlib calls them
+_KEYWORD_HINTS = {"is_causal": "causal= (causal='top_left' is PyTorch's is_causal=True; "
+                               "causal=True is FlashAttention's bottom-right alignment)",
+                  "attn_mask": "mask=", "softmax_scale": "scale=", "sm_scale": "scale="}
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def keywords_checked(fn: _F) -> _F:
+    """``fn`` with an unknown keyword raising ArgumentError (naming attnlib's spelling of
+    PyTorch's and FlashAttention's keywords, e.g. ``is_causal`` -> ``causal=``) instead of
+    Python's bare TypeError. The keywords are only looked at when ``fn`` raised TypeError."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise TypeError(f"{fn.__qualname__} takes **kwargs; every keyword is known")
+    known = tuple(n for n, p in params.items() if p.kind is not p.POSITIONAL_ONLY)
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            unknown = [k for k in kwargs if k not in known]
+            if not unknown:
+                raise
+        name = fn.__qualname__.removesuffix(".__init__")
+        hints = [f"attnlib spells {k}= as {_KEYWORD_HINTS[k]}" for k in unknown
+                 if k in _KEYWORD_HINTS]
+        raise ArgumentError(
+            f"{name}() got an unexpected keyword {', '.join(map(repr, unknown))}: "
+            + ("; ".join(hints) if hints else "expected one of " + ", ".join(
+                n for n in known if n != "self"))
+        )
+
+    return checked  # type: ignore[return-value]
 
 
 def check_causal(causal: Any, allow_top_left: bool = True) -> str | None:

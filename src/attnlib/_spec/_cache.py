@@ -85,10 +85,9 @@ def check_cache_kv(k: Any, v: Any, b: int | None, dtype: np.dtype, n_kv_heads: i
 def check_start_pos(start_pos: Any, b: int) -> np.ndarray:
     """``start_pos`` (an int or an int array ``(b,)``, each >= 0) as int64 ``(b,)``."""
     if type(start_pos) is int:  # the common case, without the generic checks' cost
-        sp = np.full(b, start_pos, dtype=np.int64)
         if start_pos < 0:
-            raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0")
-        return sp
+            raise ArgumentError(f"start_pos={start_pos} must be >= 0")
+        return np.full(b, start_pos, dtype=np.int64)
     if is_array(start_pos):
         sp = host(start_pos)
         if sp.dtype.kind not in "iu":
@@ -96,11 +95,13 @@ def check_start_pos(start_pos: Any, b: int) -> np.ndarray:
         if sp.shape != (b,):
             raise ArgumentError(f"start_pos has shape {sp.shape}; expected ({b},)")
         sp = sp.astype(np.int64)
-    else:
-        sp = np.full(b, check_int(start_pos, "start_pos"), dtype=np.int64)
-    if (sp < 0).any():
-        raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0")
-    return sp
+        if (sp < 0).any():
+            raise ArgumentError(f"start_pos={sp.tolist()} must be >= 0 in every row")
+        return sp
+    sp_int = check_int(start_pos, "start_pos")
+    if sp_int < 0:
+        raise ArgumentError(f"start_pos={sp_int} must be >= 0")
+    return np.full(b, sp_int, dtype=np.int64)
 
 
 def _first(bad: np.ndarray) -> int:

@@ -153,6 +153,7 @@ def plan_ring(q_l, k_l, v_l, comm, *, causal, scale, window, softcap, alibi_slop
     return desc, (plan, return_lse)
 
 
+@_spec.keywords_checked
 def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None, softcap=None,
                    alibi_slopes=None, sharding="zigzag", layout="bshd", return_lse=False,
                    backend=None):

@@ -15,11 +15,29 @@ from collections.abc import Callable
 from typing import Any
 
 import numba
-from numba.core import config
+from numba.core import config, event
 
-from ... import _config
+from ... import _config, _notice
 
 _lock = threading.Lock()
+
+
+class _FirstCompile(event.Listener):
+    """Says on stderr, once per process, that numba compiles attnlib's kernels (a function
+    loaded from the disk cache is not compiled, so says nothing)."""
+
+    def on_start(self, ev: event.Event) -> None:
+        fn = getattr((ev.data or {}).get("dispatcher"), "py_func", None)
+        if getattr(fn, "__module__", "").startswith("attnlib."):
+            _notice.say_once("numba", "numba is compiling attnlib's CPU kernels (first use of "
+                             "each kind of call: seconds to tens of seconds; cached in "
+                             f"{_config.numba_cache_dir()}, so later processes only load them)")
+
+    def on_end(self, ev: event.Event) -> None:
+        pass
+
+
+event.register("numba:compile", _FirstCompile())
 
 
 def njit(**options: Any) -> Callable:

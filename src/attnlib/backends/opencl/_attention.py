@@ -116,11 +116,12 @@ CPU_VEC_TILES, CPU_VEC_TILES_TALL = (128, 64, 1, 1), (256, 64, 1, 1)
 
 
 def cpu_vec(facts: Any, tiles: tuple, d: int, dv: int, dtype: np.dtype) -> int:
-    """attn_fwd.cl's CPU_VEC: on a CPU device, float32, one work-item per work-group, the widest
-    of 16 and 8 that divides D, Dv and BLOCK_N; else 0 (off)."""
+    """attn_fwd.cl's CPU_VEC: on a CPU device, float32, one work-item per work-group, 8 when it
+    divides D, Dv and BLOCK_N; else 0 (off). Never 16: see the kernel's header (PoCL's AVX-512
+    ABI mismatch on CPUs its LLVM cannot name)."""
     if not (facts.is_cpu and np.dtype(dtype) == np.float32 and tuple(tiles[2:]) == (1, 1)):
         return 0
-    return next((w for w in (16, 8) if d % w == 0 and dv % w == 0 and tiles[1] % w == 0), 0)
+    return 8 if d % 8 == 0 and dv % 8 == 0 and tiles[1] % 8 == 0 else 0
 
 
 #: the fallbacks every device tries last, largest first: (8, 4, 2, 4) keeps D = Dv = 256 within

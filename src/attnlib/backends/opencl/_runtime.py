@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ... import _config
+from ... import _config, _notice
 from ...errors import BackendUnavailableError, KernelBuildError
 
 _SIMULATOR_PLATFORMS = ("oclgrind",)
@@ -212,11 +212,14 @@ def build_program(ctx: Any, filename: str, source: str, options: tuple[str, ...]
     import pyopencl as cl
 
     opts = list(options) + ([f"-cl-std={std}"] if std else [])
+    names = ", ".join(d.name.strip() for d in (devices or ctx.devices))
     try:
-        return cl.Program(ctx, source).build(options=opts, devices=devices)
+        with _notice.if_slow("opencl", f"building OpenCL kernels/{filename} for {names} "
+                             "(first use of each kernel variant; the driver's or pyopencl's "
+                             "cache keeps the binaries for later processes)"):
+            return cl.Program(ctx, source).build(options=opts, devices=devices)
     except cl.Error as exc:
         log = str(exc)
-        names = ", ".join(d.name.strip() for d in (devices or ctx.devices))
         raise KernelBuildError(
             f"opencl: building kernels/{filename} failed on {names} with options "
             f"{' '.join(opts)}:\n{log}"
