@@ -105,8 +105,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 #: float32 through 3xTF32 on sm_80+ (False: float32 stays on the portable kernel)
 F32_ON = True
-#: tests only: the plan cache (``_nvidia_plans``) builds the emulated kernel
-#: (USE_PTX=0), so it runs on PoCL under a patched compute capability
+#: tests only: the dispatch (``run`` and the plan cache, ``_nvidia_plans``) builds the emulated
+#: kernel (USE_PTX=0), so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
 _DTYPES = (np.dtype(np.float16), BF16, _F32)
 
@@ -393,7 +393,7 @@ def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None =
     d = call.head_dim
     config = tuple(config or default_config(call.dtype, d, call.head_dim_v))
     if use_ptx is None:
-        use_ptx = compute_capability(device) is not None
+        use_ptx = compute_capability(device) is not None and not EMULATE_PTX
     opts, hi = kernel_options(call, config, use_ptx, extra_options, heads_inner)
     return Launch("attn_fwd_mma", opts, lambda: get_program(ctx, device, opts), 32 * config[2],
                   config[0], config[1], hi)
