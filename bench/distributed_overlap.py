@@ -32,7 +32,8 @@ from mpi4py import MPI
 
 import attnlib
 from attnlib.distributed import ring_attention
-from attnlib.distributed._ring import plan_ring
+from attnlib.distributed._options import check_local
+from attnlib.distributed._ring import BlockPlan
 
 
 def local_blocks(plan) -> np.ndarray:
@@ -75,8 +76,9 @@ def main() -> None:
     shape = (args.batch, args.seq // size, args.heads, args.dim)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
     kw = dict(causal=args.causal, sharding=args.sharding, backend=args.backend)
-    _, (plan, _) = plan_ring(q, k, v, comm, scale=None, window=None, softcap=None,
-                             alibi_slopes=None, layout="bshd", return_lse=False, **kw)
+    _, lc = check_local(q, k, v, comm, layout="bshd", return_lse=False, heads_split=False,
+                        scale=None, window=None, softcap=None, per_head={}, **kw)
+    plan = BlockPlan(lc)
 
     def ring():
         ring_attention(q, k, v, comm, **kw)

@@ -8,11 +8,11 @@ others waiting.)
 
 Each rank holds a contiguous shard of the prompt's keys and values in its own ``attnlib.KVCache``
 (rank ``r`` of ``P``: prompt tokens ``[r*L/P, (r+1)*L/P)``); the last rank also receives the
-tokens decoded afterwards, since it holds the tail of the sequence. At every decode step each rank
-attends the new query over its shard with ``return_lse=True``, and
-``attnlib.distributed.merge_across`` combines the partial states into exactly the attention over
-the whole cache, on every rank. Rank 0 checks each step against one process attending over the
-whole context and prints the largest difference.
+tokens decoded afterwards, since it holds the tail of the sequence. Each decode step is one call of
+``attnlib.distributed.attention_with_sharded_kvcache``: every rank attends the new query over its
+shard, and the partial states are merged (``merge_across``) into exactly the attention over the
+whole cache, on every rank. Rank 0 checks each step against one process attending over the whole
+context and prints the largest difference.
 
 There is no model here: the prompt's keys and values and each step's q, k, v are random, drawn
 from one seed so that every rank sees the same sequence.
@@ -58,11 +58,9 @@ def main() -> None:
         q = rng.standard_normal((B, 1, HQ, D)).astype(np.float32)
         k_new = rng.standard_normal((B, 1, HKV, D)).astype(np.float32)
         v_new = rng.standard_normal((B, 1, HKV, D)).astype(np.float32)
-        # -- each rank: attention over its shard (the last rank appends the new token first)
+        # -- the last rank appends the new token; every rank attends over its shard, then merge
         new = {"k": k_new, "v": v_new} if last else {}
-        o_r, lse_r = attnlib.attention_with_kvcache(q, cache, **new, return_lse=True)
-        # -- the exact step: merge the partial states of every rank
-        out, _ = dist.merge_across(o_r, lse_r, comm, backend=args.backend)
+        out = dist.attention_with_sharded_kvcache(q, cache, comm, **new)
         k_all = np.concatenate([k_all, k_new], axis=1)
         v_all = np.concatenate([v_all, v_new], axis=1)
         if rank == 0:

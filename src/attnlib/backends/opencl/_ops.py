@@ -125,6 +125,25 @@ def merge_states(be: OpenCLBackend, outs: Sequence[Any], lses: Sequence[Any]) ->
     return _finish(host, out, lse)
 
 
+def recast(be: OpenCLBackend, out: Any, lse: Any, dtype: Any) -> Any:
+    """The attention state ``(out, lse)`` (contiguous device arrays) with ``out`` stored as
+    ``dtype``: merge.cl over the one state, whose weight ``exp(lse - lse)`` is exactly 1, so the
+    values are only rounded (a row with lse = -inf is empty and gives 0). One kernel for every
+    pair of storage kinds, bfloat16 included (context-parallel states accumulate in float32)."""
+    queue = be.queue_for(out, lse)
+    dtype = np.dtype(dtype)
+    acc = np.dtype(lse.dtype)
+    b, s, h, dv = out.shape
+    res = _pool.empty(queue, (b, s, h, dv), dtype)
+    n_rows = b * s * h
+    if res.size:
+        merged_lse = _pool.empty(queue, (b, h, s), acc)
+        launch_merge(be, queue, out.data, n_rows * dv, lse.data, (n_rows, h * s, 1, s),
+                     1, s, h, dv, n_rows, res.data, merged_lse.data, store_kind(out.dtype),
+                     store_kind(dtype), int(acc == np.float64))
+    return res
+
+
 def _cos_sin(positions: np.ndarray, spec: RopeSpec, acc: np.dtype) -> np.ndarray:
     """(cos, sin) of pos * theta**(-2t/r) per (position, pair), computed in float64."""
     half = spec.rotary_dim // 2
