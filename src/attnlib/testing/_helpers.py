@@ -45,14 +45,14 @@ def qkv(rng, b, sq, sk, hq, hkv, d, dv=None, dtype="float32", scale=1.0):
 def kernel_call(q, k, v, opts):
     """What the kernel-level tests hand a backend's kernel: the AttnCall of a dense attention
     of bshd ``q, k, v`` with the log-sum-exp wanted and ``opts`` (causal, window, softcap, scale,
-    and ``alibi=True`` for slopes 0.05 .. 0.4 over the query heads). Returns (call, slopes, kw),
-    kw being ``opts`` without ``alibi``, for the reference's call."""
+    mask, and ``alibi=True`` for slopes 0.05 .. 0.4 over the query heads). Returns (call, slopes,
+    kw), kw being ``opts`` without ``alibi``, for the reference's call."""
     from attnlib import _spec
 
     kw = dict(opts)
     hq = q.shape[2]
     slopes = np.linspace(0.05, 0.4, hq).astype(np.float32) if kw.pop("alibi", False) else None
-    call = _spec.dense_call(q, k, v, scale=kw.get("scale"), mask=None, layout="bshd",
+    call = _spec.dense_call(q, k, v, scale=kw.get("scale"), mask=kw.get("mask"), layout="bshd",
                             need_lse=True, alibi_slopes=slopes, causal=kw.get("causal", False),
                             window=kw.get("window"), softcap=kw.get("softcap"))
     return call, slopes, kw
