@@ -1,4 +1,4 @@
-"""What attention sinks cost (``sinks=``, SPEC section 10): the same call with and without them,
+"""What attention sinks cost (``sinks=``, contract §10): the same call with and without them,
 alternating call by call in one process (load from other processes hits both alike), the median
 of the repeats; bench/RESULTS.md, "Attention sinks".
 
@@ -10,7 +10,7 @@ Cases: prefill (``attention``, causal and not) and decode (``attention_with_kvca
 token per sequence over a cache of L tokens, the repeat-call path). Ratio = time with sinks / time
 without (<= 1.03 is the target). Device backends get device-resident q, k, v and are synchronised
 per call (their queue finished). "max diff": the call with sinks against the call without them
-merged on the host with the state (0, sink), SPEC's equivalent form. The anchor, in the same
+merged on the host with the state (0, sink), the contract's equivalent form. The anchor, in the same
 rotation: PyTorch's
 ``scaled_dot_product_attention`` on the same values without sinks (it has none), on the GPU with
 ``--gpu`` when torch sees CUDA.
@@ -111,8 +111,8 @@ def main() -> None:
 
 
 def _check(attnlib, plain, with_sinks, sinks: np.ndarray) -> float:
-    """Max |out with sinks - SPEC's form|: the call without sinks, its state merged on the host
-    with (0, sink) (``out * exp(lse - log(exp(lse) + exp(sink)))``), in float64."""
+    """Max |out with sinks - the contract's form|: the call without sinks, its state merged on
+    the host with (0, sink) (``out * exp(lse - log(exp(lse) + exp(sink)))``), in float64."""
     out, lse = (attnlib.to_numpy(x).astype(np.float64)
                 for x in plain.func(*plain.args, **plain.keywords, return_lse=True))
     got = attnlib.to_numpy(with_sinks()).astype(np.float64)

@@ -32,7 +32,7 @@
  * tilings), instead of every item reading all THREADS_N partial maxima. STAGE: global loads per
  * work-item issued before their __local stores when staging a tile.
  *
- * KV_FORMAT > 0 (kv_format.h: 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8; a load variant, SPEC section 10):
+ * KV_FORMAT > 0 (kv_format.h: 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8; a load variant, contract §10):
  * k and v hold 8-bit codes (uchar) and k_scl / v_scl one float scale per (row, kv head), strides
  * (ks_sb, ks_ss, ks_sh) along batch (or page), row (or slot), head; each element is dequantized
  * to scale * kv_decode(code) as its tile is staged into __local (as acc_t), so the math below is
@@ -302,8 +302,7 @@ typedef float8 cvec_t;
  * work-item can have its whole share of the tile in flight (with registers it is STAGE chunks:
  * the decode kernel's staging was measured to run one register batch at a time). The host sets
  * CP_ASYNC only there, and only with offsets and strides that keep every chunk aligned. Each
- * tile is waited for where it is staged. (A variant with separate K and V tiles, V(t) and K(t+1)
- * loading under the math, was no faster on the H200: fewer work-groups per SM; RESULTS.md.) */
+ * tile is waited for where it is staged. */
 #if CP_ASYNC_EMULATE /* the same tile walk with plain copies, for PoCL and Oclgrind */
 #define CP_ASYNC_KV(DST, SRC) (*(DST) = G_RAW4((SRC), 0))
 #define CP_COMMIT()

@@ -9,8 +9,9 @@
 // K/V tiles are double-buffered in local memory with cp.async; tiles that no row of the block can
 // see (causal, window, sequence end) are never visited, tiles every row sees fully skip masking.
 //
-// Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_M, BLOCK_N (multiple of 16),
-// WARPS, IS_BF16, IS_TF32, Q_IN_REGS, SOFTCAP, ALIBI, SCALE_POS (scale > 0), USE_PTX.  USE_PTX=0
+// Compile-time sizes (-D): HEAD_DIM (D), HEAD_DIM_V (Dv; both any size up to 256, padded to 16
+// inside), BLOCK_M, BLOCK_N (multiple of 16), WARPS, IS_BF16, IS_TF32, Q_IN_REGS, SOFTCAP, ALIBI,
+// SCALE_POS (scale > 0), VEC_LOADS, MASK_KIND, USE_PTX.  USE_PTX=0
 // replaces every warp-level PTX instruction (nv_warp.h, shared with attn_decode_mma.cl) by an
 // exact emulation through local memory and barriers (for checking the fragment layouts with PoCL
 // on a CPU; slow, never used for speed).
@@ -25,6 +26,21 @@
 #ifndef IS_TF32
 #define IS_TF32 0
 #endif
+#ifndef HEAD_DIM_V
+#define HEAD_DIM_V HEAD_DIM
+#endif
+// VEC_LOADS=1: every row of q, k and v starts 16-byte aligned (the host checks offsets and
+// strides): whole 16-byte chunks of a row are copied with cp.async.  0: rows are read element
+// by element (e.g. D = 59 in 16 bits: rows 118 bytes apart), synchronously, into the same tiles.
+#ifndef VEC_LOADS
+#define VEC_LOADS 1
+#endif
+// Padded head dims: D and Dv rounded up to the mma granularity (16).  Local tiles are DQK / DV
+// columns wide; columns past D (Dv) are zero-filled on load (zero products, zero outputs that
+// are never stored), so the tile walk and the fragments only see padded sizes.
+#define DQK (((HEAD_DIM + 15) / 16) * 16)
+#define DV (((HEAD_DIM_V + 15) / 16) * 16)
+#define DMAX (DQK > DV ? DQK : DV)
 #define M_TILES (BLOCK_M / (16 * WARPS))
 #define THREADS (32 * WARPS)
 #if IS_TF32
@@ -33,10 +49,10 @@
 // padded rows (floats).  Q and K fragments are float2 loads at row g, column 2t of a k-step:
 // rows 8 floats apart in banks serve a half-warp without conflict; V fragments are scalar loads
 // of rows 2t, 2t + 1 at column g: rows 4 floats apart do.
-#define LDSQ (HEAD_DIM + 8)
-#define LDSK (HEAD_DIM + 8)
-#define LDSV (HEAD_DIM + 4)
-#define KSTEPS_QK (HEAD_DIM / 8)    // k-steps (m16n8k8) of S = Q K^T
+#define LDSQ (DQK + 8)
+#define LDSK (DQK + 8)
+#define LDSV (DV + 4)
+#define KSTEPS_QK (DQK / 8)         // k-steps (m16n8k8) of S = Q K^T
 #define KSTEPS_PV (BLOCK_N / 8)     // k-steps of O = P V: one per n-tile of S
 // V's local offset of chunk ch of row r in buffer B (K and V rows are padded differently)
 #define SO_V(B) ((B) * BLOCK_N * LDSV + r * LDSV + ch * EPC)
@@ -44,23 +60,61 @@
 #else
 #define ELEM ushort
 #define EPC 8
-#define LDS (HEAD_DIM + 8)          // padded row (halves): 8 rows of one ldmatrix hit 8 bank groups
+#define LDS (DMAX + 8)              // padded row (halves): 8 rows of one ldmatrix hit 8 bank groups
 #define LDSQ LDS
 #define LDSK LDS
 #define LDSV LDS
-#define KSTEPS_QK (HEAD_DIM / 16)   // k-steps of S = Q K^T
+#define KSTEPS_QK (DQK / 16)        // k-steps of S = Q K^T
 #define KSTEPS_PV (BLOCK_N / 16)    // k-steps of O = P V
 #define SO_V(B) so
 #define SO0_V so0
 #endif
 #define NT_S (BLOCK_N / 8)          // 8-column n-tiles of S
-#define NT_O (HEAD_DIM / 8)         // 8-column n-tiles of O
-#define CHUNKS (HEAD_DIM / EPC)     // 16-byte chunks per row
-#if BLOCK_M % (16 * WARPS) || BLOCK_N % 16 || HEAD_DIM % 16 || THREADS % CHUNKS
-#error "BLOCK_M must be a multiple of 16*WARPS, BLOCK_N and HEAD_DIM of 16, 32*WARPS of HEAD_DIM/8"
+#define NT_O (DV / 8)               // 8-column n-tiles of O
+#define QK_CHUNKS (DQK / EPC)       // 16-byte chunks per local row of Q and K
+#define V_CHUNKS (DV / EPC)         // ... of V
+// chunk slots per row of a load loop: a power of two (a fixed chunk column per thread in the
+// fast loader); slots past a tensor's chunks load nothing
+#define CHUNKS_NEED (DMAX / EPC)
+#define CHUNKS (CHUNKS_NEED <= 4 ? 4 : CHUNKS_NEED <= 8 ? 8 : CHUNKS_NEED <= 16 ? 16 : 32)
+#define SCAN_CHUNKS V_CHUNKS        // SCAN_HIDDEN_V16 (nv_warp.h) scans V's chunks
+#if BLOCK_M % (16 * WARPS) || BLOCK_N % 16 || THREADS % CHUNKS || HEAD_DIM > 256 || HEAD_DIM_V > 256
+#error "BLOCK_M must be a multiple of 16*WARPS, BLOCK_N of 16, 32*WARPS of the chunk slots; D, Dv <= 256"
 #endif
 #if BLOCK_N % (THREADS / CHUNKS)
-#error "BLOCK_N must be a multiple of 32 * WARPS / (HEAD_DIM / 8)"
+#error "BLOCK_N must be a multiple of 32 * WARPS / (chunk slots per row)"
+#endif
+// One 16-byte chunk CH of a row of N columns (SRC: the chunk's first element in global memory,
+// DST: in local memory): a cp.async when the chunk is whole and rows are aligned, zeros past N,
+// else element by element (the tail chunk of D % EPC != 0, or VEC_LOADS=0).  WHOLE (compile
+// time): every chunk slot of the loop is a whole chunk of an aligned row.
+#define CHUNK_WHOLE(N) (VEC_LOADS && (N) % EPC == 0 && (N) == CHUNKS * EPC)
+#define LOAD_CHUNK(DST, SRC, CH, N)                                                             \
+  if (CHUNK_WHOLE(N)) {                                                                         \
+    CP_ASYNC16(DST, SRC);                                                                       \
+  } else if (VEC_LOADS && (N) % EPC == 0 && ((CH) + 1) * EPC <= (N)) {                          \
+    CP_ASYNC16(DST, SRC);                                                                       \
+  } else {                                                                                      \
+    const int n_ = (N) - (CH) * EPC;                                                            \
+    UNROLL for (int e_ = 0; e_ < EPC; e_++) (DST)[e_] = e_ < n_ ? (SRC)[e_] : (ELEM)0;          \
+  }
+// masks (-DMASK_KIND, 0: none): 1 bool (uchar, 0 hides the key), additive (added to the score;
+// -inf hides the key) stored as 2 float32, 3 float16, 4 bfloat16 (the caller's own 16-bit
+// masks, read exactly as float32), per (sequence, head, row, key) with the host's strides
+#ifndef MASK_KIND
+#define MASK_KIND 0
+#endif
+#if MASK_KIND == 2
+#define MASK_T float
+#define MASK_VALUE(P) (*(P))
+#elif MASK_KIND == 3
+#define MASK_T half
+#define MASK_VALUE(P) vload_half(0, P)
+#elif MASK_KIND == 4
+#define MASK_T ushort
+#define MASK_VALUE(P) as_float((uint)*(P) << 16)
+#else
+#define MASK_T uchar
 #endif
 // Causal scheduling options (0 = off; the 16-bit build is unchanged with both off):
 // HEADS_INNER=1: grid (n_tiles * n_heads, 1), work-group id = tile * n_heads + head, so every
@@ -115,13 +169,38 @@
 #define SCR_ARG , scr
 #endif
 
+// The mask of row (MT, HF) and key J (a key inside the row's range): MASK_SEES whether the row
+// sees it, MASK_SCORE hides it (bool) or adds its value to the exp2-domain score X (additive)
+#if MASK_KIND
+#define MASK_PTR(MT, HF, J) (mask + mrow[MT][HF] + (long)(J) * m_s3)
+#if MASK_KIND == 1
+#define MASK_SEES(MT, HF, J) (*MASK_PTR(MT, HF, J) != 0)
+#define MASK_SCORE(X, MT, HF, J) if (!*MASK_PTR(MT, HF, J)) X = -INFINITY;
+#else
+#define MASK_SEES(MT, HF, J) (MASK_VALUE(MASK_PTR(MT, HF, J)) != -INFINITY)
+#define MASK_SCORE(X, MT, HF, J) X = fma(MASK_VALUE(MASK_PTR(MT, HF, J)), LOG2E, X);
+#endif
+#else
+#define MASK_SEES(MT, HF, J) 1
+#define MASK_SCORE(X, MT, HF, J)
+#endif
+// Tiles that hide some keys (NM): keys outside row (MT, HF)'s range are -inf, the mask applies
+// to the others.  Every tile is such a tile when there is a mask.
+#define APPLY_MASK(X, MT, HF, J, NM)                                                            \
+  if (NM) {                                                                                     \
+    if ((J) < rlo[MT][HF] || (J) > rhi[MT][HF]) X = -INFINITY;                                  \
+    else { MASK_SCORE(X, MT, HF, J) }                                                           \
+  }
+
 #if IS_TF32
 #include "attn_fwd_mma_tf32.h"
 #define OUT2 float2
 #define OUT_PACK(A, B) (float2)(A, B)
+#define OUT_ONE(A) (A)
 #else
 #define OUT2 uint
 #define OUT_PACK(A, B) pack2(A, B)
+#define OUT_ONE(A) ((ushort)pack2(A, 0.f))
 #endif
 
 // The hidden keys' inf/NaN v values the scan zeroed for the mma (SCAN_HIDDEN_V16 or the float32
@@ -164,9 +243,11 @@
           long row = krow0 + j;                                                                 \
           if (ring > 0 && row >= ring) row -= ring;                                             \
           __global const ELEM *vr = vh + row * v_sr + 2 * tg;                                   \
+          if (!MASK_SEES(mt, hf, j)) continue;                                                  \
           UNROLL for (int nd = 0; nd < NT_O; nd++) {                                            \
             UNROLL for (int e = 0; e < 2; e++) {                                                \
-              ADD_BACK_VALUE(o[mt][nd][2 * hf + e], vr + nd * 8 + e)                            \
+              if (DV == HEAD_DIM_V || nd * 8 + 2 * tg + e < HEAD_DIM_V)                         \
+                ADD_BACK_VALUE(o[mt][nd][2 * hf + e], vr + nd * 8 + e)                          \
             }                                                                                   \
           }                                                                                     \
         }                                                                                       \
@@ -205,6 +286,17 @@ void attn_fwd_mma(PREFILL_PARAMS) {
       rhi[mt][hf] = row_hi(i, base, dhi, klen);
     }
   }
+#if MASK_KIND
+  // the mask's element offset of each of this lane's rows (a row past the sequence reads its
+  // last row: never stored)
+  long mrow[M_TILES][2];
+  UNROLL for (int mt = 0; mt < M_TILES; mt++) {
+    UNROLL for (int hf = 0; hf < 2; hf++) {
+      const long i = min((long)(m0 + wrow0 + mt * 16 + g + 8 * hf), (long)qlen - 1);
+      mrow[mt][hf] = m_off + s * m_s0 + h * m_s1 + i * m_s2;
+    }
+  }
+#endif
 #if WARP_SKIP
   // keys this warp's rows can see lie in [w_lo, w_hi] (row ranges move with the row; rows past
   // nrows are never stored and see nothing here)
@@ -222,13 +314,20 @@ void attn_fwd_mma(PREFILL_PARAMS) {
     for (int c = tid; c < BLOCK_M * CHUNKS; c += THREADS) {
       int r = c / CHUNKS, ch = c % CHUNKS;
       __local ELEM *dst = sQ + r * LDSQ + ch * EPC;
-      if (r < nrows) CP_ASYNC16(dst, qh + (qrow0 + m0 + r) * q_sr + ch * EPC);
-      else ZERO16(dst);
+      if (QK_CHUNKS != CHUNKS && ch >= QK_CHUNKS) continue;
+      if (r < nrows) {
+        LOAD_CHUNK(dst, qh + (qrow0 + m0 + r) * q_sr + ch * EPC, ch, HEAD_DIM)
+      } else {
+        ZERO16(dst);
+      }
     }
     CP_COMMIT();
   }
   __global const ELEM *kh = k + k_off + kb * k_sb + hk * k_sh;
   __global const ELEM *vh = v + v_off + kb * v_sb + hk * v_sh;
+// chunk slot CH holds a chunk of K's (V's) local rows
+#define K_SLOT(CH) (QK_CHUNKS == CHUNKS || (CH) < QK_CHUNKS)
+#define V_SLOT(CH) (V_CHUNKS == CHUNKS || (CH) < V_CHUNKS)
 // Generic K/V tile load: keys outside the block's visible range are zero-filled (never read),
 // ring-buffer rows wrap.
 #define LOAD_KV_CHECKED(TILE, BUF)                                                             \
@@ -238,11 +337,11 @@ void attn_fwd_mma(PREFILL_PARAMS) {
     if (j >= lo_blk && j <= hi_blk) {                                                          \
       long row = krow0 + j;                                                                    \
       if (ring > 0 && row >= ring) row -= ring;                                                \
-      CP_ASYNC16(sK + so, kh + row * k_sr + ch * EPC);                                         \
-      CP_ASYNC16(sV + SO_V(BUF), vh + row * v_sr + ch * EPC);                                  \
+      if (K_SLOT(ch)) { LOAD_CHUNK(sK + so, kh + row * k_sr + ch * EPC, ch, HEAD_DIM) }        \
+      if (V_SLOT(ch)) { LOAD_CHUNK(sV + SO_V(BUF), vh + row * v_sr + ch * EPC, ch, HEAD_DIM_V) } \
     } else {                                                                                   \
-      ZERO16(sK + so);                                                                         \
-      ZERO16(sV + SO_V(BUF));                                                                  \
+      if (K_SLOT(ch)) ZERO16(sK + so);                                                         \
+      if (V_SLOT(ch)) ZERO16(sV + SO_V(BUF));                                                  \
     }                                                                                          \
   }
 // Fast path for a tile inside the block's range that does not wrap: each thread copies the same
@@ -270,8 +369,10 @@ void attn_fwd_mma(PREFILL_PARAMS) {
   CP_ASYNC16_B(ARR, (DST0) + (I) * (FAST_STEP * 2), SRC)
 #define LOAD_KV_FAST(BUF)                                                                      \
       UNROLL for (int i = 0; i < FAST_N; i++) {                                                \
-        CP_ROW_CHUNK(sK, sK, kdst0 + (BUF) * KV_BUF_BYTES, i, kt + FAST_SRC(i, k_step));       \
-        CP_ROW_CHUNK(sV, sV, vdst0 + (BUF) * KV_BUF_BYTES, i, vt + FAST_SRC(i, v_step));       \
+        FAST_CHUNK(sK + (BUF) * BLOCK_N * LDS, sK, kdst0 + (BUF) * KV_BUF_BYTES, i,            \
+                   kt + FAST_SRC(i, k_step), HEAD_DIM, QK_CHUNKS)                              \
+        FAST_CHUNK(sV + (BUF) * BLOCK_N * LDS, sV, vdst0 + (BUF) * KV_BUF_BYTES, i,            \
+                   vt + FAST_SRC(i, v_step), HEAD_DIM_V, V_CHUNKS)                             \
       }
 #else
 #define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * ROW_STEP * LDS, SRC)
@@ -279,10 +380,25 @@ void attn_fwd_mma(PREFILL_PARAMS) {
       __local ELEM *skt = sK + (BUF) * BLOCK_N * LDSK + so0;                                   \
       __local ELEM *svt = sV + (BUF) * BLOCK_N * LDSV + SO0_V;                                 \
       UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
-        CP_ASYNC16(skt + i * ROW_STEP * LDSK, kt + i * k_step);                                \
-        CP_ASYNC16(svt + i * ROW_STEP * LDSV, vt + i * v_step);                                \
+        FAST_CHUNK_AT(skt + i * ROW_STEP * LDSK, kt + i * k_step, HEAD_DIM, QK_CHUNKS)          \
+        FAST_CHUNK_AT(svt + i * ROW_STEP * LDSV, vt + i * v_step, HEAD_DIM_V, V_CHUNKS)         \
       }
 #endif
+// the fast loader's chunk (this thread's chunk column ch0_) of a tensor of N columns, NCH local
+// chunks: at the element pointer DST, or (FAST_CHUNK) row I of the 16-bit buffer SX through
+// CP_ROW_CHUNK when every slot is a whole chunk
+#define FAST_CHUNK_AT(DST, SRC, N, NCH)                                                        \
+  if (CHUNK_WHOLE(N)) {                                                                        \
+    CP_ASYNC16(DST, SRC);                                                                      \
+  } else if (ch0_ < (NCH)) {                                                                   \
+    LOAD_CHUNK(DST, SRC, ch0_, N)                                                              \
+  }
+#define FAST_CHUNK(SX, ARR, DST0, I, SRC, N, NCH)                                              \
+  if (CHUNK_WHOLE(N)) {                                                                        \
+    CP_ROW_CHUNK(SX, ARR, DST0, I, SRC);                                                       \
+  } else if (ch0_ < (NCH)) {                                                                   \
+    LOAD_CHUNK((SX) + so0 + (I) * ROW_STEP * LDS, SRC, ch0_, N)                                \
+  }
 #define LOAD_KV(TILE, BUF)                                                                     \
   {                                                                                            \
     const int n0_ = (TILE) * BLOCK_N;                                                          \
@@ -311,32 +427,33 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 #endif
 #if KV_SPLIT_STAGES || SOFTMAX_PIPE
 // one tensor (K or V) of a tile into the buffer at SX, as LOAD_KV_CHECKED / LOAD_KV do
-#define LOAD_X_CHECKED(TILE, SX, XH, X_SR)                                                     \
+#define LOAD_X_CHECKED(TILE, SX, XH, X_SR, N, NCH)                                             \
   for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
     int r = c / CHUNKS, ch = c % CHUNKS, j = (TILE) * BLOCK_N + r;                             \
+    if ((NCH) != CHUNKS && ch >= (NCH)) continue;                                              \
     if (j >= lo_blk && j <= hi_blk) {                                                          \
       long row = krow0 + j;                                                                    \
       if (ring > 0 && row >= ring) row -= ring;                                                \
-      CP_ASYNC16((SX) + r * LDS + ch * EPC, (XH) + row * (X_SR) + ch * EPC);                   \
+      LOAD_CHUNK((SX) + r * LDS + ch * EPC, (XH) + row * (X_SR) + ch * EPC, ch, N)             \
     } else {                                                                                   \
       ZERO16((SX) + r * LDS + ch * EPC);                                                       \
     }                                                                                          \
   }
-#define LOAD_X(TILE, SX, ARR, XP0, X_STEP, XH, X_SR, DST0)                                     \
+#define LOAD_X(TILE, SX, ARR, XP0, X_STEP, XH, X_SR, DST0, N, NCH)                             \
   {                                                                                            \
     const int n0_ = (TILE) * BLOCK_N;                                                          \
     if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
         (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
       __global const ELEM *xt = (XP0) + n0_ * (X_SR);                                          \
       UNROLL for (int i = 0; i < FAST_N; i++) {                                                \
-        CP_ROW_CHUNK(SX, ARR, DST0, i, xt + FAST_SRC(i, X_STEP));                              \
+        FAST_CHUNK(SX, ARR, DST0, i, xt + FAST_SRC(i, X_STEP), N, NCH)                         \
       }                                                                                        \
     } else {                                                                                   \
-      LOAD_X_CHECKED(TILE, SX, XH, X_SR)                                                       \
+      LOAD_X_CHECKED(TILE, SX, XH, X_SR, N, NCH)                                               \
     }                                                                                          \
   }
-#define LOAD_K(TILE) LOAD_X(TILE, sK, sK, kp0, k_step, kh, k_sr, kdst0)
-#define LOAD_V(TILE) LOAD_X(TILE, sV, sV, vp0, v_step, vh, v_sr, vdst0)
+#define LOAD_K(TILE) LOAD_X(TILE, sK, sK, kp0, k_step, kh, k_sr, kdst0, HEAD_DIM, QK_CHUNKS)
+#define LOAD_V(TILE) LOAD_X(TILE, sV, sV, vp0, v_step, vh, v_sr, vdst0, HEAD_DIM_V, V_CHUNKS)
 #if SOFTMAX_PIPE  // K and V in separate groups (K is waited for first)
   if (t_first <= t_last) { LOAD_K(t_first) }
   CP_COMMIT();
@@ -429,7 +546,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
     const uint kb_ = kaddr + buf * KV_BUF_BYTES, vb_ = vaddr + buf * KV_BUF_BYTES;
 #endif
     const int n0 = t * BLOCK_N;
-    const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
+    const bool need_mask = MASK_KIND || !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
 
     // -- a hidden key must contribute nothing even when its v holds inf/NaN, but the mma would
     // multiply P = 0 by it.  Only tiles that hide keys from some rows (need_mask) can: there the
@@ -442,8 +559,8 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 #if IS_TF32
     {
       int mine = 0;
-      for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
-        __local ELEM *pv = sV + buf * BLOCK_N * LDSV + (c / CHUNKS) * LDSV + (c % CHUNKS) * EPC;
+      for (int c = tid; c < BLOCK_N * V_CHUNKS; c += THREADS) {
+        __local ELEM *pv = sV + buf * BLOCK_N * LDSV + (c / V_CHUNKS) * LDSV + (c % V_CHUNKS) * EPC;
         const uint4 w = *(__local const uint4 *)pv;
         if (NONFINITE32(w.x) || NONFINITE32(w.y) || NONFINITE32(w.z) || NONFINITE32(w.w)) {
           for (int e = 0; e < 4; e++) {
@@ -576,7 +693,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
         UNROLL for (int nt = 0; nt < NT_S; nt++) {
           UNROLL for (int c = 0; c < 4; c++) {
             const int j = n0 + nt * 8 + 2 * tg + (c & 1);
-            if (j < rlo[mt][c >> 1] || j > rhi[mt][c >> 1]) sacc[mt][nt][c] = -INFINITY;
+            APPLY_MASK(sacc[mt][nt][c], mt, c >> 1, j, true)
           }
         }
       }
@@ -598,7 +715,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
             x -= slope * fabs((float)(i + base - j));
           }
 #endif
-          if (need_mask && (j < rlo[mt][c >> 1] || j > rhi[mt][c >> 1])) x = -INFINITY;
+          APPLY_MASK(x, mt, c >> 1, j, need_mask)
           sacc[mt][nt][c] = x;
         }
       }
@@ -761,10 +878,21 @@ void attn_fwd_mma(PREFILL_PARAMS) {
       const int r = wrow0 + mt * 16 + g + 8 * hf;
       if (r < nrows) {
         const long row = qrow0 + m0 + r;
-        __global OUT2 *orow = (__global OUT2 *)(out + ((qb * sq_arr + row) * n_heads + h) * HEAD_DIM);
+        __global ELEM *orow_e = out + ((qb * sq_arr + row) * n_heads + h) * HEAD_DIM_V;
+#if HEAD_DIM_V % 2 == 0  // pairs of columns (2t, 2t + 1) of n-tile nd; the padding not stored
+        __global OUT2 *orow = (__global OUT2 *)orow_e;
         UNROLL for (int nd = 0; nd < NT_O; nd++) {
-          orow[nd * 4 + tg] = OUT_PACK(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
+          if (DV == HEAD_DIM_V || nd * 8 + 2 * tg < HEAD_DIM_V)
+            orow[nd * 4 + tg] = OUT_PACK(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
         }
+#else  // odd Dv: rows are not pair-aligned, one element at a time
+        UNROLL for (int nd = 0; nd < NT_O; nd++) {
+          UNROLL for (int e = 0; e < 2; e++) {
+            const int col = nd * 8 + 2 * tg + e;
+            if (col < HEAD_DIM_V) orow_e[col] = OUT_ONE(o[mt][nd][2 * hf + e] * inv);
+          }
+        }
+#endif
         if (tg == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_r;
       }
     }

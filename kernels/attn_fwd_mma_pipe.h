@@ -89,13 +89,13 @@
 #endif
 #define A_HALF(SH, N0H)                                                                        \
   {                                                                                            \
-    const bool nm_ = !((N0H) >= lo_all && (N0H) + HN - 1 <= hi_all);                          \
+    const bool nm_ = MASK_KIND || !((N0H) >= lo_all && (N0H) + HN - 1 <= hi_all);             \
     UNROLL for (int mt = 0; mt < M_TILES; mt++) {                                              \
       UNROLL for (int nt = 0; nt < NT_H; nt++) {                                               \
         UNROLL for (int c = 0; c < 4; c++) {                                                   \
           const int j = (N0H) + nt * 8 + 2 * tg + (c & 1);                                     \
           float x = SCORE(SH[mt][nt][c]) - ALIBI_TERM(mt, c, j);                               \
-          if (nm_ && (j < rlo[mt][c >> 1] || j > rhi[mt][c >> 1])) x = -INFINITY;              \
+          APPLY_MASK(x, mt, c >> 1, j, nm_)                                                    \
           SH[mt][nt][c] = x;                                                                   \
         }                                                                                      \
       }                                                                                        \
@@ -172,9 +172,11 @@
 #define V_ADDR(BUF) 0u
 #endif
 #define LOAD_K_B(TILE, BUF)                                                                    \
-  LOAD_X(TILE, sK + (BUF) * BLOCK_N * LDS, sK, kp0, k_step, kh, k_sr, kdst0 + (BUF) * KV_BUF_BYTES)
+  LOAD_X(TILE, sK + (BUF) * BLOCK_N * LDS, sK, kp0, k_step, kh, k_sr,                          \
+         kdst0 + (BUF) * KV_BUF_BYTES, HEAD_DIM, QK_CHUNKS)
 #define LOAD_V_B(TILE, BUF)                                                                    \
-  LOAD_X(TILE, sV + (BUF) * BLOCK_N * LDS, sV, vp0, v_step, vh, v_sr, vdst0 + (BUF) * KV_BUF_BYTES)
+  LOAD_X(TILE, sV + (BUF) * BLOCK_N * LDS, sV, vp0, v_step, vh, v_sr,                          \
+         vdst0 + (BUF) * KV_BUF_BYTES, HEAD_DIM_V, V_CHUNKS)
 
 // WARP_SKIP: a warp skips the half tiles none of its rows sees (S, A and P V of that half,
 // each guarded by the same test).  B keeps S and P V in one basic block when neither is skipped.
@@ -225,7 +227,7 @@
   for (int t = t_first; t <= t_last; t++) {
     const int buf = (t - t_first) & 1;
     const int n0 = t * BLOCK_N;
-    const bool need_mask = !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
+    const bool need_mask = MASK_KIND || !(n0 >= lo_all && n0 + BLOCK_N - 1 <= hi_all);
     __local const ELEM *sKb = sK + buf * BLOCK_N * LDS;
     __local const ELEM *sVb = sV + buf * BLOCK_N * LDS;
     __local const ELEM *sKn = sK + (buf ^ 1) * BLOCK_N * LDS;  // K(t+1)

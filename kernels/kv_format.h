@@ -1,4 +1,4 @@
-/* attnlib: 8-bit KV-cache formats (SPEC section 10), shared by attn_fwd.cl's dequantizing loads
+/* attnlib: 8-bit KV-cache formats (contract §10), shared by attn_fwd.cl's dequantizing loads
  * and kv_quant.cl's quantizing writes.
  *
  * KV_FORMAT (required): 1 fp8 e4m3fn (bias 7, 3 mantissa bits, no infinities, S.1111.111 NaN),

@@ -1,4 +1,4 @@
-/* attnlib: writes into quantized KV caches (SPEC section 10; formats in kv_format.h).
+/* attnlib: writes into quantized KV caches (contract §10; formats in kv_format.h).
  *
  * kv_quant_write is rope.cl's rope_copy for an 8-bit cache: one work-item per (new token, kv
  * head) reads the row x[b, s, h, :] (STORE_KIND, the cache's dtype), rotated at its position

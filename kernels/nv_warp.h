@@ -229,13 +229,13 @@ inline int emu_any(int pred, __local uint *scr) {
 #define RESCALE_THRESH 8.0f
 // Fold the scale into the exponent (p = 2^(s c - m) as one FMA) when the scores need no other
 // transform and c > 0 (then max(s) c = max(s c)).
-#if SOFTCAP || ALIBI || !SCALE_POS
+#if SOFTCAP || ALIBI || !SCALE_POS || MASK_KIND >= 2
 #define FOLD 0
 #else
 #define FOLD 1
 #endif
 #define LN2 0.6931471805599453f
-// Attention sinks (SPEC section 10): a row's final state (M, L) in the exp2 domain merged once
+// Attention sinks (contract §10): a row's final state (M, L) in the exp2 domain merged once
 // with (out 0, lse SK), SK the sink (natural log): with s2 = SK log2(e), m' = max(M, s2),
 // l' = L 2^(M - m') + 2^(s2 - m'); sets INV (the factor of the unnormalised output) and LSE
 // (natural log). A row that saw no key (L = 0): INV 0, LSE = SK exactly. The partial states of
@@ -273,8 +273,8 @@ inline float nonfinite_value(uint b) {
 #define SCAN_HIDDEN_V16(VT, LD_)                                                                \
   {                                                                                             \
     int mine_ = 0;                                                                              \
-    for (int c_ = tid; c_ < BLOCK_N * CHUNKS; c_ += THREADS) {                                  \
-      __local ushort *pv_ = (VT) + (c_ / CHUNKS) * (LD_) + (c_ % CHUNKS) * 8;                   \
+    for (int c_ = tid; c_ < BLOCK_N * SCAN_CHUNKS; c_ += THREADS) {                             \
+      __local ushort *pv_ = (VT) + (c_ / SCAN_CHUNKS) * (LD_) + (c_ % SCAN_CHUNKS) * 8;         \
       const uint4 w_ = *(__local const uint4 *)pv_;                                             \
       if (NONFINITE2(w_.x) || NONFINITE2(w_.y) || NONFINITE2(w_.z) || NONFINITE2(w_.w)) {       \
         for (int e_ = 0; e_ < 8; e_++) {                                                        \
@@ -288,6 +288,10 @@ inline float nonfinite_value(uint b) {
     barrier(CLK_LOCAL_MEM_FENCE);                                                               \
     v_bad = v_flag == t + 1;                                                                    \
   }
+// chunks per V row the scan reads (attn_fwd_mma.cl: V's own, fewer than its load loops' slots)
+#ifndef SCAN_CHUNKS
+#define SCAN_CHUNKS CHUNKS
+#endif
 // what a kernel runs between its scan's writes and the barrier (attn_fwd_wgmma.cl: the fence
 // that shows them to wgmma's reads); nothing by default
 #ifndef SCAN_FENCE
@@ -305,6 +309,10 @@ inline float nonfinite_value(uint b) {
   const int klen = (int)SP[5];                                                                  \
   const long base = SP[6], dlo = SP[7], dhi = SP[8];
 
+// The mask's element type (attn_fwd_mma.cl -DMASK_KIND; the wgmma kernel takes no mask)
+#ifndef MASK_T
+#define MASK_T uchar
+#endif
 // The two prefill kernels (attn_fwd_mma.cl, attn_fwd_wgmma.cl): their parameters (the host's
 // _nvidia_mma.run sets them), the work-group's query head h, kv head hk, sequence s and first
 // local row m0 (from the tile table; HEADS_INNER: one grid dimension, tile * n_heads + head),
@@ -317,7 +325,9 @@ inline float nonfinite_value(uint b) {
       const long q_sb, const long q_sr, const long q_sh, const long k_off, const long k_sb,     \
       const long k_sr, const long k_sh, const long v_off, const long v_sb, const long v_sr,     \
       const long v_sh, const int sq_arr, const int n_heads, const int group, const int ring,    \
-      const float qk_scale, const float cap, const int n_sinks
+      const float qk_scale, const float cap, const int n_sinks,                                  \
+      __global const MASK_T *mask, const long m_off, const long m_s0, const long m_s1,          \
+      const long m_s2, const long m_s3
 #if HEADS_INNER
 #define PREFILL_BLOCK_ID                                                                        \
   const int h = get_group_id(0) % n_heads, hk = h / group, wg = get_group_id(0) / n_heads;      \

@@ -35,6 +35,9 @@ if not _entry_point_loads_plugin():
 _GRID = {
     ("test_nvidia_mma_emulated.py", "test_mma_f32_configs"): True,
     ("test_nvidia_mma_emulated.py", "test_mma_sched_options"): True,
+    # one padded head dim and one masked case (unaligned rows, D != Dv) stay in the default run
+    ("test_nvidia_mma_emulated.py", "test_mma_shapes_masks"):
+        lambda p: p.get("name") not in ("f16 d80 causal gqa", "f16 d59/48 bool mask"),
     # the candidates closest to the 16-bit defaults (DEFAULT_OPTIONS_16) stay in the default run
     ("test_nvidia_mma_emulated.py", "test_mma_candidate_options"):
         lambda p: p.get("name") not in ("kv_split f16 causal", "kv_split+ldsm_bytes f16 dense"),

@@ -1,7 +1,7 @@
 """attnlib.distributed under MPI: 1, 2 and 4 ranks (oversubscribed on a small machine) on every
 backend: ring and Ulysses attention, merge_across, decoding over sharded KV caches, and, where
 the opencl backend runs, the same calls on device arrays of each rank's device (PoCL on a CPU).
-Each rank's result is judged against the float64 reference on the whole sequence by the SPEC's
+Each rank's result is judged against the float64 reference on the whole sequence by the contract's
 accuracy rule, lse included; a bad call on one rank raises the same error on every rank.
 
 One ``mpiexec`` launch per rank count runs every case of tests/distributed_worker.py and reports

@@ -1,4 +1,4 @@
-"""SPEC section 6: every error kind at the front door, each naming its argument.
+"""contract §6: every error kind at the front door, each naming its argument.
 
 A spy backend that fails the test if it is ever reached proves that validation happens before
 any backend runs.

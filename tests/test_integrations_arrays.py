@@ -4,13 +4,15 @@ bits as the same call on numpy arrays (each backend is deterministic, so any dif
 conversion's); torch bfloat16 through ml_dtypes.bfloat16; device arrays and tensors that need
 gradients are refused with UnsupportedError."""
 
+# ruff: noqa: E402  (the optional packages are asked for before the imports that need them)
 from __future__ import annotations
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
+
+# PyTorch and JAX are optional (the `torch` extra; CI installs both): without them these skip
+torch = pytest.importorskip("torch")
 
 import attnlib
 from attnlib._spec import _foreign
@@ -139,6 +141,7 @@ def test_varlen_and_caches_torch(backend):
 
 
 def test_jax_arrays():
+    jnp = pytest.importorskip("jax.numpy")
     rng = np.random.default_rng(14)
     for dtype in (np.float32, ml_dtypes.bfloat16):
         q, k, v = _rand(rng, 1, 3, 2, 5, dtype=dtype), _rand(rng, 1, 4, 1, 5, dtype=dtype), \

@@ -5,14 +5,17 @@ ref64| + 1e-5`` over the tokens that are not padding; ref64's attention is the p
 formula below, as transformers' eager softmax runs in float32), and greedy generation of 32
 tokens from a left-padded batch gives eager's tokens. Families: Llama (GQA, RoPE, causal),
 Mistral (sliding window), Gemma 2 (softcapping, sliding and global layers), gpt-oss (attention
-sinks), BERT (bidirectional encoder). CI installs transformers (.ci/run): these tests do not
-skip without it."""
+sinks), BERT (bidirectional encoder). CI installs transformers (.ci/run) and runs
+them; without the `[transformers]` extra they skip."""
 
+# ruff: noqa: E402  (the optional packages are asked for before the imports that need them)
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
+
+# optional: the `[transformers]` extra (CI installs it); without it these skip
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import attnlib

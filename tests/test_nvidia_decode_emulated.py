@@ -1,7 +1,7 @@
 """The NVIDIA tensor-core decode kernel (kernels/attn_decode_mma.cl) on any OpenCL device, with
 every warp-level PTX instruction emulated in plain OpenCL C (``USE_PTX=0``, kernels/nv_warp.h):
 its fragment layouts, split-KV walk, cp.async pipeline, masking, online softmax, warp merge and
-the merge.cl hand-off are checked against the float64 oracle by the SPEC's accuracy rule."""
+the merge.cl hand-off are checked against the float64 oracle by the contract's accuracy rule."""
 
 from __future__ import annotations
 

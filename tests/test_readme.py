@@ -6,12 +6,46 @@ from __future__ import annotations
 import doctest
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+#: the README section whose examples need PyTorch and transformers (the `[transformers]` extra)
+FRAMEWORKS = "## PyTorch, JAX and Hugging Face transformers"
+
+
+def _readme_parts() -> tuple[str, str]:
+    """The README without its frameworks section, and that section (with the tour's imports,
+    which it uses)."""
+    text = README.read_text()
+    start = text.index(FRAMEWORKS)
+    end = text.index("\n## ", start + 1)
+    return text[:start] + text[end:], ">>> import numpy as np, attnlib\n\n" + text[start:end]
+
+
+def _run_doctests(text: str, name: str) -> doctest.TestResults:
+    test = doctest.DocTestParser().get_doctest(text, {}, name, str(README), 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    return runner.summarize(verbose=False)
+
+
 def test_readme_doctests():
-    result = doctest.testfile(str(README), module_relative=False, optionflags=doctest.ELLIPSIS)
+    """Every example of the README but the frameworks section (which the next test runs where
+    PyTorch and transformers are installed)."""
+    result = _run_doctests(_readme_parts()[0], "README.md")
     assert result.attempted >= 10, "the walk-through's examples are missing from the README"
+    assert result.failed == 0
+
+
+def test_readme_framework_doctests():
+    """The README's PyTorch and transformers examples (CI installs both; without the
+    `[transformers]` extra this skips)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    result = _run_doctests(_readme_parts()[1], "README.md (frameworks)")
+    assert result.attempted >= 8, "the frameworks section's examples are missing"
     assert result.failed == 0
 
 

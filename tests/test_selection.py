@@ -1,4 +1,4 @@
-"""SPEC section 5: which backend a call runs on, first that applies: ``backend=``, the innermost
+"""contract §5: which backend a call runs on, first that applies: ``backend=``, the innermost
 ``use_backend``, ``set_backend``, ``ATTNLIB_BACKEND`` (read at call time), ``"auto"``."""
 
 from __future__ import annotations
@@ -274,8 +274,8 @@ class NoFp16(NumpyBackend):
 
 
 def test_suite_accepts_unsupported_float64_and_nothing_else(tmp_path):
-    """The suite lets a backend refuse float64 with UnsupportedError (the SPEC allows it) and
-    fails one that refuses float16 (the SPEC does not): no silent skip either way."""
+    """The suite lets a backend refuse float64 with UnsupportedError (the contract allows it) and
+    fails one that refuses float16 (the contract does not): no silent skip either way."""
     import os
     import subprocess
     import sys
@@ -294,7 +294,7 @@ def test_suite_accepts_unsupported_float64_and_nothing_else(tmp_path):
 
 
 def test_queue_is_short_for_the_opencl_backend_on_that_queue():
-    """SPEC section 4: ``KVCache(queue=q, ...)`` then ``cache.update(k, v, start_pos=0)`` runs as
+    """contract §4: ``KVCache(queue=q, ...)`` then ``cache.update(k, v, start_pos=0)`` runs as
     written on the caller's own pyopencl queue: the cache lives in that queue's context, the
     attention over it gives the reference's result; ``to_device(x, queue=q)`` too, and
     ``backend=get_backend("opencl", queue=q)`` beside ``queue=q`` is the same choice."""

@@ -15,6 +15,11 @@ CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
   followed by a synchronisation (OpenCL: ``queue.finish()``; torch: CUDA events), so attnlib's
   Python front door is inside the figure. "pipelined": ``--reps`` calls back to back and one
   synchronisation, the throughput of a caller that does not wait on each result.
+* **shapes** (``shapes``): float16, B=1, 16 heads, S=4096, per call, on head dims off 64/128
+  (D != Dv for MLA's 192/128, unaligned D=59) and with bool / additive (B, 1, S, S) masks
+  (host arrays, so the figure holds their upload), TFLOP/s (2·B·H·S²·(D+Dv), halved for causal)
+  beside the same PyTorch backends; each output is checked against PyTorch's float32 math
+  backend on the same inputs first (max abs error in the table).
 * **decode** (``decode``): one float16 query token, 32 query / 8 kv heads, D=128, over a KV cache
   of B sequences × L tokens through ``attention_with_kvcache``: µs per call and pipelined, and
   the cache read rate (K and V read once), beside the same PyTorch backends.
@@ -63,6 +68,12 @@ PAGE_SIZES = (1, 8, 16, 32)
 FORKS = (32, 8192, 256)  # forks, prompt tokens, own tokens each
 QUANT = [(8, 8192), (1, 131072)]  # (batch, cache length) of the quantized-cache decode
 QUANT_FORMATS = (None, "int8", "float8_e4m3fn", "float8_e5m2")  # None: the float16 cache
+#: (D, Dv, causal, mask): the head-dim and mask table, B=1, H=16, S=4096, float16
+SHAPES = [(64, 64, True, None), (128, 128, True, None), (80, 80, True, None),
+          (96, 96, True, None), (192, 128, True, None), (256, 256, True, None),
+          (59, 59, True, None), (32, 32, True, None), (48, 48, True, None),
+          (111, 111, True, None), (160, 160, True, None), (224, 224, True, None),
+          (128, 128, False, "bool"), (128, 128, False, "additive")]
 
 
 def _median_time(fn, sync, warm: int, reps: int) -> float:
@@ -91,12 +102,17 @@ def _pipelined_time(fn, sync, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _torch_times(q, k, v, causal: bool, reps: int) -> dict:
-    """SDPA per backend on (B, H, S, D) CUDA tensors; missing backends are left out."""
+def _torch_times(q, k, v, causal: bool, reps: int, mask=None) -> dict:
+    """SDPA per backend on (B, H, S, D) CUDA tensors (``mask``: SDPA's attn_mask); missing
+    backends are left out."""
+    import functools
+
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     f = torch.nn.functional.scaled_dot_product_attention
+    if mask is not None:
+        f = functools.partial(f, attn_mask=mask)
     out = {}
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
                      ("efficient", SDPBackend.EFFICIENT_ATTENTION),
@@ -163,6 +179,60 @@ def prefill(dtype: str, reps: int, with_torch: bool, rows: list, portable: bool 
                 del tq
                 torch.cuda.empty_cache()
             rows.append(row)
+
+
+def shapes(reps: int, with_torch: bool, rows: list, cases: list = SHAPES) -> None:
+    """The ``shapes`` table (see the module docstring); ``cases`` rows of :data:`SHAPES`."""
+    import torch
+
+    b, h, s = 1, 16, 4096
+    for d, dv, causal, mask_kind in cases:
+        rng = np.random.default_rng(2)
+        host = [rng.standard_normal((b, s, h, n), dtype=np.float32).astype(np.float16)
+                for n in (d, d, dv)]
+        mask = None
+        if mask_kind is not None:
+            keep = rng.random((b, 1, s, s)) < 0.8
+            mask = keep if mask_kind == "bool" else np.where(
+                keep, rng.standard_normal((b, 1, s, s), dtype=np.float32), -np.inf
+            ).astype(np.float16)
+        dev = [attnlib.to_device(x, backend="opencl") for x in host]
+        flops = 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
+
+        def run(x=dev, c=causal, m=mask):
+            return attnlib.attention(*x, causal=c, mask=m, backend="opencl")
+
+        out = run()
+        sync = out.queue.finish
+        row = {"kind": "shapes", "dtype": "float16", "shape": [b, h, s, d, dv],
+               "causal": causal, "mask": mask_kind}
+        if with_torch:
+            tq = [torch.from_numpy(x.astype(np.float32)).to("cuda").transpose(1, 2)
+                  for x in host]
+            tm = None if mask is None else torch.from_numpy(
+                mask if mask_kind == "bool" else mask.astype(np.float32)).to("cuda")
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.MATH]):
+                want = torch.nn.functional.scaled_dot_product_attention(
+                    *tq, attn_mask=tm, is_causal=causal).transpose(1, 2)
+            got = torch.from_numpy(out.get().astype(np.float32)).to("cuda")
+            row["max_abs_err"] = float((got - want).abs().max())
+            del want, got
+        row["opencl_s"] = _median_time(run, sync, warm=1, reps=reps)
+        row["opencl_tflops"] = flops / row["opencl_s"] / 1e12
+        if with_torch:
+            tq = [x.to(torch.float16).contiguous() for x in tq]
+            if tm is not None:
+                tm = tm.to(torch.float16) if mask_kind == "additive" else tm
+            for name, tt in _torch_times(*tq, causal, reps, mask=tm).items():
+                if not name.endswith("_pipe"):
+                    row[f"torch_{name}_tflops"] = (flops / tt / 1e12 if isinstance(tt, float)
+                                                   else tt)
+            del tq, tm
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(shapes_table([row]).splitlines()[-1], flush=True)
 
 
 def decode(reps: int, with_torch: bool, rows: list) -> None:
@@ -592,6 +662,28 @@ def prefill_table(rows: list) -> str:
     return "\n".join(out)
 
 
+def shapes_table(rows: list) -> str:
+    """Markdown: TFLOP/s per call, attnlib and each PyTorch backend, the ratio to the fastest of
+    flash / efficient and to cuDNN, and attnlib's max abs error against PyTorch's math backend."""
+    out = ["| D, Dv | causal | mask | attnlib | flash | efficient | cuDNN "
+           "| / best flash, eff. | / cuDNN | max abs err |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "shapes":
+            continue
+        a = r["opencl_tflops"]
+        cells = [r.get(f"torch_{n}_tflops") for n in ("flash", "efficient", "cudnn")]
+        fe = [c for c in cells[:2] if isinstance(c, float)]
+        best = f"{a / max(fe):.2f}" if fe else "-"
+        cud = f"{a / cells[2]:.2f}" if isinstance(cells[2], float) else "-"
+        err = r.get("max_abs_err")
+        out.append(f"| {r['shape'][3]}, {r['shape'][4]} | {'yes' if r['causal'] else 'no'} | "
+                   f"{r['mask'] or '-'} | {_fmt(a)} | "
+                   + " | ".join(_fmt(c) if isinstance(c, float) else "n/a" for c in cells)
+                   + f" | {best} | {cud} | {'-' if err is None else f'{err:.1e}'} |")
+    return "\n".join(out)
+
+
 def decode_table(rows: list) -> str:
     out = ["| B, tokens | attnlib µs | attnlib TB/s | flash µs | efficient µs | cuDNN µs "
            "| attnlib / best PyTorch |",
@@ -647,8 +739,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--only", action="append",
-                    choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "decode",
-                             "paged", "forks", "host", "portable", "quant"])
+                    choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "shapes",
+                             "decode", "paged", "forks", "host", "portable", "quant"])
     ap.add_argument("--quick", action="store_true",
                     help="portable, quant: every shape divided (a smoke run on a CPU device)")
     args = ap.parse_args(argv)
@@ -660,8 +752,8 @@ def main(argv=None) -> int:
         print(f"{missing}: attnlib's rows only, no PyTorch anchors (as --no-torch)", flush=True)
     args.no_torch = args.no_torch or missing is not None
     rows: list = []
-    parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "decode", "paged",
-                          "forks", "quant", "host"]
+    parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "shapes",
+                          "decode", "paged", "forks", "quant", "host"]
     for part, dtype, portable in (("prefill32", "float32", False),
                                   ("prefill16p", "float16", True),
                                   ("prefill16", "float16", False),
@@ -669,6 +761,9 @@ def main(argv=None) -> int:
         if part in parts:
             print(f"prefill {dtype}{' (portable kernel)' if portable else ''} ...", flush=True)
             prefill(dtype, args.reps, not args.no_torch, rows, portable=portable)
+    if "shapes" in parts:
+        print("head dims and masks, float16 ...", flush=True)
+        shapes(args.reps, not args.no_torch, rows)
     if "decode" in parts:
         print("decode ...", flush=True)
         decode(args.reps, not args.no_torch, rows)
@@ -687,6 +782,9 @@ def main(argv=None) -> int:
     if any(r["kind"] == "prefill" for r in rows):
         print("\n## Prefill, TFLOP/s (per call / pipelined)\n")
         print(prefill_table(rows))
+    if any(r["kind"] == "shapes" for r in rows):
+        print("\n## Head dims and masks, float16, B=1, H=16, S=4096, TFLOP/s per call\n")
+        print(shapes_table(rows))
     if any(r["kind"] == "decode" for r in rows):
         print("\n## Decode, float16, 32 q / 8 kv heads, D=128 (per call / pipelined)\n")
         print(decode_table(rows))

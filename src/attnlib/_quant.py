@@ -1,4 +1,4 @@
-"""Quantized KV-cache formats (SPEC section 10): K and V stored in 8 bits with one float32 scale
+"""Quantized KV-cache formats (contract §10): K and V stored in 8 bits with one float32 scale
 per (token, kv head), ``value = scale * stored``.
 
 A token's row ``x (D,)`` of one kv head gets ``scale = absmax(x) / FMAX`` (FMAX the format's

@@ -1,4 +1,4 @@
-"""PagedKVCache: keys and values in a pool of fixed-size pages (SPEC section 8).
+"""PagedKVCache: keys and values in a pool of fixed-size pages (contract §8).
 
 The pool ``k_pages (num_pages, page_size, Hkv, D)`` / ``v_pages (..., Dv)`` lives on the backend's
 device; the bookkeeping lives on the host: per live sequence its page list (its block table row)
@@ -313,7 +313,7 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
                                  causal=True, scale=None, window=None, softcap=None,
                                  alibi_slopes=None, sinks=None, return_lse=False, backend=None):
     """Append ``k``, ``v`` (if given) to each sequence ``sids`` of ``cache``, then attend ``q``
-    over its tokens (SPEC section 8, with the rules of ``attention_with_kvcache``; FlashInfer's
+    over its tokens (contract §8, with the rules of ``attention_with_kvcache``; FlashInfer's
     ``BatchPrefillWithPagedKVCacheWrapper`` / vLLM's paged attention in one call).
 
     ``q (B, Sq, Hq, D)`` with ``k (B, S_new, Hkv, D)``, or packed ``q (total_q, Hq, D)`` with
@@ -391,7 +391,7 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     ``q``, shared leading full pages are read once per group of sequences, as in
     ``attention_with_paged_kvcache``.
 
-    Quantized pools (SPEC section 10; a ``PagedKVCache(kv_dtype=...)``'s pages): ``k_pages`` /
+    Quantized pools (contract §10; a ``PagedKVCache(kv_dtype=...)``'s pages): ``k_pages`` /
     ``v_pages`` of ``ml_dtypes.float8_e4m3fn``, ``ml_dtypes.float8_e5m2`` or ``int8`` with
     ``k_scales`` / ``v_scales`` float32 ``(num_pages, page_size, Hkv)``; the keys read are
     ``k_scales[..., None] * k_pages`` (likewise v), dequantized inside the kernel; q (any float

@@ -111,7 +111,7 @@ def _child(argv: list[str]) -> int:
     return 0
 
 
-#: the decode cache of ``--memory``'s KV-cache lines (SPEC section 10's benchmark shape)
+#: the decode cache of ``--memory``'s KV-cache lines (contract §10's benchmark shape)
 KV_CACHE_SHAPE = dict(B=8, L=8192, Hkv=8, D=128)
 
 

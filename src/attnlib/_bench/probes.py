@@ -146,8 +146,8 @@ def _is_simulator(dev: Any) -> bool:
 
 
 def opencl_queue(backend: Any = None) -> Any:
-    """The backend's own command queue when it exposes one, else a queue on the device the SPEC's
-    rule picks (PYOPENCL_CTX, else the first non-simulator GPU, else first non-simulator device)."""
+    """The backend's own command queue when it exposes one, else a queue on the device the contract
+    picks (PYOPENCL_CTX, else the first non-simulator GPU, else first non-simulator device)."""
     import pyopencl as cl
 
     for attr in ("queue", "_queue", "default_queue"):

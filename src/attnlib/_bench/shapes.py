@@ -57,7 +57,7 @@ class Case:
     rows: int = 0
     cols: int = 0
     n: int = 0
-    kv_dtype: str = ""  # decode: the cache's kv_dtype (SPEC section 10); "" stores dtype
+    kv_dtype: str = ""  # decode: the cache's kv_dtype (contract §10); "" stores dtype
 
     @property
     def kv_bytes(self) -> int:

@@ -1,4 +1,4 @@
-"""The KV cache (SPEC section 7) and the paged KV cache (SPEC section 8)."""
+"""The KV cache (contract §4) and the paged KV cache (contract §8)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ._arrays import (
 )
 from ._calls import add_batch_dim
 
-# ---- the KV cache (SPEC section 7) ---------------------------------------------------------------
+# ---- the KV cache (contract §4) ---------------------------------------------------------------
 
 def check_cache_geometry(n_kv_heads: Any, head_dim: Any, head_dim_v: Any,
                          dtype: Any) -> tuple[int, int, int, np.dtype]:
@@ -243,7 +243,7 @@ def check_readable(x: Any, name: str, be: Any) -> None:
         )
 
 
-# ---- the paged KV cache (SPEC section 8) ---------------------------------------------------------
+# ---- the paged KV cache (contract §8) ---------------------------------------------------------
 def check_int_list(x: Any, name: str) -> np.ndarray:
     """An int, a list/tuple of ints or a 1-D int array as int64 (B,) (ids, lengths)."""
     if is_array(x):
@@ -306,7 +306,7 @@ def check_packed(x: Any, name: str, n_seq: int, cu: Any, cu_name: str, heads: in
 
 
 def check_query_rows(q_len: np.ndarray, k_len: np.ndarray, what: str) -> None:
-    """More query rows than a sequence holds is a ShapeError (SPEC sections 4 and 8)."""
+    """More query rows than a sequence holds is a ShapeError (contract §4 and §8)."""
     short = k_len < q_len
     if short.any():
         i = int(np.flatnonzero(short)[0])
@@ -418,7 +418,7 @@ def check_page_pool(k_pages: Any) -> None:
                          "page of at least one slot")
 
 
-# ---- quantized KV caches (SPEC section 10) -------------------------------------------------------
+# ---- quantized KV caches (contract §10) -------------------------------------------------------
 def check_kv_dtype(kv_dtype: Any, dtype: np.dtype) -> KVFormat | None:
     """A cache's ``kv_dtype``: None or ``dtype`` itself (K and V stored as ``dtype``: None), or
     one of the 8-bit formats of :data:`attnlib._quant.FORMATS` by name or numpy dtype."""

@@ -1,4 +1,4 @@
-"""Context-parallel calls (SPEC section 9): shardings, array kinds, head groups, sharded caches."""
+"""Context-parallel calls (contract §9): shardings, array kinds, head groups, sharded caches."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ The mask, when present, is only used by dense calls, where sequence ``s`` is bat
 where broadcast). ``mask_kind`` is "bool" or "additive" (any float dtype; read it as float32 or
 wider).
 
-Quantized keys and values (``k_scales`` is not None; a load variant, SPEC section 10): ``k`` and
+Quantized keys and values (``k_scales`` is not None; a load variant, contract §10): ``k`` and
 ``v`` hold 8-bit codes of one format (their dtype: ``ml_dtypes.float8_e4m3fn``,
 ``ml_dtypes.float8_e5m2`` or ``int8``; :func:`attnlib._quant.format_of` names it) and
 ``k_scales`` / ``v_scales`` float32 ``k.shape[:3]`` / ``v.shape[:3]`` (C order) one scale per
@@ -211,7 +211,7 @@ class Backend:
         """Softmax of ``x`` along ``axis`` (non-negative), x's dtype out; with ``log=True``
         return logsumexp along ``axis`` instead (float32, float64 for float64 x; axis removed).
         One streaming pass of online max/sum. An all -inf row: zeros (softmax) / -inf (lse).
-        NaN propagates. ``x`` has any float dtype of the SPEC and any strides; size >= 1 along
+        NaN propagates. ``x`` has any float dtype of the contract and any strides; size >= 1 along
         ``axis`` is not guaranteed (an empty axis gives an empty softmax / -inf lse)."""
         raise NotImplementedError
 

@@ -46,7 +46,7 @@ def pick(backend: Any, arrays: tuple, dtype: Any) -> Backend:
 
 
 def rank_backend(comm: Any) -> Backend:
-    """The OpenCL backend on this rank's device (SPEC section 9); collective on ``comm``.
+    """The OpenCL backend on this rank's device (contract §9); collective on ``comm``.
 
     ``PYOPENCL_CTX`` set: the device it names (pyopencl's convention, as for the opencl
     backend). Unset: the GPU (simulators excluded) whose index is this rank's rank among the

@@ -145,7 +145,7 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
     "bhsd"``: ``(B, H, S/P, D)``), numpy arrays or device arrays (``pyopencl.array.Array``, e.g.
     on :func:`rank_backend`'s device). Returns ``out_l (B, S/P, Hq, Dv)`` in the input dtype,
     and with ``return_lse`` also ``lse_l (B, Hq, S/P)``, both in this rank's token order and of
-    the input's array kind, equal to the matching shard of single-process attention (SPEC's
+    the input's array kind, equal to the matching shard of single-process attention (the contract's
     accuracy rule). Options are those of ``attention`` (no ``mask``): Sq = Sk, so
     ``causal=True`` and ``"top_left"`` agree, ``window=(left, right)`` shows key ``j`` to query
     ``i`` iff ``i - left <= j <= i + right`` and ALiBi uses ``|i - j|``, all at global

@@ -12,7 +12,8 @@ only with ``UnsupportedError`` (and only when its ``unsupported_dtype_reason`` s
 gaps are strict xfails listed in :mod:`attnlib.testing.xfails`.
 
 The oracle (:mod:`attnlib.testing.reference`) is a naive dense float64 implementation written
-independently of every backend, applying the SPEC's rules literally; it is meant for small sizes.
+independently of every backend, applying the contract's rules (docs/contract.md) literally; it
+is meant for small sizes.
 :mod:`attnlib.testing.tolerance` holds FlashAttention's accuracy rule.
 """
 

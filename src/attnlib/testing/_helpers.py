@@ -11,7 +11,7 @@ import pytest
 from attnlib.testing.reference import naive_attention, reference_attention
 from attnlib.testing.tolerance import check_attention
 
-#: every dtype of the SPEC, by name
+#: every dtype of the contract, by name
 DTYPES = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
@@ -45,21 +45,21 @@ def qkv(rng, b, sq, sk, hq, hkv, d, dv=None, dtype="float32", scale=1.0):
 def kernel_call(q, k, v, opts):
     """What the kernel-level tests hand a backend's kernel: the AttnCall of a dense attention
     of bshd ``q, k, v`` with the log-sum-exp wanted and ``opts`` (causal, window, softcap, scale,
-    and ``alibi=True`` for slopes 0.05 .. 0.4 over the query heads). Returns (call, slopes, kw),
-    kw being ``opts`` without ``alibi``, for the reference's call."""
+    mask, and ``alibi=True`` for slopes 0.05 .. 0.4 over the query heads). Returns (call, slopes,
+    kw), kw being ``opts`` without ``alibi``, for the reference's call."""
     from attnlib import _spec
 
     kw = dict(opts)
     hq = q.shape[2]
     slopes = np.linspace(0.05, 0.4, hq).astype(np.float32) if kw.pop("alibi", False) else None
-    call = _spec.dense_call(q, k, v, scale=kw.get("scale"), mask=None, layout="bshd",
+    call = _spec.dense_call(q, k, v, scale=kw.get("scale"), mask=kw.get("mask"), layout="bshd",
                             need_lse=True, alibi_slopes=slopes, causal=kw.get("causal", False),
                             window=kw.get("window"), softcap=kw.get("softcap"))
     return call, slopes, kw
 
 
 def unsupported_ok(backend, dtype) -> bool:
-    """The SPEC lets a backend refuse only float64 (OpenCL devices without cl_khr_fp64), and
+    """The contract lets a backend refuse only float64 (OpenCL devices without cl_khr_fp64), and
     only when its own ``unsupported_dtype_reason`` says so."""
     import attnlib
 
@@ -71,7 +71,7 @@ def unsupported_ok(backend, dtype) -> bool:
 
 def call_or_unsupported(backend, dtype, fn):
     """Run ``fn()``; if the backend refuses the dtype it must do so with UnsupportedError (and
-    only where the SPEC allows it): then return None and the caller checks nothing more."""
+    only where the contract allows it): then return None and the caller checks nothing more."""
     from attnlib.errors import UnsupportedError
 
     if unsupported_ok(backend, dtype):

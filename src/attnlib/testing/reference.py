@@ -1,4 +1,4 @@
-"""The conformance oracle: naive dense attention written straight from SPEC section 2.
+"""The conformance oracle: naive dense attention written straight from contract §2.
 
 Independent of every backend's code (the numpy backend included). Scores are materialised in
 full, so it is for small sizes only. Every function takes and returns numpy arrays in the bshd
@@ -36,7 +36,7 @@ def _rounder(dtype):
 
 
 def dense_visibility(sq, sk, *, causal=False, window=None):
-    """SPEC 2.5-2.6 literally: bool (Sq, Sk), True where key j is visible to query row i."""
+    """contract §2 literally: bool (Sq, Sk), True where key j is visible to query row i."""
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
     off = sk - sq
@@ -59,9 +59,9 @@ def attend(q, k, v, qpos, kpos, visible, *, scale, softcap=None, alibi=None, add
     """One sequence: q (Sq, Hq, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv); positions (Sq,), (Sk,).
 
     ``visible`` broadcasts to (Hq, Sq, Sk); ``alibi`` (Hq,) slopes; ``additive`` broadcasts to
-    (Hq, Sq, Sk); ``sinks`` (Hq,) logits in every row's denominator (SPEC section 10).
+    (Hq, Sq, Sk); ``sinks`` (Hq,) logits in every row's denominator (contract §10).
     Returns out (Sq, Hq, Dv) and lse (Hq, Sq) as float64 arrays holding values
-    rounded to ``dtype`` (lse: to float32 at most, as the SPEC returns it).
+    rounded to ``dtype`` (lse: to float32 at most, as the contract returns it).
     """
     rnd, work = _rounder(dtype)
     q, k, v = (rnd(np.asarray(a, dtype=np.float64)) for a in (q, k, v))
@@ -178,7 +178,7 @@ def _bhsd_to_bshd(x):
 def reference_attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
                         softcap=None, alibi_slopes=None, sinks=None, layout="bshd",
                         dtype=np.float64):
-    """SPEC section 2 on dense inputs: returns (out, lse) as float64, in ``layout``."""
+    """contract §2 on dense inputs: returns (out, lse) as float64, in ``layout``."""
     if layout == "bhsd":
         q, k, v = (_bhsd_to_bshd(a) for a in (q, k, v))
     q, k, v = (np.asarray(a) for a in (q, k, v))
@@ -286,7 +286,7 @@ def reference_rope(x, positions, *, theta=10000.0, interleaved=False, rotary_dim
 
 
 class CacheModel:
-    """SPEC section 4 as a plain model: which absolute position each slot holds, in float64.
+    """contract §4 as a plain model: which absolute position each slot holds, in float64.
 
     ``slot_pos[b, slot]`` is the absolute position written there last (-1: never). A position
     ``p`` is held by sequence ``b`` iff ``p < lengths[b]`` and its slot still holds ``p``.

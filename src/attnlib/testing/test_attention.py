@@ -1,4 +1,4 @@
-"""SPEC section 2 on dense inputs: every rule against the float64 oracle, on every backend."""
+"""contract §2 on dense inputs: every rule against the float64 oracle, on every backend."""
 
 from __future__ import annotations
 
@@ -72,6 +72,23 @@ def test_mask_broadcasting(attnlib_backend, shape_i, kind):
     else:
         mask = np.where(keep, rng.standard_normal(shape), -np.inf).astype(DTYPES[kind])
     check_dense(attnlib_backend, q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("d,dv,shape_i,kind", [(59, 59, 2, "bool"), (80, 48, 4, "float16"),
+                                                (192, 128, 3, "bool"), (33, 7, 6, "float32")])
+def test_mask_head_dims(attnlib_backend, d, dv, shape_i, kind):
+    """Masks with odd head dims and D != Dv, causal, at more than 16 query rows per sequence
+    and in float16 (the sizes and dtype of the prefill kernels, e.g. NVIDIA's tensor-core one)."""
+    b, h, sq, sk = 2, 2, 37, 45
+    rng = rng_for("mask dims", kind, d, dv)
+    q, k, v = qkv(rng, b, sq, sk, h, 1, d, dv, "float16")
+    shape = MASK_SHAPES[shape_i](b, h, sq, sk)
+    keep = rng.random(shape) < 0.7
+    if kind == "bool":
+        mask = keep
+    else:
+        mask = np.where(keep, rng.standard_normal(shape), -np.inf).astype(DTYPES[kind])
+    check_dense(attnlib_backend, q, k, v, mask=mask, causal=True)
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])

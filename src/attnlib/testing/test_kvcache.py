@@ -1,4 +1,4 @@
-"""SPEC section 4: KVCache and attention_with_kvcache against a plain model of the cache."""
+"""contract §4: KVCache and attention_with_kvcache against a plain model of the cache."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def test_long_ring_decode_across_the_wrap(attnlib_backend):
 
 @pytest.mark.slow
 def test_no_sq_by_sk_host_memory(attnlib_backend):
-    """SPEC 1, memory: no Sq x Sk allocation. Sq = Sk = 10007 would need 400 MB of float32
+    """contract §1, memory: no Sq x Sk allocation. Sq = Sk = 10007 would need 400 MB of float32
     scores (800 MB in float64); the host allocations numpy reports (tracemalloc) must stay under
     the numpy reference's 256 MiB chunk budget plus the inputs and outputs."""
     import tracemalloc

@@ -1,4 +1,4 @@
-"""SPEC section 3: softmax, logsumexp, merge_states and OnlineAttention."""
+"""contract §3: softmax, logsumexp, merge_states and OnlineAttention."""
 
 from __future__ import annotations
 

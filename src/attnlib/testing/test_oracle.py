@@ -1,4 +1,4 @@
-"""The oracle checked against a second, scalar formulation of SPEC section 2 (no backend)."""
+"""The oracle checked against a second, scalar formulation of contract §2 (no backend)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from attnlib.testing.reference import reference_attention, reference_rope
 
 
 def _scalar(q, k, v, scale, causal, window, mask, softcap, slopes):
-    """Row by row, key by key, exactly as SPEC 2.1-2.7 reads."""
+    """Row by row, key by key, exactly as contract §2 reads."""
     b_n, sq, hq, _ = q.shape
     sk, hkv, dv = v.shape[1:]
     off = sk - sq

@@ -1,4 +1,4 @@
-"""SPEC section 8: PagedKVCache, attention_with_paged_kvcache and paged_attention against a plain
+"""contract §8: PagedKVCache, attention_with_paged_kvcache and paged_attention against a plain
 model of each sequence's tokens, the contiguous KVCache and plain attention on the same tokens.
 
 Every cache starts with its free pages shuffled (each page taken by a one-token sequence, then

@@ -1,4 +1,4 @@
-"""SPEC section 10: quantized KV caches (``kv_dtype``) on KVCache and PagedKVCache.
+"""contract §10: quantized KV caches (``kv_dtype``) on KVCache and PagedKVCache.
 
 Attention over a quantized cache is judged by the accuracy rule against the float64 reference
 computed on the dequantized cache (``dequantized()``), and the quantization itself is bounded:

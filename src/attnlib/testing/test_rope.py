@@ -1,4 +1,4 @@
-"""SPEC section 4, attnlib.rope, against a plain rotate-half / adjacent-pair implementation."""
+"""contract §4, attnlib.rope, against a plain rotate-half / adjacent-pair implementation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC section 10, attention sinks: ``sinks=`` on every path against the float64 oracle (dense,
+"""contract §10, attention sinks: ``sinks=`` on every path against the float64 oracle (dense,
 varlen, KV cache, paged cache and pool, cascade, streamed, merged, split-key decode), with the
 other options, rows that see no key (out 0, lse = sink), large sinks of both signs; bad sinks
 raise the contract's errors and leave caches unchanged."""
@@ -205,7 +205,7 @@ def test_sinks_online_streamed(attnlib_backend, causal):
 
 
 def test_sinks_merge_with_the_sink_state(attnlib_backend):
-    """SPEC: states computed without sinks, merged with the state (0, sink), give attention
+    """The contract: states computed without sinks, merged with the state (0, sink), give attention
     with sinks (test_merge_equals_attention_over_concatenated_keys' shapes)."""
     import attnlib
 

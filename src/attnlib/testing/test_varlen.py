@@ -1,4 +1,4 @@
-"""SPEC section 2, attention_varlen: each packed sequence attends only to itself."""
+"""contract §2, attention_varlen: each packed sequence attends only to itself."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FlashAttention's accuracy rule and the comparisons the suite makes with it.
 
-SPEC section 1: ``max|out - ref64| <= 2 * max|naive_same_dtype - ref64| + 1e-5``. Non-finite
+docs/contract.md §1: ``max|out - ref64| <= 2 * max|naive_same_dtype - ref64| + 1e-5``. Non-finite
 reference entries must match exactly (NaN where the reference has NaN, the same infinities);
 everything else is judged by the rule over all finite entries together.
 """

@@ -14,7 +14,7 @@ Options (``attnlib.get_backend("opencl", **options)``):
   per kv head (decoding, GQA heads packed) on the tensor-core split-KV decode kernel
   (``_nvidia_decode``); float32 decoding keeps the portable split-KV kernel.
   float32 there runs "3xTF32": each operand split as hi + lo in tf32, three tf32 ``mma.sync``
-  per product, float32 accumulation (float32-class accuracy by the SPEC's rule);
+  per product, float32 accumulation (float32-class accuracy by the contract's rule);
   ``use_mma=False`` keeps float32 (and float16/bfloat16) on the portable FMA kernels.
 
 Raises :class:`~attnlib.errors.UnsupportedError` (through ``unsupported_dtype_reason``) for
@@ -120,7 +120,7 @@ _OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_
 
 
 class device_errors:
-    """Device allocation failures become MemoryError (SPEC section 6), never a raw driver error.
+    """Device allocation failures become MemoryError (contract §6), never a raw driver error.
     (A class, not a generator context manager: it wraps every call, ~1 us less each.)"""
 
     __slots__ = ("what",)

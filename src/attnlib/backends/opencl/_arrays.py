@@ -8,7 +8,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-#: storage kind macro (STORE_KIND / IN_KIND) of each dtype the SPEC allows
+#: storage kind macro (STORE_KIND / IN_KIND) of each dtype the contract allows
 STORE_KINDS = {
     np.dtype(np.float32): 0,
     np.dtype(np.float16): 1,

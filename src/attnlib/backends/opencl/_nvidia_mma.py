@@ -5,10 +5,14 @@ and float32.
 ``cp.async``), built by NVIDIA's OpenCL driver. This module is self-contained: the OpenCL backend
 asks :func:`applicable` and, when it says True, calls :func:`run` instead of its portable kernel.
 
-Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16, bfloat16 or
-float32, whose head dims are equal and in :data:`HEAD_DIMS`, without a mask: dense, varlen,
-streaming chunks, KV cache (ring too), any positions, causal, window, softcap, alibi, GQA/MQA,
-LSE. Masks go to the portable kernel.
+Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16 or bfloat16 with
+any head dims D, Dv <= :data:`MAX_HEAD_DIM` (D != Dv included; the kernel pads both to 16 inside:
+zero-filled columns on load, the padding never stored), or float32 with D == Dv in
+:data:`HEAD_DIMS`: dense, varlen, streaming chunks, KV cache (ring too), any positions, causal,
+window, softcap, alibi, GQA/MQA, LSE, and bool or additive masks of any broadcast shape (read per
+tile from the unbroadcast array, ``-DMASK_KIND``). Rows that are not 16-byte aligned (e.g. D = 59
+in 16 bits) are read element by element instead of by cp.async (``-DVEC_LOADS=0``). Paged calls
+go to the portable kernel.
 
 float16/bfloat16 run ``mma.sync.m16n8k16`` with float32 accumulators. float32 runs "3xTF32"
 (``-DIS_TF32=1``, kernels/attn_fwd_mma_tf32.h): every operand of Q K^T and P V is split as
@@ -21,9 +25,10 @@ keys takes S's error to several times that of the float32 reference at scores of
 backend option ``use_mma=False`` (or :data:`F32_ON` = False, float32 only) keeps float32 on the
 portable float32 FMA kernel.
 
-Hidden keys contribute nothing even when their k or v hold inf/NaN (SPEC): keys hidden from every
-row of a work-group are never read; in tiles that hide keys from only some rows, the kernel zeroes
-non-finite v values for the tensor-core product and adds them back to the rows that see them.
+Hidden keys contribute nothing even when their k or v hold inf/NaN (the contract): keys hidden
+from every row of a work-group are never read; in tiles that hide keys from only some rows, the
+kernel zeroes non-finite v values for the tensor-core product and adds them back to the rows that
+see them.
 """
 
 from __future__ import annotations
@@ -39,17 +44,31 @@ from ... import _config
 from ..base import AttnCall
 from . import _pool
 from ._arrays import is_cl_array
-from ._nvidia_tables import kernel_inputs, results, sinks_input, tables_on_device
+from ._nvidia_tables import kernel_inputs, mask_args, results, sinks_input, tables_on_device
 from ._runtime import KernelBuildError, launch, program
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
            "default_config", "build_options", "kernel_options"]
 
-#: head dims (D == Dv) the kernel is built for
+#: head dims (D == Dv) of the float32 (3xTF32) build and of the measured 16-bit tables below
 HEAD_DIMS = (64, 128)
+#: the largest D and Dv of the 16-bit build (any size up to it, padded to 16 in the kernel)
+MAX_HEAD_DIM = 256
 #: (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) per head dim: the fastest of the sweep on the H200
 #: (bench/RESULTS.md); 4 warps x 32 rows, 2 work-groups per SM (registers: 246-255 per thread)
 DEFAULT_CONFIGS = {64: (128, 64, 4, 1), 128: (128, 64, 4, 0)}
+#: the 16-bit head dims between and past those, by the larger padded dim max(D16, Dv16) (D16: D
+#: rounded up to 16): (padded dim up to, config, kernel options for (not causal, causal)). Up to
+#: 64 and 128 as the tables above; past 128, 64-row blocks (O alone takes Dv / 2 registers per
+#: thread) with one K and one V buffer (local memory (64 + 2 * 64) (dim + 8) * 2 bytes: 101 KiB at
+#: 256, two work-groups per SM).
+PADDED_CONFIGS = (
+    (64, (128, 64, 4, 1), (("-DKV_SPLIT_STAGES=1",),
+                           ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"))),
+    (128, (128, 64, 4, 0), (("-DLDSM_BYTES=1",), ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"))),
+    (256, (64, 64, 4, 0), (("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"),
+                           ("-DLDSM_BYTES=1", "-DKV_SPLIT_STAGES=1"))),
+)
 #: float32 (3xTF32), same fields; Q_IN_REGS 0: Q in local memory, split every tile, 1: its tf32
 #: hi and lo in registers, 2: hi in registers, lo in local memory. The fastest of the H200 sweeps
 #: (bench/RESULTS.md); D=128 runs two m-tiles per warp. Local memory
@@ -87,8 +106,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 #: float32 through 3xTF32 on sm_80+ (False: float32 stays on the portable kernel)
 F32_ON = True
-#: tests only: the plan cache (``_nvidia_plans``) builds the emulated kernel
-#: (USE_PTX=0), so it runs on PoCL under a patched compute capability
+#: tests only: the dispatch (``run`` and the plan cache, ``_nvidia_plans``) builds the emulated
+#: kernel (USE_PTX=0), so it runs on PoCL under a patched compute capability
 EMULATE_PTX = False
 _DTYPES = (np.dtype(np.float16), BF16, _F32)
 
@@ -122,7 +141,8 @@ def _query_cc(device: Any) -> tuple[int, int] | None:
 
 
 def array_ok(x: Any) -> bool:
-    """Device arrays are read in place: unit last stride, 16-byte aligned rows and start."""
+    """Device arrays whose rows are 16-byte aligned: unit last stride, 16-byte aligned strides
+    and start (the decode kernel and the cp.async loads of the prefill kernels)."""
     if not is_cl_array(x):
         return True
     item = x.dtype.itemsize
@@ -131,28 +151,65 @@ def array_ok(x: Any) -> bool:
     return all(s % 16 == 0 and s >= 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
 
 
+def array_readable(x: Any) -> bool:
+    """Device arrays the prefill kernel reads in place: unit last stride, non-negative strides
+    (rows of any alignment: see :func:`vec_loads`)."""
+    if not is_cl_array(x):
+        return True
+    item = x.dtype.itemsize
+    if x.strides[3] != item or x.offset % item:
+        return False
+    return all(s % item == 0 and s >= 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
+
+
+def vec_loads(call: AttnCall) -> bool:
+    """True when every row of q, k and v starts 16-byte aligned (-DVEC_LOADS=1: cp.async of
+    16-byte chunks); host arrays are copied to the device contiguous, rows D (Dv) apart."""
+    for x in (call.q, call.k, call.v):
+        if is_cl_array(x):
+            if not array_ok(x):
+                return False
+        elif (x.shape[3] * x.dtype.itemsize) % 16:
+            return False
+    return True
+
+
 def applicable(device: Any, call: AttnCall) -> bool:
     """True when this kernel can run ``call`` on ``device`` (NVIDIA, sm_80+, fp16/bf16/fp32,
     ...)."""
     cc = compute_capability(device)
     if cc is None or cc[0] < 8:
         return False
-    if call.dtype not in _DTYPES or call.mask_view is not None:
+    if call.dtype not in _DTYPES:
         return False
-    if call.dtype == _F32 and not F32_ON:
-        return False
-    if call.head_dim != call.head_dim_v or call.head_dim not in HEAD_DIMS:
+    if call.dtype == _F32:
+        if not F32_ON or call.head_dim != call.head_dim_v or call.head_dim not in HEAD_DIMS:
+            return False
+    elif not (1 <= call.head_dim <= MAX_HEAD_DIM and 1 <= call.head_dim_v <= MAX_HEAD_DIM):
         return False
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
         return False
-    return all(array_ok(x) for x in (call.q, call.k, call.v))
+    return all(array_readable(x) for x in (call.q, call.k, call.v))
+
+
+def mask_kind(call: AttnCall) -> int:
+    """The kernel's -DMASK_KIND of ``call``: 0 no mask, 1 bool, additive: 3 float16, 4 bfloat16
+    (read in place of float32: exact), 2 float32 (every other float dtype, converted)."""
+    if call.mask_view is None:
+        return 0
+    if call.mask_kind == "bool":
+        return 1
+    return {np.dtype(np.float16): 3, BF16: 4}.get(call.mask_view.dtype, 2)
 
 
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
                   alibi: bool = False, scale_pos: bool = True, use_ptx: bool = True,
-                  heads_inner: bool = False) -> tuple[str, ...]:
+                  heads_inner: bool = False, head_dim_v: int | None = None,
+                  vec: bool = True, mask: int = 0) -> tuple[str, ...]:
     block_m, block_n, warps, q_in_regs = config
-    return (
+    shape = ((f"-DHEAD_DIM_V={head_dim_v}",) if head_dim_v not in (None, head_dim) else ()) + (
+        () if vec else ("-DVEC_LOADS=0",)) + ((f"-DMASK_KIND={mask}",) if mask else ())
+    return shape + (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
         f"-DWARPS={warps}", f"-DQ_IN_REGS={int(q_in_regs)}",
         f"-DIS_BF16={int(np.dtype(dtype) == BF16)}",
@@ -161,10 +218,27 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
     ) + (("-DHEADS_INNER=1",) if heads_inner else ())
 
 
-def default_config(dtype: Any, head_dim: int) -> tuple:
-    """The (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) a call of ``dtype`` and ``head_dim`` runs with."""
-    table = DEFAULT_CONFIGS_F32 if np.dtype(dtype) == _F32 else DEFAULT_CONFIGS
-    return table[head_dim]
+def _padded(head_dim: int, head_dim_v: int) -> tuple:
+    """The PADDED_CONFIGS row of a 16-bit call with head dims D, Dv."""
+    dim = max(-(-head_dim // 16), -(-head_dim_v // 16)) * 16
+    return next(row for row in PADDED_CONFIGS if dim <= row[0])
+
+
+def default_config(dtype: Any, head_dim: int, head_dim_v: int | None = None) -> tuple:
+    """The (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) a call of ``dtype`` and head dims runs with."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if np.dtype(dtype) == _F32:
+        return DEFAULT_CONFIGS_F32[head_dim]
+    if dv == head_dim and head_dim in DEFAULT_CONFIGS:
+        return DEFAULT_CONFIGS[head_dim]
+    return _padded(head_dim, dv)[1]
+
+
+def default_options_16(head_dim: int, head_dim_v: int, causal: bool) -> tuple[str, ...]:
+    """The kernel options of a 16-bit call (DEFAULT_OPTIONS_16, else PADDED_CONFIGS)."""
+    if head_dim == head_dim_v and (head_dim, causal) in DEFAULT_OPTIONS_16:
+        return DEFAULT_OPTIONS_16[(head_dim, causal)]
+    return _padded(head_dim, head_dim_v)[2][int(causal)]
 
 
 def get_program(ctx: Any, device: Any, options: tuple[str, ...],
@@ -184,14 +258,15 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
     causal = call.causal_hi is not None
     scheduled = causal and (dtype != _F32 or d in F32_SCHEDULED)
     if extra_options is None:
-        extra_options = () if dtype == _F32 else DEFAULT_OPTIONS_16.get((d, causal), ())
+        extra_options = () if dtype == _F32 else default_options_16(d, call.head_dim_v, causal)
     if heads_inner is None:
         heads_inner = HEADS_INNER or scheduled
     if scheduled and not any("WARP_SKIP" in o for o in extra_options):
         extra_options = ("-DWARP_SKIP=1", *extra_options)
     opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                          alibi=call.alibi is not None, scale_pos=call.scale > 0,
-                         use_ptx=use_ptx, heads_inner=heads_inner) + tuple(extra_options)
+                         use_ptx=use_ptx, heads_inner=heads_inner, head_dim_v=call.head_dim_v,
+                         vec=vec_loads(call), mask=mask_kind(call)) + tuple(extra_options)
     return opts, heads_inner
 
 
@@ -200,11 +275,13 @@ _wgmma_failed: set[int] = set()
 
 
 def use_wgmma(device: Any, call: AttnCall) -> bool:
-    """True when ``call`` runs the warpgroup-MMA kernel (Hopper, 16-bit, a head dim of
-    :data:`WGMMA_CONFIGS`, and no failed build of it on this device)."""
+    """True when ``call`` runs the warpgroup-MMA kernel (Hopper, 16-bit, D == Dv of
+    :data:`WGMMA_CONFIGS`, aligned rows, no mask, and no failed build of it on this device);
+    the other head dims and masked calls run the mma.sync kernel on Hopper too."""
     return (WGMMA_ON and not EMULATE_PTX and compute_capability(device) == (9, 0)
             and call.dtype != _F32 and call.head_dim in WGMMA_CONFIGS
-            and device.int_ptr not in _wgmma_failed)
+            and call.head_dim_v == call.head_dim and call.mask_view is None
+            and vec_loads(call) and device.int_ptr not in _wgmma_failed)
 
 
 def usable_plan(ctx: Any, device: Any, call: AttnCall, **kw: Any) -> Launch:
@@ -269,7 +346,8 @@ class PrefillPlan:
         self.kernel, self.key = kernel, kernel.key(ctx, device)
         self.args = [None] * len(CALL_SLOTS) + [
             alibi_buf, *geometry, i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]),
-            i32(call.ring), *scalars, i32(0 if call.sinks is None else hq)]
+            i32(call.ring), *scalars, i32(0 if call.sinks is None else hq),
+            *mask_args(ctx, call)]
 
     def enqueue(self, queue: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, tile_buf: Any,
                 seq_buf: Any, n_tiles: int, hq: int, wait_for: Any = None,
@@ -318,9 +396,9 @@ def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None =
                                                         call.head_dim),
                       128 * wgs, 64 * wgs, block_n, hi)
     d = call.head_dim
-    config = tuple(config or default_config(call.dtype, d))
+    config = tuple(config or default_config(call.dtype, d, call.head_dim_v))
     if use_ptx is None:
-        use_ptx = compute_capability(device) is not None
+        use_ptx = compute_capability(device) is not None and not EMULATE_PTX
     opts, hi = kernel_options(call, config, use_ptx, extra_options, heads_inner)
     return Launch("attn_fwd_mma", opts, lambda: get_program(ctx, device, opts), 32 * config[2],
                   config[0], config[1], hi)
@@ -334,7 +412,7 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
 
     ``config`` = (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) overrides :data:`DEFAULT_CONFIGS`
-    (:data:`DEFAULT_CONFIGS_F32` for float32);
+    (:data:`PADDED_CONFIGS` for other head dims, :data:`DEFAULT_CONFIGS_F32` for float32);
     ``use_ptx=False`` builds the emulated kernel (any OpenCL device; for layout checks only);
     ``heads_inner`` (default :data:`HEADS_INNER`) picks the grid order (see there);
     ``extra_options`` (-D options of the kernel) replace :data:`DEFAULT_OPTIONS_16` when given

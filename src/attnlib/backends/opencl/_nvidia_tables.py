@@ -143,6 +143,28 @@ def sinks_input(queue: Any, call: AttnCall, keep: Any) -> tuple[Any, int]:
     return _pool.upload(queue, call.sinks, keep), int(call.sinks.shape[0])
 
 
+def mask_args(ctx: Any, call: AttnCall) -> list:
+    """The prefill kernels' mask arguments: (buffer, element offset, element strides over
+    sequence, head, row, key), the strides 0 where the mask broadcasts. The unbroadcast mask is
+    uploaded: bool as uint8, additive float16 / bfloat16 as they are (the kernel reads them as
+    float32, exactly), other additive dtypes as float32 (the contract reads them as float32 or
+    wider); a 1-byte stand-in buffer when the call has none."""
+    i64 = np.int64
+    mv = call.mask_view
+    if mv is None:
+        buf = _memoised(("no mask", ctx.int_ptr), lambda: _device_copy(ctx, np.zeros(1, np.uint8)))
+        return [buf, i64(0), i64(0), i64(0), i64(0), i64(0)]
+    base = mv[tuple(slice(0, 1) if st == 0 else slice(None) for st in mv.strides)]
+    if call.mask_kind == "bool":
+        base = np.ascontiguousarray(base).view(np.uint8)  # (no copy of a contiguous mask)
+    elif base.dtype.itemsize == 2 and base.dtype.kind in "fV":  # float16, bfloat16
+        base = np.ascontiguousarray(base).view(np.uint16)  # the bits: a plain buffer's dtype
+    else:
+        base = np.ascontiguousarray(base, np.float32)
+    strides = [0 if n == 1 else st // base.itemsize for st, n in zip(base.strides, base.shape)]
+    return [_device_copy(ctx, base), i64(0), *(i64(st) for st in strides)]
+
+
 def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
     """The call's (out, lse): the Arrays themselves for device inputs, else host copies."""
     import pyopencl as cl

@@ -1,6 +1,6 @@
 """OpenCL runtime: device choice, context and queue, kernel sources, program build + memo.
 
-Device choice (SPEC section 5): ``PYOPENCL_CTX`` when set (pyopencl's own syntax), else the first
+Device choice (contract §5): ``PYOPENCL_CTX`` when set (pyopencl's own syntax), else the first
 GPU that is not a simulator, else the first device that is not a simulator. Oclgrind reports every
 device-type bit, GPU included, so simulators are recognised by platform name.
 
@@ -103,7 +103,7 @@ def has_gpu() -> bool:
 
 
 def choose_context() -> Any:
-    """A context on the device the SPEC's rule picks (PYOPENCL_CTX first)."""
+    """A context on the device the contract's rule picks (PYOPENCL_CTX first)."""
     import pyopencl as cl
 
     wanted = _config.pyopencl_ctx()
