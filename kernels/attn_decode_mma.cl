@@ -29,7 +29,7 @@
 // SOFTCAP, ALIBI, SCALE_POS (scale > 0), SPLIT, USE_PTX (0: the exact emulation of nv_warp.h),
 // PAGE_SIZE (0: k, v are (batch, rows, Hkv, D) arrays).
 //
-// KV_FORMAT > 0 (kv_format.h: 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8; SPEC section 10): k and v hold
+// KV_FORMAT > 0 (kv_format.h: 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8; contract §10): k and v hold
 // 8-bit codes with one float scale per (row or slot, kv head) in k_scl / v_scl (element offset,
 // batch-or-page stride, row-or-slot stride; the head stride is 1).  Each staged element is
 // scale * decode(code) rounded once to the compute dtype (the value an fp16/bf16 cache of the

@@ -1,5 +1,5 @@
-/* attnlib: 8-bit KV-cache formats (contract §10), shared by attn_fwd.cl's dequantizing loads
- * and kv_quant.cl's quantizing writes.
+/* attnlib: 8-bit KV-cache formats (contract §10), shared by the dequantizing loads of attn_fwd.cl
+ * and attn_decode_mma.cl and kv_quant.cl's quantizing writes.
  *
  * KV_FORMAT (required): 1 fp8 e4m3fn (bias 7, 3 mantissa bits, no infinities, S.1111.111 NaN),
  * 2 fp8 e5m2 (bias 15, 2 mantissa bits, IEEE-like), 3 int8; stored as uchar. A value is
