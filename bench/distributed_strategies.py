@@ -20,21 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import numpy as np
+from distributed_overlap import timed  # bench/ is on the path of `python bench/...`
 from mpi4py import MPI
 
 import attnlib
 from attnlib import distributed as dist
-
-
-def timed(comm, fn) -> float:
-    """The slowest rank's seconds for ``fn()``, all ranks starting together."""
-    comm.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
 
 def main() -> None:
