@@ -97,7 +97,16 @@ class NumbaBackend(HostPages, Backend):
 
     # ---- KV cache -----------------------------------------------------------------------------
     def cache_alloc(self, shape, dtype) -> np.ndarray:
-        return np.zeros(shape, dtype=dtype)
+        """A KV cache buffer ``(max_batch, max_seq_len, Hkv, D)`` is head-major, as pages are
+        (:meth:`page_alloc`): memory ``(max_batch, Hkv, max_seq_len, D)`` seen through the
+        contract's shape, so a key tile of one kv head is one contiguous block that the kernel
+        streams (token-major, its rows lie ``Hkv * D`` elements apart, each on its own stretch
+        of memory: a decode step ran about twice as long, see bench/RESULTS.md). Other shapes
+        (the per-(token, kv head) scales) are C order."""
+        if len(shape) != 4:
+            return np.zeros(shape, dtype=dtype)
+        b, s, h, d = shape
+        return np.zeros((b, h, s, d), dtype=dtype).transpose(0, 2, 1, 3)
 
     def page_alloc(self, shape, dtype) -> np.ndarray:
         """Head-major pages: memory ``(num_pages, Hkv, page_size, D)`` seen as ``(num_pages,
