@@ -453,7 +453,8 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     ``seq`` int64 (n_seq, 9): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
     causal_hi (BIG when not causal). Key / value tiles are read in place by BLAS
     (leading dimension: the row stride; no copy), except a tile that wraps around a ring buffer,
-    which is copied first. ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
+    which is copied first, and tiles stored in another dtype (``kv_format``), which are widened
+    into the scratch tile. ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
     dtype's), called through :func:`_gemm`. ``jit`` int64 (4,): MKL JIT kernels (address,
     jitter) specialised to the full tile's ``Q K^T`` and ``P V`` shapes (0: none), used for full
     ``block_m x block_n`` tiles read in place.
