@@ -192,7 +192,7 @@ def _query(call: AttnCall, cdt: np.dtype) -> tuple:
     from ._flash import BF16, F16
 
     dtype = np.dtype(call.q.dtype)
-    if dtype == cdt or dtype == np.float64:
+    if dtype == cdt:
         q, qf, qst = _flat(call.q, cdt)
         return q, qf, qst, (_empty_ro(np.dtype(np.uint8)), 0)
     q, qc, qst = _bytes(call.q, np.dtype(np.uint16))
