@@ -236,6 +236,42 @@ def test_half_cache_is_read_in_place_and_matches_reference(ring, dtype):
     assert peak < kv.nbytes, peak  # the split-key partial states: up to 1 MiB
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "float8_e5m2", "float16",
+                                 "bfloat16"])
+def test_tile_load_decodes_every_code_exactly(fmt):
+    """``_load_stored`` gives every stored code's value exactly (NaN codes NaN, subnormals and
+    infinities kept): all 256 bytes of an 8-bit format times a row scale against
+    :func:`attnlib._quant.decode_table`, all 65536 bit patterns of a 16-bit float against
+    numpy's own conversion."""
+    import ml_dtypes
+
+    from attnlib import _quant
+    from attnlib.backends.numba_backend import _flash
+
+    q = _quant.FORMATS.get(fmt)
+    width = 64
+    if q is not None:
+        codes = np.arange(256, dtype=np.uint8)
+        scale = np.float32(0.7)
+        want = _quant.decode_table(q) * scale
+        code, sc = q.code, np.full(256 // width, scale, np.float32)
+        raw = codes
+    else:
+        dtype = np.float16 if fmt == "float16" else ml_dtypes.bfloat16
+        bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+        want = bits.view(dtype).astype(np.float32)
+        code = _flash.F16 if fmt == "float16" else _flash.BF16
+        sc = np.zeros(0, np.float32)
+        raw = bits.view(np.uint8)
+    rows = want.size // width
+    st = np.array([0, width, 0, width], np.int64)  # one batch, one head, contiguous rows
+    sst = np.array([0, 1, 0], np.int64)
+    got = np.empty(want.size, np.float32)
+    _flash._load_stored(raw, st, sc, sst, code, np.zeros((0, 0), np.int64), 0, 0, 0, rows, 0,
+                        0, 0, 0, got, width)
+    np.testing.assert_array_equal(got, want)
+
+
 class _MklWithoutJitCode:
     """MKL as on a CPU it generates no JIT code for (AMD): ``mkl_cblas_jit_create_sgemm``
     makes its jitter but answers ``MKL_NO_JIT``; every other function is MKL's own."""
