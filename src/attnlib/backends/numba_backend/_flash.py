@@ -318,6 +318,21 @@ def _widen_row(codes, wide, fmt, f, out):
             out[d] = _bf16_to_f32(wide[d])
 
 
+@njit(inline="always")
+def _row_at(st, sst, table, s, b, r, ring, page_size, n_pages, h):
+    """(element offset of logical key row ``r`` of kv head ``h``, offset of its scale): in
+    sequence ``s``'s pages (``page_size > 0``, clamped into the pool; strides ``st`` / ``sst``
+    along page, slot, head) or in batch ``b`` (strides along batch, row, head), wrapping at
+    ``ring``."""
+    if page_size > 0:
+        p = _page_at(table, s, r // page_size, n_pages)
+        slot = r % page_size
+        return (p * st[0] + slot * st[1] + h * st[2], p * sst[0] + slot * sst[1] + h * sst[2])
+    if ring > 0 and r >= ring:
+        r -= ring
+    return b * st[0] + r * st[1] + h * st[2], b * sst[0] + r * sst[1] + h * sst[2]
+
+
 @njit(fastmath=FASTMATH)
 def _load_stored(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_size, n_pages, h,
                  dst, width):
@@ -328,25 +343,189 @@ def _load_stored(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_siz
     strides ``sst`` along batch / page, row / slot, head), read once per row; or 16-bit floats
     (F16, BF16; strides ``st`` in 16-bit elements, no scales). Paged (``page_size > 0``): the
     row lives in sequence ``s``'s pages (clamped into the pool); else in batch ``b``, wrapping
-    at ``ring``."""
+    at ``ring`` (:func:`_row_at`). One loop per format, ``fmt`` a constant in each (a format
+    chosen per row inside one loop compiles to slower code)."""
+    if fmt == INT8:
+        _widen_rows(src, st, sc, sst, INT8, table, s, b, row0, nrows, ring, page_size,
+                    n_pages, h, dst, width)
+    elif fmt == F8_E4M3:
+        _widen_rows(src, st, sc, sst, F8_E4M3, table, s, b, row0, nrows, ring, page_size,
+                    n_pages, h, dst, width)
+    elif fmt == F8_E5M2:
+        _widen_rows(src, st, sc, sst, F8_E5M2, table, s, b, row0, nrows, ring, page_size,
+                    n_pages, h, dst, width)
+    elif fmt == F16:
+        _widen_rows(src, st, sc, sst, F16, table, s, b, row0, nrows, ring, page_size,
+                    n_pages, h, dst, width)
+    else:
+        _widen_rows(src, st, sc, sst, BF16, table, s, b, row0, nrows, ring, page_size,
+                    n_pages, h, dst, width)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _widen_rows(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_size, n_pages, h,
+                dst, width):
+    """The rows of :func:`_load_stored` for one (constant) ``fmt``."""
     wide = src[: src.size & ~1].view(np.uint16)
     f = np.float32(1.0)
     for t in range(nrows):
-        r = row0 + t
-        if page_size > 0:
-            p = _page_at(table, s, r // page_size, n_pages)
-            slot = r % page_size
-            off = p * st[0] + slot * st[1] + h * st[2]
-            so = p * sst[0] + slot * sst[1] + h * sst[2]
-        else:
-            if ring > 0 and r >= ring:
-                r -= ring
-            off = b * st[0] + r * st[1] + h * st[2]
-            so = b * sst[0] + r * sst[1] + h * sst[2]
+        off, so = _row_at(st, sst, table, s, b, row0 + t, ring, page_size, n_pages, h)
         if fmt < F16:
             f = sc[so]
         _widen_row(src[off:off + width], wide[off:off + width], fmt, f,
                    dst[t * width:(t + 1) * width])
+
+
+# -- small-row tiles (decode): at most SMALL_ROWS packed rows per task. The two products of a
+# tile then have a handful of rows, where a BLAS call costs more than the arithmetic; they are
+# computed here instead, four keys at a time, each K / V row read from the cache (and widened /
+# dequantized into a 4-row scratch in L1) once per tile: the step streams the cache.
+SMALL_ROWS = 16
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _dot_1x4(q, src, o0, o1, o2, o3, z):
+    """The dot products of query row ``q`` with the rows of ``src`` at ``o0``..``o3``."""
+    w = q.shape[0]
+    k0 = src[o0:o0 + w]
+    k1 = src[o1:o1 + w]
+    k2 = src[o2:o2 + w]
+    k3 = src[o3:o3 + w]
+    a0 = a1 = a2 = a3 = z
+    for d in range(w):
+        x = q[d]
+        a0 += x * k0[d]
+        a1 += x * k1[d]
+        a2 += x * k2[d]
+        a3 += x * k3[d]
+    return a0, a1, a2, a3
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _dot_1x1(q, src, o0, z):
+    w = q.shape[0]
+    k0 = src[o0:o0 + w]
+    a0 = z
+    for d in range(w):
+        a0 += q[d] * k0[d]
+    return a0
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _acc_4x4(ot, r, d_v, p, b, nr, src, o0, o1, o2, o3):
+    """``O_{r+i} += sum_u P[u, r+i] V_u`` for 4 packed rows and the 4 value rows of ``src`` at
+    ``o0``..``o3`` (``P[u, r]`` = ``p[b + u * nr + r]``): each value row loaded once for the
+    four output rows."""
+    v0 = src[o0:o0 + d_v]
+    v1 = src[o1:o1 + d_v]
+    v2 = src[o2:o2 + d_v]
+    v3 = src[o3:o3 + d_v]
+    out0 = ot[r * d_v:(r + 1) * d_v]
+    out1 = ot[(r + 1) * d_v:(r + 2) * d_v]
+    out2 = ot[(r + 2) * d_v:(r + 3) * d_v]
+    out3 = ot[(r + 3) * d_v:(r + 4) * d_v]
+    p00, p01, p02, p03 = p[b + r], p[b + nr + r], p[b + 2 * nr + r], p[b + 3 * nr + r]
+    r += 1
+    p10, p11, p12, p13 = p[b + r], p[b + nr + r], p[b + 2 * nr + r], p[b + 3 * nr + r]
+    r += 1
+    p20, p21, p22, p23 = p[b + r], p[b + nr + r], p[b + 2 * nr + r], p[b + 3 * nr + r]
+    r += 1
+    p30, p31, p32, p33 = p[b + r], p[b + nr + r], p[b + 2 * nr + r], p[b + 3 * nr + r]
+    for d in range(d_v):
+        x0 = v0[d]
+        x1 = v1[d]
+        x2 = v2[d]
+        x3 = v3[d]
+        out0[d] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+        out1[d] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+        out2[d] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
+        out3[d] += p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _acc_1x4(out, p0, p1, p2, p3, src, o0, o1, o2, o3):
+    d_v = out.shape[0]
+    v0 = src[o0:o0 + d_v]
+    v1 = src[o1:o1 + d_v]
+    v2 = src[o2:o2 + d_v]
+    v3 = src[o3:o3 + d_v]
+    for d in range(d_v):
+        out[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _acc_1x1(out, p0, src, o0):
+    d_v = out.shape[0]
+    v0 = src[o0:o0 + d_v]
+    for d in range(d_v):
+        out[d] += p0 * v0[d]
+
+
+SMALL_KEYS = 16  # keys per block of a small-row tile: widened rows stay in L1
+
+
+@njit(fastmath=FASTMATH)
+def _small_tile(x, xc, xsc, xst, sst, fmt, table, s, b, row0, n, ring, page_size, n_pages, h,
+                buf, width, qt, nr, st, z, ot, sb, clean, scores, offs):
+    """One pass of a small-row tile over its ``n`` key (``scores``: Q K^T into ``st``) or value
+    (else: O += P V) rows, logical rows ``row0 ..`` of kv head ``h``, SMALL_KEYS at a time:
+    rows in the compute dtype (``fmt`` 0, ``x`` flat, strides ``xst``) are read in place, stored
+    rows (``xc``, scales ``xsc``) are widened into ``buf`` first (:func:`_load_stored`).
+    ``offs`` int64 (SMALL_KEYS,): scratch for the rows' offsets."""
+    for c0 in range(0, n, SMALL_KEYS):
+        cnt = min(SMALL_KEYS, n - c0)
+        if fmt > 0:
+            _load_stored(xc, xst, xsc, sst, fmt, table, s, b, row0 + c0, cnt, ring, page_size,
+                         n_pages, h, buf, width)
+            for u in range(cnt):
+                offs[u] = u * width
+            _small_rows(buf, offs, cnt, c0, width, qt, nr, st, z, ot, sb, clean, scores)
+        else:
+            for u in range(cnt):
+                offs[u] = _row_at(xst, sst, table, s, b, row0 + c0 + u, ring, page_size,
+                                  n_pages, h)[0]
+            _small_rows(x, offs, cnt, c0, width, qt, nr, st, z, ot, sb, clean, scores)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _small_rows(src, offs, cnt, c0, width, qt, nr, st, z, ot, sb, clean, scores):
+    """Keys ``c0 .. c0 + cnt`` of the tile, their rows in ``src`` at ``offs``: ``scores``:
+    ``st[j * nr + r] = Q_r . K_j``; else ``O_r += sum_j P[j, r] V_j`` (``P`` = ``st``), four
+    keys (and four output rows) at a time; not ``clean``: one key at a time, hidden keys
+    (``sb`` -inf) skipped, so a non-finite hidden value never meets its 0."""
+    c4 = cnt - cnt % 4
+    if scores:
+        for j in range(0, c4, 4):
+            b = (c0 + j) * nr
+            for r in range(nr):
+                a0, a1, a2, a3 = _dot_1x4(qt[r * width:(r + 1) * width], src, offs[j],
+                                          offs[j + 1], offs[j + 2], offs[j + 3], z)
+                st[b + r] = a0
+                st[b + nr + r] = a1
+                st[b + 2 * nr + r] = a2
+                st[b + 3 * nr + r] = a3
+        for j in range(c4, cnt):
+            for r in range(nr):
+                st[(c0 + j) * nr + r] = _dot_1x1(qt[r * width:(r + 1) * width], src, offs[j], z)
+    elif not clean:
+        for j in range(cnt):
+            b = (c0 + j) * nr
+            for r in range(nr):
+                if sb[b + r] != NEG_INF:
+                    _acc_1x1(ot[r * width:(r + 1) * width], st[b + r], src, offs[j])
+    else:
+        r4 = nr - nr % 4
+        for j in range(0, c4, 4):
+            b = (c0 + j) * nr
+            o0, o1, o2, o3 = offs[j], offs[j + 1], offs[j + 2], offs[j + 3]
+            for r in range(0, r4, 4):
+                _acc_4x4(ot, r, width, st, b, nr, src, o0, o1, o2, o3)
+            for r in range(r4, nr):
+                _acc_1x4(ot[r * width:(r + 1) * width], st[b + r], st[b + nr + r],
+                         st[b + 2 * nr + r], st[b + 3 * nr + r], src, o0, o1, o2, o3)
+        for j in range(c4, cnt):
+            for r in range(nr):
+                _acc_1x1(ot[r * width:(r + 1) * width], st[(c0 + j) * nr + r], src, offs[j])
 
 
 @njit(fastmath=FASTMATH)
@@ -523,6 +702,8 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     # consecutive pages are consecutive rows only when the pool's page stride is page_size rows
     pool_flat = paged and kst[0] == page_size * k_ld and vst[0] == page_size * v_ld
     stored = kv_format > 0
+    zero = np.zeros(1, out.dtype)[0]  # the dot products' start, in the compute dtype
+    offs = np.empty(SMALL_KEYS, np.int64)
     while True:
         t = _fetch_add(counter, 1)
         if t >= n_tasks:
@@ -553,15 +734,22 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             l_i[r] = 0.0
         ot[: nr * d_v] = 0.0
         kb = seq[s, 3]
+        small = nr <= SMALL_ROWS
         for jb in range(j_lo, j_hi, block_n):
             n = min(block_n, j_hi - jb)
             row = seq[s, 4] + jb
             if ring > 0 and row >= ring:
                 row -= ring
             copied = ring > 0 and row + n > ring  # the tile wraps: copy it
-            if stored:
+            # logical first row of the tile (paged), or its (ring-wrapped) cache row
+            lrow = seq[s, 4] + jb if paged else row
+            if small:
+                # -- S^T = K_blk Q_blk^T, four keys at a time, each K row read once
+                _small_tile(k, kc, ksc, kst, sst, kv_format, table, s, kb, lrow, n, ring,
+                            page_size, n_pages, kvh, kt, d_qk, qt, nr, st, zero, ot, sb, True,
+                            True, offs)
+            elif stored:
                 # -- widen / dequantize as the tiles load: (scale *) value of each element
-                lrow = seq[s, 4] + jb if paged else row
                 _load_stored(kc, kst, ksc, sst, kv_format, table, s, kb, lrow, n, ring,
                              page_size, n_pages, kvh, kt, d_qk)
                 _load_stored(vc, vst, vsc, sst, kv_format, table, s, kb, lrow, n, ring,
@@ -593,7 +781,9 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             # -- S^T (n x nr, row-major) = K_blk @ Q_blk^T: BLAS column-major
             #    S (nr x n) = Q^T' K^T', i.e. gemm('T', 'N'), K read in place
             full_tile = nr == block_m and n == block_n and not copied
-            if full_tile and jit[0] != 0:
+            if small:
+                pass
+            elif full_tile and jit[0] != 0:
                 _call_jit(jit[0], jit[1], qt_addr, k_addr, st_addr)
             else:
                 _gemm(gemm_fn, True, False, nr, n, d_qk, 1.0, qt_addr, d_qk, k_addr, k_lead,
@@ -605,7 +795,10 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
                 _modify_scores(st, n, nr, s, kvh, r0, g, qpos0, kpos_lo, jb, wl, hi,
                                softcap, alibi, mask, full, unit)
             clean = full
-            if not full:
+            if not full and small:
+                clean = False  # the small-row products skip hidden keys
+                sb[: n * nr] = st[: n * nr]
+            elif not full:
                 # a non-finite v in a partly hidden tile needs the -inf marks after exp
                 if not copied and paged:
                     _load_paged(v, vst, table, s, row, n, page_size, n_pages, kvh, vt, d_v)
@@ -638,7 +831,12 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
                 a = alpha[r]
                 for d in range(d_v):
                     ot[r * d_v + d] *= a
-            if clean:
+            if small:
+                # four keys at a time, each V row read once
+                _small_tile(v, vc, vsc, vst, sst, kv_format, table, s, kb, lrow, n, ring,
+                            page_size, n_pages, kvh, vt, d_v, qt, nr, st, zero, ot, sb, clean,
+                            False, offs)
+            elif clean:
                 # column-major O^T (d_v x nr) += V^T' P: gemm('N', 'T'), V in place
                 if full_tile and jit[2] != 0:
                     _call_jit(jit[2], jit[3], v_addr, st_addr, ot_addr)
