@@ -402,6 +402,34 @@ def _dot_1x4(q, src, o0, o1, o2, o3, z):
 
 
 @njit(fastmath=FASTMATH, inline="always")
+def _dot_2x4(q0, q1, src, o0, o1, o2, o3, z):
+    """The dot products of query rows ``q0``, ``q1`` with the rows of ``src`` at ``o0``..``o3``
+    (each key element loaded once for both rows)."""
+    w = q0.shape[0]
+    k0 = src[o0:o0 + w]
+    k1 = src[o1:o1 + w]
+    k2 = src[o2:o2 + w]
+    k3 = src[o3:o3 + w]
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = z
+    for d in range(w):
+        x0 = k0[d]
+        x1 = k1[d]
+        x2 = k2[d]
+        x3 = k3[d]
+        y = q0[d]
+        a0 += y * x0
+        a1 += y * x1
+        a2 += y * x2
+        a3 += y * x3
+        y = q1[d]
+        b0 += y * x0
+        b1 += y * x1
+        b2 += y * x2
+        b3 += y * x3
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@njit(fastmath=FASTMATH, inline="always")
 def _dot_1x1(q, src, o0, z):
     w = q.shape[0]
     k0 = src[o0:o0 + w]
@@ -495,9 +523,22 @@ def _small_rows(src, offs, cnt, c0, width, qt, nr, st, z, ot, sb, clean, scores)
     (``sb`` -inf) skipped, so a non-finite hidden value never meets its 0."""
     c4 = cnt - cnt % 4
     if scores:
+        r2 = nr - nr % 2
         for j in range(0, c4, 4):
             b = (c0 + j) * nr
-            for r in range(nr):
+            for r in range(0, r2, 2):
+                a0, a1, a2, a3, b0, b1, b2, b3 = _dot_2x4(
+                    qt[r * width:(r + 1) * width], qt[(r + 1) * width:(r + 2) * width], src,
+                    offs[j], offs[j + 1], offs[j + 2], offs[j + 3], z)
+                st[b + r] = a0
+                st[b + nr + r] = a1
+                st[b + 2 * nr + r] = a2
+                st[b + 3 * nr + r] = a3
+                st[b + r + 1] = b0
+                st[b + nr + r + 1] = b1
+                st[b + 2 * nr + r + 1] = b2
+                st[b + 3 * nr + r + 1] = b3
+            for r in range(r2, nr):
                 a0, a1, a2, a3 = _dot_1x4(qt[r * width:(r + 1) * width], src, offs[j],
                                           offs[j + 1], offs[j + 2], offs[j + 3], z)
                 st[b + r] = a0
