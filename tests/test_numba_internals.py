@@ -92,16 +92,19 @@ def test_plan_tasks_split_covers_every_key_once():
     np.testing.assert_array_equal(tasks[1:, 4], tasks[:-1, 5])
 
 
-def test_hidden_nonfinite_v_in_partial_tile():
-    # NaN / inf v rows that causal hides inside a partly visible tile must not leak
+@pytest.mark.parametrize("sq,hq,hkv", [(150, 2, 2), (3, 6, 2)])
+def test_hidden_nonfinite_v_in_partial_tile(sq, hq, hkv):
+    # NaN / inf v rows that causal hides inside a partly visible tile must not leak; 3 query
+    # rows x 3 heads per kv head take the small-row (no BLAS) path, 150 x 1 the gemm path
     rng = np.random.default_rng(5)
-    q, k, v = _qkv(rng, 1, 150, 150, 2, 2, 16)
-    v[0, 140, 0, 3] = np.nan
-    v[0, 141, 1, :] = np.inf
-    k[0, 145, 0, 0] = np.nan
+    q, k, v = _qkv(rng, 1, sq, 150, hq, hkv, 16)
+    first = 150 - sq  # the first query row sees keys up to `first` (causal, bottom-right)
+    v[0, first + 1, 0, 3] = np.nan
+    v[0, first + 2, 1, :] = np.inf
+    k[0, first + 2, 0, 0] = np.nan
     out, _ = _check(q, k, v, causal=True)
-    assert np.isfinite(out[0, :140]).all()
-    assert np.isnan(out[0, 140:, 0, 3]).all()
+    assert np.isfinite(out[0, :1]).all()
+    assert np.isnan(out[0, 1:, :hq // hkv, 3]).all()
 
 
 def test_fully_masked_rows_and_tiles():

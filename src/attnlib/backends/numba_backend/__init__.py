@@ -8,6 +8,10 @@ are read in their own dtype and widened to float32 tile by tile as the kernel lo
 (``_flash._load_q``, ``_flash._load_stored``; never a widened copy of an input), accumulating in
 float32; float64 stays float64. The tile gemms call MKL (sequential; its JIT kernels for full
 float32 tiles) when the ``mkl`` wheel is installed, else scipy's OpenBLAS (:mod:`._blas`).
+Decode-sized tasks (at most ``_flash.SMALL_ROWS`` packed query rows, e.g. one query row of a
+GQA group) skip BLAS, whose per-call cost exceeds the arithmetic of a few rows: their two
+products run in vectorised loops, four keys at a time, each K / V row read (and widened or
+dequantized, into a few rows of scratch that stay in L1) once, so the step streams the cache.
 
 Paged calls (``AttnCall.block_table``) run the same kernel: a key tile whose pages follow each
 other in the pool is read in place, any other is gathered one page at a time into the thread's

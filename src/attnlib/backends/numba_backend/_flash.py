@@ -2,13 +2,21 @@
 
 One *task* is ``(sequence, kv head, block of packed query rows, key range)``. Packed rows put the
 ``G = Hq // Hkv`` query heads that share a kv head side by side (row ``r`` is query row ``r // G``
-of head ``kvh * G + r % G``), so one K/V tile load serves the whole GQA group, and a decode step
-(one query row) still gives BLAS an ``M = G`` matrix. Per key tile (FlashAttention-2, Alg. 1):
+of head ``kvh * G + r % G``), so one K/V tile load serves the whole GQA group. Per key tile
+(FlashAttention-2, Alg. 1):
 
     S = Q_blk @ K_blk^T (BLAS gemm on contiguous float32 / float64 tiles)
     -> softcap, ALiBi, mask, positional (causal / window) masking
     -> m_new = max(m, rowmax S); P = exp(S - m_new); l = l * exp(m - m_new) + rowsum P
     -> O = O * exp(m - m_new) + P @ V_blk (gemm)
+
+Small-row tasks (``nr <= SMALL_ROWS`` packed rows: decode) compute both products without
+BLAS (:func:`_small_tile`): BLAS's per-call cost (packing, dispatch) exceeds the arithmetic of
+a tile of a few rows, and a decode step should cost the bytes of the cache it reads. Each K / V
+row is read from the cache once per tile (in place, or widened / dequantized into a scratch of
+SMALL_KEYS rows that stays in L1) and used by every row of the GQA group in vectorised loops, four
+keys at a time; the score transform, the online softmax and the epilogue are the same code as
+for large tiles.
 
 Key tiles that causal / window hide from every row of the block are never visited. Only
 ``BLOCK_M x BLOCK_N`` score tiles exist: no Sq x Sk buffer. Threads (the caller and helpers,
@@ -674,7 +682,8 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     causal_hi (BIG when not causal). Key / value tiles are read in place by BLAS
     (leading dimension: the row stride; no copy), except a tile that wraps around a ring buffer,
     which is copied first, and tiles stored in another dtype (``kv_format``), which are widened
-    into the scratch tile. ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
+    into the scratch tile. Tasks of at most SMALL_ROWS rows use no BLAS and no tile copy
+    (:func:`_small_tile`). ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
     dtype's), called through :func:`_gemm`. ``jit`` int64 (4,): MKL JIT kernels (address,
     jitter) specialised to the full tile's ``Q K^T`` and ``P V`` shapes (0: none), used for full
     ``block_m x block_n`` tiles read in place.
@@ -785,7 +794,7 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             # logical first row of the tile (paged), or its (ring-wrapped) cache row
             lrow = seq[s, 4] + jb if paged else row
             if small:
-                # -- S^T = K_blk Q_blk^T, four keys at a time, each K row read once
+                # -- S^T = K_blk Q_blk^T without BLAS, each K row read (and widened) once
                 _small_tile(k, kc, ksc, kst, sst, kv_format, table, s, kb, lrow, n, ring,
                             page_size, n_pages, kvh, kt, d_qk, qt, nr, st, zero, ot, sb, True,
                             True, offs)
@@ -822,13 +831,12 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             # -- S^T (n x nr, row-major) = K_blk @ Q_blk^T: BLAS column-major
             #    S (nr x n) = Q^T' K^T', i.e. gemm('T', 'N'), K read in place
             full_tile = nr == block_m and n == block_n and not copied
-            if small:
-                pass
-            elif full_tile and jit[0] != 0:
-                _call_jit(jit[0], jit[1], qt_addr, k_addr, st_addr)
-            else:
-                _gemm(gemm_fn, True, False, nr, n, d_qk, 1.0, qt_addr, d_qk, k_addr, k_lead,
-                      0.0, st_addr, nr, bi, bf)
+            if not small:
+                if full_tile and jit[0] != 0:
+                    _call_jit(jit[0], jit[1], qt_addr, k_addr, st_addr)
+                else:
+                    _gemm(gemm_fn, True, False, nr, n, d_qk, 1.0, qt_addr, d_qk, k_addr,
+                          k_lead, 0.0, st_addr, nr, bi, bf)
             kpos_lo = kpos0 + jb
             kpos_hi = kpos_lo + n - 1
             full = kpos_hi - qpos_lo <= hi and kpos_lo - qpos_hi >= -wl and not use_mask
@@ -873,7 +881,7 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
                 for d in range(d_v):
                     ot[r * d_v + d] *= a
             if small:
-                # four keys at a time, each V row read once
+                # without BLAS, each V row read (and widened) once
                 _small_tile(v, vc, vsc, vst, sst, kv_format, table, s, kb, lrow, n, ring,
                             page_size, n_pages, kvh, vt, d_v, qt, nr, st, zero, ot, sb, clean,
                             False, offs)
