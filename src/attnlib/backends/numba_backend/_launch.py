@@ -432,12 +432,9 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
     # a dense call writes every output row (each row is one task's), so no zero fill
     covered = call.dense and bool((call.q_len == sq_arr).all())
     out = (np.empty if covered else np.zeros)((bq, sq_arr, hq, d_v), cdt)
-    if covered:
-        lse = np.empty((bq, hq, sq_arr), cdt)
-    elif call.sinks is None:
-        lse = np.full((bq, hq, sq_arr), -np.inf, cdt)
-    else:  # rows no task reaches see no key: lse = their head's sink
-        lse = np.repeat(np.repeat(sinks[None, :, None], bq, 0), sq_arr, 2)
+    # rows no task reaches see no key
+    lse = (np.empty((bq, hq, sq_arr), cdt) if covered
+           else _flash.empty_lse(bq, hq, sq_arr, sinks, cdt))
     n_threads = numba.get_num_threads()
     g = hq // k.shape[2]
     block_m, block_n, dealt, tasks, n_slots, jit, gemm_fn, size, limit = \
