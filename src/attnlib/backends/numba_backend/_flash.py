@@ -387,8 +387,8 @@ def _widen_rows(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_size
 # -- small-row tiles (decode): at most SMALL_ROWS packed rows per task. The two products of a
 # tile then have a handful of rows, where a BLAS call costs more than the arithmetic; they are
 # computed here instead, four keys at a time, each K / V row read from the cache (and widened /
-# dequantized into a 4-row scratch in L1) once per tile: the step streams the cache.
-SMALL_ROWS = 16
+# dequantized into a SMALL_KEYS-row scratch in L1) once per tile: the step streams the cache.
+SMALL_ROWS = 12  # from 16 rows on, the gemm path is the faster one (bench/RESULTS.md)
 
 
 @njit(fastmath=FASTMATH, inline="always")
