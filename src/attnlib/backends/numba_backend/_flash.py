@@ -13,7 +13,7 @@ of head ``kvh * G + r % G``), so one K/V tile load serves the whole GQA group. P
 Small-row tasks (``nr <= SMALL_ROWS`` packed rows: decode) compute both products without
 BLAS (:func:`_small_tile`): BLAS's per-call cost (packing, dispatch) exceeds the arithmetic of
 a tile of a few rows, and a decode step should cost the bytes of the cache it reads. Each K / V
-row is read from the cache once per tile (in place, or widened / dequantized into a scratch of
+row is read from the cache once per tile (copied, or widened / dequantized, into a scratch of
 SMALL_KEYS rows that stays in L1) and used by every row of the GQA group in vectorised loops, four
 keys at a time; the score transform, the online softmax and the epilogue are the same code as
 for large tiles.
@@ -404,7 +404,7 @@ def _widen_rows(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_size
 # tile then have a handful of rows, where a BLAS call costs more than the arithmetic; they are
 # computed here instead, four keys at a time, each K / V row read from the cache (and widened /
 # dequantized into a SMALL_KEYS-row scratch in L1) once per tile: the step streams the cache.
-SMALL_ROWS = 12  # from 16 rows on, the gemm path is the faster one (bench/RESULTS.md)
+SMALL_ROWS = 12  # from 16 rows on, the gemm path is the faster one
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -520,9 +520,11 @@ SMALL_KEYS = 16  # keys per block of a small-row tile: widened rows stay in L1
 def _small_tile(x, xc, xsc, xst, sst, fmt, table, s, b, row0, n, ring, page_size, n_pages, h,
                 buf, width, qt, nr, st, z, ot, sb, clean, scores, offs):
     """One pass of a small-row tile over its ``n`` key (``scores``: Q K^T into ``st``) or value
-    (else: O += P V) rows, logical rows ``row0 ..`` of kv head ``h``, SMALL_KEYS at a time:
-    rows in the compute dtype (``fmt`` 0, ``x`` flat, strides ``xst``) are read in place, stored
-    rows (``xc``, scales ``xsc``) are widened into ``buf`` first (:func:`_load_stored`).
+    (else: O += P V) rows, logical rows ``row0 ..`` of kv head ``h``, SMALL_KEYS at a time, each
+    block first brought into ``buf`` (L1): rows in the compute dtype (``fmt`` 0, ``x`` flat,
+    strides ``xst``) copied (a plain streaming copy, then arithmetic on L1 data, runs faster
+    than the arithmetic reading the cache directly), stored rows (``xc``, scales ``xsc``)
+    widened (:func:`_load_stored`).
     ``offs`` int64 (SMALL_KEYS,): scratch for the rows' offsets."""
     for c0 in range(0, n, SMALL_KEYS):
         cnt = min(SMALL_KEYS, n - c0)
@@ -534,9 +536,14 @@ def _small_tile(x, xc, xsc, xst, sst, fmt, table, s, b, row0, n, ring, page_size
             _small_rows(buf, offs, cnt, c0, width, qt, nr, st, z, ot, sb, clean, scores)
         else:
             for u in range(cnt):
-                offs[u] = _row_at(xst, sst, table, s, b, row0 + c0 + u, ring, page_size,
-                                  n_pages, h)[0]
-            _small_rows(x, offs, cnt, c0, width, qt, nr, st, z, ot, sb, clean, scores)
+                off = _row_at(xst, sst, table, s, b, row0 + c0 + u, ring, page_size, n_pages,
+                              h)[0]
+                row = x[off:off + width]
+                out = buf[u * width:(u + 1) * width]
+                for d in range(width):
+                    out[d] = row[d]
+                offs[u] = u * width
+            _small_rows(buf, offs, cnt, c0, width, qt, nr, st, z, ot, sb, clean, scores)
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -698,7 +705,7 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     causal_hi (BIG when not causal). Key / value tiles are read in place by BLAS
     (leading dimension: the row stride; no copy), except a tile that wraps around a ring buffer,
     which is copied first, and tiles stored in another dtype (``kv_format``), which are widened
-    into the scratch tile. Tasks of at most SMALL_ROWS rows use no BLAS and no tile copy
+    into the scratch tile. Tasks of at most SMALL_ROWS rows use no BLAS
     (:func:`_small_tile`). ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
     dtype's), called through :func:`_gemm`. ``jit`` int64 (4,): MKL JIT kernels (address,
     jitter) specialised to the full tile's ``Q K^T`` and ``P V`` shapes (0: none), used for full
