@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _spec, registry
+from . import _plans, _spec, registry
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = [
@@ -150,7 +150,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
 
 # ---- repeat calls of attention(): the checks of a key are done once ------------------------------
 _DENSE_MAX = 128
-_dense_entries: dict[tuple, Any] = {}
+_dense_entries = _plans.table("attention() checked calls")
 #: option types whose checks depend only on (type, value), both in the key (True and 1 differ)
 _SIMPLE = (bool, int, float, type(None), str, np.bool_, np.float64, np.float32)
 

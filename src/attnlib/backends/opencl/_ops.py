@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import _plans
 from . import _pool
 from ._arrays import (
     STORE_KINDS,
@@ -248,7 +249,7 @@ class _WritePlan:
         bsz, s, h, d = src.shape
         item = dtype.itemsize
         i64, i32 = np.int64, np.int32
-        self.table = _pool.DeviceTable(queue.context, 8 * bsz, not be.facts.simulator)
+        self.table = _pool.DeviceTable(queue, 8 * bsz, not be.facts.simulator)
         self.opts = cfg.options()
         self.args = [None, i64(src.offset // item), *(i64(st // item) for st in src.strides),
                      dummy_buffer(queue.context), self.table.buf, i32(s), i32(h), i32(d), i32(0),
@@ -256,7 +257,7 @@ class _WritePlan:
         self.gsize = (d, h, bsz * s)
 
 
-_write_plans: dict[tuple, Any] = {}
+_write_plans = _plans.table("opencl cache writes")
 _PLANS_MAX = 256
 
 
@@ -428,7 +429,7 @@ class _AppendPlan:
             return [i64(x.offset // item), *(i64(st // item) for st in x.strides)]
 
         dummy = dummy_buffer(ctx)
-        self.table = _pool.DeviceTable(ctx, 12 * bsz, not be.facts.simulator)
+        self.table = _pool.DeviceTable(queue, 12 * bsz, not be.facts.simulator)
         self.opts = cfg.options()
         self.cap = kbuf.shape[1]
         self.args = [None, *(view(q) if hq else [i64(0)] * 5), None, *view(k), None, *view(v),
@@ -439,7 +440,7 @@ class _AppendPlan:
         self.gsize = (max(d, dv), hq + 2 * hkv, bsz * s)
 
 
-_append_plans: dict[tuple, Any] = {}
+_append_plans = _plans.table("opencl cache appends")
 _ROW_SLOT_POS = struct.Struct("=iii")  # one (cache row, first slot, first cs row) entry
 _Q, _K, _V, _CS, _QO, _KC, _VC = 0, 6, 12, 18, 27, 28, 32
 _APPEND_VARYING = (_Q, _K, _V, _QO, _KC, _VC)  # caches of one geometry share the plan

@@ -155,12 +155,18 @@ class DeviceTable:
     output dropped right away would otherwise wait for the write, i.e. for every kernel enqueued
     before it (``_pool.upload``'s keeper made each such call wait for the previous one)."""
 
-    __slots__ = ("buf", "size", "sig", "fill", "pending")
+    __slots__ = ("buf", "size", "sig", "fill", "pending", "unordered")
     PENDING = 8
 
-    def __init__(self, ctx: Any, nbytes: int, fill: bool) -> None:
+    def __init__(self, queue: Any, nbytes: int, fill: bool) -> None:
         import pyopencl as cl
 
+        ctx = queue.context
+        #: an out-of-order queue: a rewrite first waits for the queue's work, then writes
+        #: blocking (no kernel enqueued before may read the new bytes)
+        self.unordered = bool(
+            queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
+        fill = fill and not self.unordered
         size = max(4, int(nbytes))
         self.fill = fill and size <= 128 and _fill_ok(ctx)
         if self.fill:
@@ -178,7 +184,10 @@ class DeviceTable:
         data = host if type(host) is bytes else host.tobytes()
         if data == self.sig:
             return
-        if self.fill:
+        if self.unordered:
+            queue.finish()
+            cl.enqueue_copy(queue, self.buf, np.frombuffer(data, np.uint8), is_blocking=True)
+        elif self.fill:
             pad = bytes(self.size - len(data)) if len(data) < self.size else b""
             _fill(queue, self.buf, data + pad, 0, self.size, None)
         else:
