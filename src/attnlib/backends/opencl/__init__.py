@@ -126,7 +126,7 @@ _OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_
 
 class device_errors:
     """Device allocation failures become MemoryError (contract §6), never a raw driver error.
-    (A class, not a generator context manager: it wraps every call, ~1 us less each.)"""
+    (A class, not a generator context manager: it wraps every call, and a class costs less.)"""
 
     __slots__ = ("what",)
 

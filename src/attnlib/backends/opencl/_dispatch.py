@@ -230,7 +230,7 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
             col = vals[:, 0].tolist() if n == 1 else None
         else:  # per-sequence fields that are not int64
             vals, col = per_sequence(call)
-        if col is not None:  # Python ints: numpy's operations on 1-element arrays cost ~1 us
+        if col is not None:  # Python ints: cheaper than numpy on 1-element arrays
             max_rows = col[2] * entry.group
         else:
             max_rows = int(vals[2].max()) * entry.group if n else 0

@@ -8,13 +8,13 @@ A family (portable, NVIDIA mma.sync, wgmma, NVIDIA decode, ...; the ordered list
   reason it cannot (``attnlib.backends.opencl.why`` shows them, as PyTorch's SDPA says why it
   skipped a backend);
 * :meth:`Family.plan` ``(be, queue, call, max_rows)``: a :class:`Plan` of everything the call's
-  description (``_plan_cache.plan_key``) fixes.
+  description (``_dispatch.plan_key``) fixes.
 
 A plan answers two more: :meth:`Plan.step` (what the per-sequence values fix: tables, work-group
 counts, key splits; made again only when those values change) and :meth:`Plan.enqueue` (one
 call's buffers bound and its kernels launched). :meth:`Plan.run` does what every family's call
 does around them (outputs from the pool, host copies for host inputs). The first call of a key
-and every repeat take this one path (``_plan_cache.run``).
+and every repeat take this one path (``_dispatch.attention``).
 """
 
 from __future__ import annotations

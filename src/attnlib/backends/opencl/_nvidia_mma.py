@@ -250,8 +250,7 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
                    extra_options: tuple[str, ...] | None = None,
                    heads_inner: bool | None = None) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel and its grid order (see :func:`run` for the
-    arguments): the one place that picks DEFAULT_OPTIONS_16 and the causal scheduling, for
-    :func:`run` and the repeat-call plans of ``_nvidia_plans``."""
+    arguments): the one place that picks DEFAULT_OPTIONS_16 and the causal scheduling."""
     d, dtype = call.head_dim, call.dtype
     causal = call.causal_hi is not None
     scheduled = causal and (dtype != _F32 or d in F32_SCHEDULED)

@@ -73,10 +73,10 @@ def empty(queue: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     queue's pool.
 
     pyopencl's checked constructor (``cla.empty``) validated the shape with several numpy calls:
-    a large part of a decode call's host time (bench/RESULTS.md); its fast
-    constructor (what its ``_new_like_me`` uses) still cost ~5 us here. The first Array of a
+    a large part of a decode call's host time (bench/RESULTS.md); its fast constructor (what
+    its ``_new_like_me`` uses) still costs more than a copy of attributes. The first Array of a
     (queue, shape, dtype) is made by that constructor; later ones copy its attributes with a
-    fresh allocation and event list (~1 us), when the Array holds exactly the attributes that
+    fresh allocation and event list, when the Array holds exactly the attributes that
     constructor sets (else every Array is constructed)."""
     key = (queue.int_ptr, shape, dtype)
     tmpl = _templates.get(key)
