@@ -402,7 +402,7 @@ class PortablePlan(Plan):
         ctx = queue.context
         args = self.args.copy()
         args[self.i_q], args[self.i_k], args[self.i_v] = (
-            x.base_data if type(x) is not np.ndarray and x.base_data is not None
+            x.base_data if not isinstance(x, np.ndarray) and x.base_data is not None
             else device_view(ctx, x).buf for x in (call.q, call.k, call.v))
         if call.alibi is not None:
             args[self.i_alibi] = _pool.upload(queue, np.ascontiguousarray(call.alibi,

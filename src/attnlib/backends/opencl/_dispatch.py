@@ -59,7 +59,7 @@ class MixedPaged(Family):
             return "quantized K/V"
         if max_rows <= _nvidia_decode.MAX_ROWS:
             return "every sequence fits the decode kernel"
-        if type(call.q) is not np.ndarray or type(call.block_table) is not np.ndarray:
+        if not isinstance(call.q, np.ndarray) or not isinstance(call.block_table, np.ndarray):
             return "device arrays (the parts' outputs are joined on the host)"
         return _nvidia_decode.reason(be.device, call)
 

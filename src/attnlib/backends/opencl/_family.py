@@ -109,7 +109,7 @@ class Plan:
         copies (device inputs: Arrays; without ``need_lse`` the LSE goes to scratch, None)."""
         queue = self.queue
         bq, sq, hq, _ = call.q.shape
-        host = type(call.q) is np.ndarray
+        host = isinstance(call.q, np.ndarray)
         out = _pool.empty(queue, (bq, sq, hq, call.v.shape[3]), call.q.dtype)
         if call.need_lse or host:
             lse = _pool.empty(queue, (bq, hq, sq), self.lse_dtype)

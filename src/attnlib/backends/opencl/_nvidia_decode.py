@@ -353,7 +353,7 @@ class DecodePlan(Plan):
         n_out_rows = bq * sq_arr * hq
         slots = kn.slots
         args = kn.args.copy()
-        if type(call.q) is np.ndarray:
+        if isinstance(call.q, np.ndarray):
             args[0:3] = _nvidia_tables.buffers(ctx, call)
         else:
             args[0], args[1], args[2] = call.q.base_data, call.k.base_data, call.v.base_data

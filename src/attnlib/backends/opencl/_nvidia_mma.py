@@ -416,7 +416,7 @@ class PrefillPlan(Plan):
         queue = self.queue
         ctx = queue.context
         args = self.args.copy()
-        if type(call.q) is np.ndarray:
+        if isinstance(call.q, np.ndarray):
             args[0:3] = buffers(ctx, call)
         else:
             args[0], args[1], args[2] = call.q.base_data, call.k.base_data, call.v.base_data
