@@ -13,7 +13,7 @@ import numpy as np
 
 from ... import _plans
 from ..base import AttnCall
-from ._arrays import dummy_buffer, is_cl_array
+from ._arrays import is_cl_array
 
 SEQ_FIELDS = 9
 BIG = 1 << 40  # an unbounded side of the visible key range
@@ -151,27 +151,14 @@ def slopes(ctx: Any, call: AttnCall) -> Any:
                      lambda: _device_copy(ctx, values))
 
 
-def sinks_input(queue: Any, call: AttnCall, keep: Any) -> tuple[Any, int]:
-    """The call's sinks for both tensor-core kernels: (a device copy, enqueued on ``queue`` and
-    kept alive by ``keep``, the call's output Array; Hq) or (a stand-in buffer, 0)."""
-    if call.sinks is None:
-        return dummy_buffer(queue.context), 0
-    from . import _pool
-
-    return _pool.upload(queue, call.sinks, keep), int(call.sinks.shape[0])
-
-
 def mask_args(ctx: Any, call: AttnCall) -> list:
     """The prefill kernels' mask arguments: (buffer, element offset, element strides over
     sequence, head, row, key), the strides 0 where the mask broadcasts. The unbroadcast mask is
     uploaded: bool as uint8, additive float16 / bfloat16 as they are (the kernel reads them as
     float32, exactly), other additive dtypes as float32 (the contract reads them as float32 or
-    wider); a 1-byte stand-in buffer when the call has none."""
+    wider)."""
     i64 = np.int64
     mv = call.mask_view
-    if mv is None:
-        buf = _memoised(("no mask", ctx.int_ptr), lambda: _device_copy(ctx, np.zeros(1, np.uint8)))
-        return [buf, i64(0), i64(0), i64(0), i64(0), i64(0)]
     base = mv[tuple(slice(0, 1) if st == 0 else slice(None) for st in mv.strides)]
     if call.mask_kind == "bool":
         base = np.ascontiguousarray(base).view(np.uint8)  # (no copy of a contiguous mask)
