@@ -365,9 +365,12 @@ class PortablePlan(Plan):
         self.i_alibi, self.s_mask = a.at("alibi"), a.span("mask")
         self.s_table = a.span("block_table") if a.has("block_table") else None
         self.s_scales = (a.span("k_scales"), a.span("v_scales")) if fmt else None
-        #: the slots a launch sets (a launch of the same plan compares only these)
-        self.varying = a.indices("q", "k", "v", "out", "lse", "sinks", "alibi", "mask",
-                                 "block_table", "k_scales", "v_scales")
+        #: the slots a launch sets (a launch of the same plan compares only these; the
+        #: stand-ins of absent options stay as the plan's first launch set them)
+        self.varying = a.indices("q", "k", "v", "out", "lse", "sinks", "block_table",
+                                 "k_scales", "v_scales",
+                                 *(["alibi"] if call.alibi is not None else []),
+                                 *(["mask"] if self.mask_kind else []))
         self.owners = (object(), object())  # the KernelSlot owner of each split mode
         self.group = hq // hkv
         self.grid_y = hkv

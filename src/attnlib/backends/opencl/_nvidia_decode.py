@@ -279,7 +279,8 @@ class DecodeKernel:
         self.slots = {n: a.span(n) if n in ("scales", "block_table") else a.at(n)
                       for n in a.slots}
         self.varying = a.indices("q", "k", "v", "out", "lse", "part_o", "part_l", "sinks",
-                                 "alibi", "scales", "block_table")
+                                 "scales", "block_table",
+                                 *(["alibi"] if call.alibi is not None else []))
         self.key = kernel_key(ctx, device, opts)
         self.make = lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
         self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)

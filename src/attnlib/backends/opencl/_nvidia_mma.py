@@ -402,7 +402,8 @@ class PrefillPlan(Plan):
         self.args = a.values
         self.i_sinks, self.i_alibi, self.s_mask = a.at("sinks"), a.at("alibi"), a.span("mask")
         self.varying = a.indices("q", "k", "v", "out", "lse", "tiles", "seqs", "sinks",
-                                 "alibi", "mask")
+                                 *(["alibi"] if call.alibi is not None else []),
+                                 *(["mask"] if call.mask_view is not None else []))
         self.hq = hq
 
     def step(self, call: AttnCall, vals: Any, col: Any) -> Any:
