@@ -180,7 +180,7 @@ class _Uploads:
     copy, i.e. for every kernel enqueued before it. Handed to the destination Array (a KV
     cache), they made pyopencl's ``Array.add_event``, which waits on the oldest events once it
     holds 12, wait for earlier steps' kernels: every append with RoPE on the per-call path
-    waited for the previous step (tens of ms on PoCL at a few K tokens). An upload KEEP uploads
+    waited for the previous step's kernels. An upload KEEP uploads
     old is long done when its event is dropped (as _pool.DeviceTable.pending)."""
 
     __slots__ = ("events",)
