@@ -150,7 +150,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
 
 # ---- repeat calls of attention(): the checks of a key are done once ------------------------------
 _DENSE_MAX = 128
-_dense_entries = _plans.table("attention() checked calls")
+_dense_entries = _plans.table()
 #: option types whose checks depend only on (type, value), both in the key (True and 1 differ)
 _SIMPLE = (bool, int, float, type(None), str, np.bool_, np.float64, np.float32)
 

@@ -2,9 +2,9 @@
 
 A plan cache maps what a call's checks or kernel choice read (its key) to what they fixed: the
 front door's checked entries (``_api``, ``kv_cache``), the OpenCL plans (``backends/opencl``)
-and the numba backend's tilings. Each is a :class:`PlanTable` (a ``dict``: lookups on the hot
-path cost what a dict's do) made by :func:`table`, which registers it here; a table owned by an
-object (a KV cache's entries) lives as long as the object."""
+and the numba backend's tilings. Each is a plain ``dict`` (a lookup on the hot path costs what a
+dict's does) made by :func:`table`, which registers it here: for the process, or for as long as
+its ``owner`` lives (a KV cache's entries)."""
 
 from __future__ import annotations
 
@@ -12,43 +12,34 @@ import threading
 import weakref
 from typing import Any
 
-
-class PlanTable(dict):
-    """A plan cache: a dict that :func:`forget_plans` can reach (weakly referenced)."""
-
-    __slots__ = ("__weakref__", "name")
-
-
-_refs: list[weakref.ref] = []
 _lock = threading.Lock()
+#: the caches of the process (modules' plan tables)
+_tables: list = []
+#: owner -> its plan tables (dropped with the owner)
+_owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _add(cache: Any) -> None:
+def table(owner: Any = None) -> dict:
+    """A new, empty plan cache, registered for :func:`forget_plans`: for the process, or for as
+    long as ``owner`` (an object that is weakly referable and hashable) lives."""
+    return register({}, owner)
+
+
+def register(cache: Any, owner: Any = None) -> Any:
+    """Register an existing cache (anything with ``clear()``, e.g. an ``OrderedDict``) as
+    :func:`table` does; returns it."""
     with _lock:
-        if len(_refs) >= 64 and len(_refs) & (len(_refs) - 1) == 0:  # prune dead ones now and then
-            _refs[:] = [r for r in _refs if r() is not None]
-        _refs.append(weakref.ref(cache))
-
-
-def table(name: str) -> PlanTable:
-    """A new, empty plan cache, registered for :func:`forget_plans`."""
-    t = PlanTable()
-    t.name = name
-    _add(t)
-    return t
-
-
-def register(cache: Any) -> Any:
-    """Register an existing cache (any weakly referable object with ``clear()``, e.g. an
-    ``OrderedDict``) for :func:`forget_plans`; returns it."""
-    _add(cache)
+        if owner is None:
+            _tables.append(cache)
+        else:
+            _owned.setdefault(owner, []).append(cache)
     return cache
 
 
 def tables() -> list:
     """The live plan caches."""
     with _lock:
-        return [c for c in (r() for r in _refs) if c is not None]
+        return _tables + [t for ts in list(_owned.values()) for t in ts]
 
 
 def forget_plans() -> None:

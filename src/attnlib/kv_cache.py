@@ -75,7 +75,7 @@ class KVCache:
         self._len = np.zeros(self.max_batch_size, dtype=np.int64)
         self._lo = np.zeros(self.max_batch_size, dtype=np.int64)
         #: repeat-call entries of attention_with_kvcache (see _fast_key)
-        self._fast = _plans.table("KVCache checked calls")
+        self._fast = _plans.table(owner=self)
 
     def __repr__(self) -> str:
         return (f"KVCache(max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "

@@ -352,7 +352,7 @@ def _jit_kernels(cdt: np.dtype, block_m: int, block_n: int, d_qk: int, d_v: int,
     return jit
 
 
-_plans = _attnlib_plans.table("numba tilings")
+_plans = _attnlib_plans.table()
 MAX_PLANS = 64  # calls of a model repeat a few shapes
 
 

@@ -302,7 +302,7 @@ class PortablePlan(Plan):
     per-call slots left to fill, and the descriptor's device table."""
 
     def __init__(self, be: OpenCLBackend, queue: Any, call: AttnCall, max_rows: int) -> None:
-        ctx = queue.context
+        self.ctx = ctx = queue.context
         self.be, self.queue = be, queue
         dtype = call.dtype
         acc = acc_dtype(dtype)
@@ -401,12 +401,15 @@ class PortablePlan(Plan):
 
     def enqueue(self, step: Any, call: AttnCall, out: Any, lse: Any, keep: Any) -> list:
         desc, n_groups, splits = step
-        queue = self.queue
-        ctx = queue.context
+        queue, ctx = self.queue, self.ctx
         args = self.args.copy()
-        args[self.i_q], args[self.i_k], args[self.i_v] = (
-            x.base_data if not isinstance(x, np.ndarray) and x.base_data is not None
-            else device_view(ctx, x).buf for x in (call.q, call.k, call.v))
+        q, k, v = call.q, call.k, call.v
+        if (isinstance(q, np.ndarray) or isinstance(k, np.ndarray) or q.base_data is None
+                or k.base_data is None or v.base_data is None):  # host or empty arrays
+            args[self.i_q], args[self.i_k], args[self.i_v] = (device_view(ctx, x).buf
+                                                              for x in (q, k, v))
+        else:
+            args[self.i_q], args[self.i_k], args[self.i_v] = q.base_data, k.base_data, v.base_data
         if call.alibi is not None:
             args[self.i_alibi] = _pool.upload(queue, np.ascontiguousarray(call.alibi,
                                                                           np.float32), keep)

@@ -16,7 +16,7 @@ ones before it gave (``attnlib.backends.opencl.why``, ``attnlib info --why``):
 
 :func:`attention` is the path of the first call of a call description and of every repeat:
 the plan cache :data:`plans` maps the description (:func:`plan_key`: array types, shapes,
-strides and offsets, options, the backend's options and every ``_switches`` value) to an entry
+strides and offsets, options, the backend's options and the ``_switches`` in force) to an entry
 that holds, per largest packed row count, the family's plan; the per-sequence values are
 compared as bytes with the last call's: equal, the plan's step (tables, work-group counts,
 splits) is reused and nothing is uploaded; different, the step is made again (the plans'
@@ -140,7 +140,7 @@ def why(be: OpenCLBackend, call: AttnCall) -> list[tuple[str, str | None]]:
 
 # ---- the plan cache ---------------------------------------------------------------------------
 #: the entries by call description (see the module)
-plans = _plans.table("opencl attention")
+plans = _plans.table()
 _PLANS_MAX = 256
 _ARRAY: list = []
 
@@ -178,13 +178,21 @@ class _Entry:
 
 
 def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall) -> tuple:
-    """Everything of ``call`` that fixes its family and plan but the per-sequence values."""
+    """Everything of ``call`` that fixes its family and plan but the per-sequence values: the
+    backend and its options, the queue, whether q and k are device arrays, their dtypes, shapes,
+    strides and offsets, v's (v has k's array kind and dtype: the front doors check that), the
+    options, what the call has of mask, block table and scales, and the switches in force."""
     q, k, v = call.q, call.k, call.v
+    if not _ARRAY:
+        import pyopencl.array as cla
+
+        _ARRAY.append(cla.Array)
+    qd, kd = type(q) is _ARRAY[0], type(k) is _ARRAY[0]
     table, ks, mv = call.block_table, call.k_scales, call.mask_view
     return (id(be), id(be.facts), be.tiles, be.num_splits, be.use_mma, queue.int_ptr,
-            type(q), q.dtype, q.shape, q.strides, getattr(q, "offset", 0),
-            type(k), k.dtype, k.shape, k.strides, getattr(k, "offset", 0),
-            type(v), v.dtype, v.shape, v.strides, getattr(v, "offset", 0),
+            qd, q.dtype, q.shape, q.strides, q.offset if qd else 0,
+            kd, k.dtype, k.shape, k.strides, k.offset if kd else 0,
+            v.shape, v.strides, v.offset if kd else 0,
             call.q_len.shape[0], call.ring, call.scale, call.softcap, call.window_left,
             call.window_right, call.causal_hi is None, call.need_lse, call.alibi is None,
             call.sinks is None,
@@ -193,20 +201,15 @@ def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall) -> tuple:
             None if ks is None else tuple((type(x), x.dtype, x.shape, x.strides,
                                            getattr(x, "offset", 0))
                                           for x in (ks, call.v_scales)),
-            _switches.values())
+            _switches.KEY)
 
 
 def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     """``(out, lse)`` of ``call`` through its entry's plan (made on the first call of its
     description and of its per-sequence values, reused after)."""
-    if not _ARRAY:
-        import pyopencl.array as cla
-
-        _ARRAY.append(cla.Array)
     q = call.q
-    if type(q) is _ARRAY[0] and q.queue is not None:
-        queue = q.queue
-    else:
+    queue = getattr(q, "queue", None)
+    if queue is None:
         queue = be.queue_for(q, call.k, call.v, call.block_table)
     key = plan_key(be, queue, call)
     entry = plans.get(key)

@@ -107,10 +107,10 @@ class Plan:
     def run(self, call: AttnCall, step: Any) -> tuple[Any, Any]:
         """``(out, lse)`` of ``call``: pooled outputs, :meth:`enqueue`, and for host inputs host
         copies (device inputs: Arrays; without ``need_lse`` the LSE goes to scratch, None)."""
-        queue = self.queue
-        bq, sq, hq, _ = call.q.shape
-        host = isinstance(call.q, np.ndarray)
-        out = _pool.empty(queue, (bq, sq, hq, call.v.shape[3]), call.q.dtype)
+        queue, q = self.queue, call.q
+        bq, sq, hq, _ = q.shape
+        host = isinstance(q, np.ndarray)
+        out = _pool.empty(queue, (bq, sq, hq, call.v.shape[3]), q.dtype)
         if call.need_lse or host:
             lse = _pool.empty(queue, (bq, hq, sq), self.lse_dtype)
             lse_buf = lse.base_data

@@ -296,7 +296,8 @@ class DecodePlan(Plan):
     def __init__(self, be: Any, queue: Any, call: AttnCall, config: tuple | None = None,
                  splits: int | None = None, use_ptx: bool | None = None,
                  fused: bool | None = None) -> None:
-        self.be, self.queue = be, queue
+        self.be, self.queue, self.ctx = be, queue, queue.context
+        self.spare = dummy_buffer(self.ctx)  # stands in for the buffers a launch does not use
         n = call.n_seq
         fill = not be.facts.simulator
         self.seq_table = _pool.DeviceTable(queue, 8 * _nvidia_tables.SEQ_FIELDS * n, fill)
@@ -348,8 +349,7 @@ class DecodePlan(Plan):
         tables rewritten when they changed, the call's buffers, sinks (folded in by the
         kernel, its fused merge or merge.cl, once), ALiBi slopes, scales and block table."""
         kn, seqs, tiles = step
-        queue = self.queue
-        ctx = queue.context
+        queue, ctx, spare = self.queue, self.ctx, self.spare
         bq, sq_arr, hq, d = call.q.shape
         n_out_rows = bq * sq_arr * hq
         slots = kn.slots
@@ -369,7 +369,6 @@ class DecodePlan(Plan):
             args[slots["block_table"]] = table_args(queue, call.block_table,
                                                     int(call.k.shape[0]), keep)
         splits, fused = kn.splits, kn.fused
-        spare = dummy_buffer(ctx)
         if splits > 1:
             part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
             part_l = _pool.scratch(queue, splits * n_out_rows * 4)

@@ -383,7 +383,7 @@ class PrefillPlan(Plan):
     (buffers, tables, sinks, ALiBi slopes, mask) left to fill."""
 
     def __init__(self, queue: Any, device: Any, call: AttnCall, kernel: Launch) -> None:
-        ctx = queue.context
+        self.ctx = ctx = queue.context
         self.queue = queue
         _, sq_arr, hq, _ = call.q.shape
         i32, i64 = np.int32, np.int64
@@ -408,14 +408,13 @@ class PrefillPlan(Plan):
 
     def step(self, call: AttnCall, vals: Any, col: Any) -> Any:
         kn = self.kernel
-        seq_buf, tile_buf, n_tiles = tables_on_device(self.queue.context, call, kn.block_m,
+        seq_buf, tile_buf, n_tiles = tables_on_device(self.ctx, call, kn.block_m,
                                                       kn.block_n)
         return None if n_tiles == 0 else (seq_buf, tile_buf, n_tiles)
 
     def enqueue(self, step: Any, call: AttnCall, out: Any, lse: Any, keep: Any) -> list:
         seq_buf, tile_buf, n_tiles = step
-        queue = self.queue
-        ctx = queue.context
+        queue, ctx = self.queue, self.ctx
         args = self.args.copy()
         if isinstance(call.q, np.ndarray):
             args[0:3] = buffers(ctx, call)

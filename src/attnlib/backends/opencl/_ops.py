@@ -266,7 +266,7 @@ class _WritePlan:
         self.gsize = (d, h, bsz * s)
 
 
-_write_plans = _plans.table("opencl cache writes")
+_write_plans = _plans.table()
 _PLANS_MAX = 256
 
 
@@ -468,7 +468,7 @@ class _AppendPlan:
         self.gsize = (max(d, dv), hq + 2 * hkv, bsz * s)
 
 
-_append_plans = _plans.table("opencl cache appends")
+_append_plans = _plans.table()
 _ROW_SLOT_POS = struct.Struct("=iii")  # one (cache row, first slot, first cs row) entry
 
 

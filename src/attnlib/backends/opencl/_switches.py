@@ -1,8 +1,11 @@
 """Process-wide switches that change what an attention call builds or which kernel family runs
-it (A/B runs, benchmarks, the emulated tests). Every plan key holds :func:`values`, so changing
+it (A/B runs, benchmarks, the emulated tests). Every plan key holds :data:`KEY`, so changing
 one never serves a plan made under another."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 from ... import _config
 
@@ -27,6 +30,27 @@ FUSED_MERGE = True
 CP_ASYNC_FORCE: bool | None = _config.opencl_cp_async()
 
 
+_NAMES = ("F32_ON", "WGMMA_ON", "HEADS_INNER", "EMULATE_PTX", "FUSED_MERGE", "CP_ASYNC_FORCE")
+#: each combination of switch values seen, numbered (a plan key holds the number: one small int
+#: to hash per call)
+_COMBINATIONS: dict[tuple, int] = {}
+
+
 def values() -> tuple:
-    """The switches in force, as one part of every plan key."""
-    return (F32_ON, WGMMA_ON, HEADS_INNER, EMULATE_PTX, FUSED_MERGE, CP_ASYNC_FORCE)
+    """The switches in force."""
+    return tuple(globals()[n] for n in _NAMES)
+
+
+#: the number of :func:`values` in force, part of every plan key; kept up to date by every
+#: assignment to a switch of this module (``monkeypatch.setattr`` included)
+KEY = _COMBINATIONS.setdefault(values(), len(_COMBINATIONS))
+
+
+class _Switches(types.ModuleType):
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in _NAMES:
+            super().__setattr__("KEY", _COMBINATIONS.setdefault(values(), len(_COMBINATIONS)))
+
+
+sys.modules[__name__].__class__ = _Switches
