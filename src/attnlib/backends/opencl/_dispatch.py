@@ -243,8 +243,3 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         state = entry.state = (sig, plan, plan.step(call, vals, col))
     return state[1].run(call, state[2])
 
-
-def forget_plans() -> None:
-    """Empty every plan cache of the process (``attnlib._plans.forget_plans``): tests and
-    benches that change a switch of ``_switches`` need not, the keys hold them."""
-    _plans.forget_plans()
