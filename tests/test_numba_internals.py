@@ -220,13 +220,14 @@ def test_half_cache_reads_only_held_rows_and_matches_reference(ring, dtype):
                      for c in caches.values())
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=2e-3)
     # the narrowing itself: a short prefix of two cache rows is all that is handed on
-    from attnlib.backends.base import AttnCall
+    from attnlib.backends.base import AttnCall, AttnOptions
 
     c = caches["numba"]
     one = np.ones(1, np.int64)
     call = AttnCall(q=q[:1], k=c.k, v=c.v, q_batch=0 * one, q_row0=0 * one, q_len=one,
                     k_batch=2 * one, k_row0=0 * one, k_len=5 * one, q_pos0=4 * one,
-                    k_pos0=0 * one, causal_hi=None, scale=0.25, ring=64 if ring else 0)
+                    k_pos0=0 * one, causal_hi=None, options=AttnOptions(0.25),
+                    ring=64 if ring else 0)
     small = _narrow_keys(call)
     assert small.k.shape == (1, 5, 2, 16) and small.k_batch.tolist() == [0]
     np.testing.assert_array_equal(small.k[0], c.k[2, :5])

@@ -230,9 +230,9 @@ def empty_lse(call: AttnCall, b: int, sq: int) -> np.ndarray:
     """The LSE ``(b, Hq, sq)`` of rows that see no key: -inf, or each head's sink."""
     acc = np.float64 if call.dtype == np.float64 else np.float32
     hq = call.q.shape[2]
-    if call.sinks is None:
+    if call.options.sinks is None:
         return np.full((b, hq, sq), -np.inf, acc)
-    return np.ascontiguousarray(np.broadcast_to(call.sinks.astype(acc)[None, :, None],
+    return np.ascontiguousarray(np.broadcast_to(call.options.sinks.astype(acc)[None, :, None],
                                                 (b, hq, sq)))
 
 

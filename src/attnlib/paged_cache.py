@@ -285,13 +285,12 @@ def _cat(parts: list) -> np.ndarray:
 
 
 def _options(d: int, hq: int, n_seq: int, causal, scale, window, softcap, alibi_slopes, sinks):
-    causal = _spec.check_causal(causal, allow_top_left=False)
-    left, right = _spec.check_window(window)
-    return dict(causal_hi=None if causal is None else np.zeros(n_seq, np.int64),
-                scale=_spec.check_scale(scale, d), window_left=left, window_right=right,
-                softcap=_spec.check_softcap(softcap),
-                alibi=_spec.check_alibi(alibi_slopes, n_seq, hq),
-                sinks=_spec.check_sinks(sinks, hq))
+    """The call's checked options and its causal bound (0: bottom-right, keys up to the row)."""
+    options = _spec.attn_options(d, hq, n_seq, scale=scale, causal=causal, window=window,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                 top_left=False)
+    return dict(options=options,
+                causal_hi=None if options.causal is None else np.zeros(n_seq, np.int64))
 
 
 def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):

@@ -106,6 +106,7 @@ from ._distributed import (
     check_sharding,
 )
 from ._foreign import check_layer_call, front_door
+from ._options import attn_options
 
 __all__ = [
     "check_layer_call",
@@ -115,6 +116,7 @@ __all__ = [
     "LAYOUTS",
     "SHARDINGS",
     "add_batch_dim",
+    "attn_options",
     "backend_origin",
     "check_alibi",
     "check_any_array",

@@ -10,23 +10,18 @@ import numpy as np
 from ..backends.base import AttnCall
 from ..errors import ArgumentError, DTypeError, ShapeError
 from ._arrays import (
-    check_alibi,
     check_array,
-    check_causal,
     check_float_dtype,
     check_int,
     check_layout,
     check_mask,
-    check_scale,
     check_seqlens,
-    check_sinks,
-    check_softcap,
-    check_window,
     host,
     is_device_array,
     same_dtype,
     to_bshd,
 )
+from ._options import attn_options
 
 
 # ---- the normalised attention calls -------------------------------------------------------------
@@ -79,9 +74,9 @@ def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, l
     check_heads(q.shape, k.shape, v.shape)
     if k.shape[0] != b:
         raise ShapeError(f"k has batch {k.shape[0]} but q has {b}; they must match")
-    causal = check_causal(causal)
-    left, right = check_window(window)
     mask_view, mask_kind = check_mask(mask, (b, hq, sq, sk))
+    options = attn_options(d, hq, b, scale=scale, causal=causal, window=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, mask_kind=mask_kind)
     idx = np.arange(b, dtype=np.int64)
     zeros = np.zeros(b, dtype=np.int64)
     off = np.full(b, sk - sq, dtype=np.int64)
@@ -89,11 +84,8 @@ def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, l
         q=q, k=k, v=v,
         q_batch=idx, q_row0=zeros, q_len=np.full(b, sq, dtype=np.int64),
         k_batch=idx, k_row0=zeros, k_len=np.full(b, sk, dtype=np.int64),
-        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(causal, off),
-        scale=check_scale(scale, d), window_left=left, window_right=right,
-        softcap=check_softcap(softcap), alibi=check_alibi(alibi_slopes, b, hq),
-        mask_view=mask_view, mask_kind=mask_kind, dense=True, need_lse=need_lse,
-        sinks=check_sinks(sinks, hq),
+        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(options.causal, off), options=options,
+        mask_view=mask_view, dense=True, need_lse=need_lse,
     )
 
 
@@ -110,17 +102,15 @@ def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_sl
     n = cq.shape[0] - 1
     q_len, k_len = np.diff(cq), np.diff(ck)
     off = k_len - q_len
-    causal = check_causal(causal)
-    left, right = check_window(window)
+    options = attn_options(q.shape[-1], q.shape[1], n, scale=scale, causal=causal, window=window,
+                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     zeros = np.zeros(n, dtype=np.int64)
     return AttnCall(
         q=add_batch_dim(q), k=add_batch_dim(k), v=add_batch_dim(v),
         q_batch=zeros, q_row0=cq[:-1].copy(), q_len=q_len,
         k_batch=zeros, k_row0=ck[:-1].copy(), k_len=k_len,
-        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(causal, off),
-        scale=check_scale(scale, q.shape[-1]), window_left=left, window_right=right,
-        softcap=check_softcap(softcap), alibi=check_alibi(alibi_slopes, n, q.shape[1]),
-        need_lse=need_lse, sinks=check_sinks(sinks, q.shape[1]),
+        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(options.causal, off), options=options,
+        need_lse=need_lse,
     )
 
 

@@ -74,9 +74,8 @@ class BlockPlan:
             q_batch=idx, q_row0=0 * ones, q_len=qlen * ones,
             k_batch=idx.copy(), k_row0=krow * ones, k_len=klen * ones,
             q_pos0=qpos * ones, k_pos0=kpos * ones,
-            causal_hi=0 * ones if opts.causal else None, scale=opts.scale,
-            window_left=opts.window[0], window_right=opts.window[1], softcap=opts.softcap,
-            need_lse=True, **opts.call_fields(first),
+            causal_hi=0 * ones if opts.causal else None, options=opts.block_options(first),
+            need_lse=True,
         )
         return self.be.attention(call)
 
@@ -182,7 +181,7 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
     lc = checked(comm, "ring_attention", lambda: check_local(
         q_l, k_l, v_l, comm, sharding=sharding, layout=layout, return_lse=return_lse,
         backend=backend, heads_split=False, causal=causal, scale=scale, window=window,
-        softcap=softcap, per_head={"alibi_slopes": alibi_slopes, "sinks": sinks}))
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks))
     plan = BlockPlan(lc)
     out, lse = (_ring_device if lc.device else _ring_host)(plan, comm)
     out = _from_bshd(out, lc.layout, plan.be)

@@ -43,7 +43,7 @@ def ulysses_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=N
     lc = checked(comm, "ulysses_attention", lambda: check_local(
         q_l, k_l, v_l, comm, sharding=sharding, layout=layout, return_lse=return_lse,
         backend=backend, heads_split=True, causal=causal, scale=scale, window=window,
-        softcap=softcap, per_head={"alibi_slopes": alibi_slopes, "sinks": sinks}))
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks))
     mover = _Mover(lc, comm)
     q, k, v = mover.to_heads([lc.q, lc.k, lc.v])
     g, hq = lc.rank, lc.q.shape[2] // lc.size
