@@ -72,7 +72,7 @@ class OnlineAttention:
             q_batch=idx, q_row0=0 * ones, q_len=sq * ones,
             k_batch=idx, k_row0=0 * ones, k_len=n * ones,
             q_pos0=off * ones, k_pos0=self._seen * ones,
-            causal_hi=None if self._options.causal is None else 0 * ones,
+            causal_hi=_spec.causal_bound(self._options.causal, off * ones),
             options=self._options if self._state is None else self._later, need_lse=True,
         )
         out, lse = be.attention(call)

@@ -106,7 +106,7 @@ from ._distributed import (
     check_sharding,
 )
 from ._foreign import check_layer_call, front_door
-from ._options import attn_options
+from ._options import attn_options, causal_bound
 
 __all__ = [
     "check_layer_call",
@@ -117,6 +117,7 @@ __all__ = [
     "SHARDINGS",
     "add_batch_dim",
     "attn_options",
+    "causal_bound",
     "backend_origin",
     "check_alibi",
     "check_any_array",

@@ -21,17 +21,10 @@ from ._arrays import (
     same_dtype,
     to_bshd,
 )
-from ._options import attn_options
+from ._options import attn_options, causal_bound
 
 
 # ---- the normalised attention calls -------------------------------------------------------------
-def _causal_hi(causal: str | None, off: np.ndarray) -> np.ndarray | None:
-    """Upper bound on kpos - qpos: 0 bottom-right; top-left j <= i is kpos - qpos <= -off."""
-    if causal is None:
-        return None
-    return np.zeros_like(off) if causal == "bottom_right" else -off
-
-
 def check_qkv(q: Any, k: Any, v: Any, ndim: int) -> np.dtype:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(x, name, ndim=ndim)
@@ -84,7 +77,7 @@ def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, l
         q=q, k=k, v=v,
         q_batch=idx, q_row0=zeros, q_len=np.full(b, sq, dtype=np.int64),
         k_batch=idx, k_row0=zeros, k_len=np.full(b, sk, dtype=np.int64),
-        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(options.causal, off), options=options,
+        q_pos0=off, k_pos0=zeros, causal_hi=causal_bound(options.causal, off), options=options,
         mask_view=mask_view, dense=True, need_lse=need_lse,
     )
 
@@ -109,7 +102,7 @@ def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_sl
         q=add_batch_dim(q), k=add_batch_dim(k), v=add_batch_dim(v),
         q_batch=zeros, q_row0=cq[:-1].copy(), q_len=q_len,
         k_batch=zeros, k_row0=ck[:-1].copy(), k_len=k_len,
-        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(options.causal, off), options=options,
+        q_pos0=off, k_pos0=zeros, causal_hi=causal_bound(options.causal, off), options=options,
         need_lse=need_lse,
     )
 

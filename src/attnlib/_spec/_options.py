@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..backends.base import AttnOptions
 from ._arrays import (
     check_alibi,
@@ -31,3 +33,12 @@ def attn_options(head_dim: int, n_heads: int, n_seq: int, *, scale: Any = None,
         alibi=check_alibi(alibi_slopes, n_seq, n_heads), mask_kind=mask_kind,
         sinks=check_sinks(sinks, n_heads),
     )
+
+
+def causal_bound(causal: str | None, off: np.ndarray) -> np.ndarray | None:
+    """``AttnCall.causal_hi`` of sequences whose query row ``i`` sits at position ``off + i``
+    and key ``j`` at ``j``: the upper bound on ``kpos - qpos``, 0 bottom-right; top-left
+    ``j <= i`` is ``kpos - qpos <= -off``. None when not causal."""
+    if causal is None:
+        return None
+    return np.zeros_like(off) if causal == "bottom_right" else -off
