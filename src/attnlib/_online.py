@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import _spec
-from ._api import _from_bshd, pick_backend
+from ._common import from_bshd, pick_backend
 from .backends.base import AttnCall, Backend
 
 
@@ -101,5 +101,5 @@ class OnlineAttention:
         else:
             out, lse = self._state
             out = out.astype(self._dtype)
-        out = _from_bshd(out, self._layout, self._backend)
+        out = from_bshd(out, self._layout, self._backend)
         return (out, lse) if return_lse else out

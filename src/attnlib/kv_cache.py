@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _quant, _spec, registry
-from ._api import RoPE, check_rope, empty_lse, pick_backend
+from ._common import RoPE, check_rope, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["KVCache", "attention_with_kvcache"]

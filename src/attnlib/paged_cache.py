@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import _cascade, _quant, _spec, registry
-from ._api import _device_contiguous, check_rope, empty_lse, pick_backend
+from ._common import check_rope, device_contiguous, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["PagedKVCache", "attention_with_paged_kvcache", "paged_attention"]
@@ -256,7 +256,7 @@ class PagedKVCache:
             return x
         b, s, h, d = x.shape
         if not isinstance(x, np.ndarray) and not x.flags.c_contiguous:
-            x = _device_contiguous(x, self.backend)
+            x = device_contiguous(x, self.backend)
         return x.reshape((b * s, h, d))
 
     def _commit(self, w: _Append, rope: RopeSpec | None) -> None:

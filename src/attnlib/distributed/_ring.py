@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from .. import _spec
-from .._api import _from_bshd, merge_states
+from .._api import merge_states
+from .._common import from_bshd
 from ..backends.base import AttnCall
 from ..errors import ShapeError
 from ._comm import TAG_K, TAG_V, Ring, allgather_array, check_comm, collective_check
@@ -184,7 +185,7 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks))
     plan = BlockPlan(lc)
     out, lse = (_ring_device if lc.device else _ring_host)(plan, comm)
-    out = _from_bshd(out, lc.layout, plan.be)
+    out = from_bshd(out, lc.layout, plan.be)
     return (out, lse) if lc.return_lse else out
 
 
@@ -314,4 +315,4 @@ def merge_across(o_l, lse_l, comm, *, layout="bshd", backend=None):
         outs = list(allgather_array(comm, o))
         lses = list(allgather_array(comm, lse_l.astype(acc, copy=False)))
     out, lse = merge_states(outs, lses, backend=be)
-    return _from_bshd(out, lay, be), lse
+    return from_bshd(out, lay, be), lse

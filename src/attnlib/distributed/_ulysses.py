@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from .. import _spec
-from .._api import _from_bshd, attention
+from .._api import attention
+from .._common import from_bshd
 from ._comm import _bytes, _mpi
 from ._device import contiguous, download, to_device
 from ._options import LocalCall, check_local
@@ -50,7 +51,7 @@ def ulysses_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=N
     out, lse = attention(q, k, v, return_lse=True, backend=lc.be,
                          **lc.opts.attention_kwargs(slice(g * hq, (g + 1) * hq)))
     out_l, lse_l = mover.to_sequence(out, lse)
-    out_l = _from_bshd(out_l, lc.layout, lc.be)
+    out_l = from_bshd(out_l, lc.layout, lc.be)
     return (out_l, lse_l) if lc.return_lse else out_l
 
 
