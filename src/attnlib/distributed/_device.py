@@ -108,10 +108,9 @@ def transfer_queue(queue: Any) -> Any:
 def staging(queue: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
     """Host byte arrays of ``sizes`` in page-locked memory of ``queue``'s context (mapped
     ``ALLOC_HOST_PTR`` buffers, which drivers pin: copies to and from the device run at the
-    bus's rate; from the device they ran faster than into fresh numpy arrays on PoCL,
-    bench/RESULTS.md), kept for the
-    next call of the same sizes on this queue (one set per queue). MPI reads and writes them as
-    any host memory. The caller waits for every copy that used them before it returns."""
+    bus's rate; from the device they run faster than into fresh numpy arrays on PoCL, see
+    bench/RESULTS.md), kept for the next call of the same sizes on this queue (one set per
+    queue). MPI reads and writes them as any host memory. The caller waits for every copy that used them before it returns."""
     import pyopencl as cl
 
     held = _staging.get(queue.int_ptr)

@@ -121,7 +121,7 @@ def _flat(x: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x as a 4-D numpy array of ``dtype``, a read-only flat view of its memory, int64 (4,):
     its element strides along (batch, row, head) and the row width) for the kernel. No copy
     when x is C-contiguous (bshd) or a (B, S, H, D) view of C-contiguous (B, H, S, D) memory,
-    which ``layout="bhsd"`` hands over; the kernel reads the second ~10 % faster (rows of one
+    which ``layout="bhsd"`` hands over; the kernel reads the second faster (rows of one
     head adjacent: a tile spans a few pages, not one per row); anything else is copied
     C-contiguous. Strides come from the shape (numpy leaves them arbitrary along length-1
     axes)."""
@@ -361,7 +361,7 @@ def _plan(call: AttnCall, seq: np.ndarray, n_threads: int, wl: int, wr: int, cdt
     holds the per-sequence lengths and positions): (block_m, block_n, tasks costliest first,
     tasks in natural order, partial-state slots, MKL JIT kernels (int64 (4,), zeros: plain
     gemm), the gemm's address, the per-thread scratch size, whether BLAS needs a thread
-    limit). A repeated call shape skips ~0.1 ms of numpy work. The kernel never writes these
+    limit). A repeated call shape skips this numpy work. The kernel never writes these
     arrays."""
     from . import _blas, _flash
 
