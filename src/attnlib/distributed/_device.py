@@ -110,7 +110,8 @@ def staging(queue: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
     ``ALLOC_HOST_PTR`` buffers, which drivers pin: copies to and from the device run at the
     bus's rate; from the device they run faster than into fresh numpy arrays on PoCL, see
     bench/RESULTS.md), kept for the next call of the same sizes on this queue (one set per
-    queue). MPI reads and writes them as any host memory. The caller waits for every copy that used them before it returns."""
+    queue). MPI reads and writes them as any host memory. The caller waits for every copy that
+    used them before it returns."""
     import pyopencl as cl
 
     held = _staging.get(queue.int_ptr)
