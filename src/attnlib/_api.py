@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import _spec, registry
-from ._common import RoPE, device_contiguous, empty_lse, from_bshd, pick_backend
+from ._common import RoPE, device_contiguous, empty_lse, from_bshd, option_key, pick_backend
 from .backends.base import AttnCall, Backend
 
 __all__ = [
@@ -65,9 +65,11 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
     >>> attnlib.attention(q, k, v, causal=True, backend="numpy").shape
     (1, 2, 1, 4)
     """
+    options = dict(scale=scale, causal=causal, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks)
     key = None
-    if mask is None and alibi_slopes is None and sinks is None:
-        key = _dense_key(q, k, v, scale, causal, window, softcap, layout, return_lse, backend)
+    if mask is None:
+        key = _dense_key(q, k, v, options, layout, return_lse, backend)
         hit = _dense_entries.get(key) if key is not None else None
         if hit is not None:
             # the backend is resolved every call (use_backend / set_backend may have changed)
@@ -81,9 +83,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
                 out = from_bshd(out, layout, be)
                 return (out, lse) if return_lse else out
     return_lse = _spec.check_bool(return_lse, "return_lse")
-    call = _spec.dense_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
-                            softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
-                            need_lse=return_lse, sinks=sinks)
+    call = _spec.dense_call(q, k, v, mask=mask, layout=layout, need_lse=return_lse, **options)
     be = pick_backend(backend, (q, k, v), call.dtype)
     out, lse = _run(be, call)
     if key is not None:  # every check passed: repeat calls of this key may skip them
@@ -97,27 +97,18 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
 # ---- repeat calls of attention(): the checks of a key are done once ------------------------------
 _DENSE_MAX = 128
 _dense_entries: dict[tuple, Any] = {}
-#: option types whose checks depend only on (type, value), both in the key (True and 1 differ)
-_SIMPLE = (bool, int, float, type(None), str, np.bool_, np.float64, np.float32)
-
-
-def _dense_key(q, k, v, scale, causal, window, softcap, layout, return_lse, backend):
-    """Everything the checks of :func:`attention` read (mask and ALiBi slopes absent): the types,
-    shapes, dtypes and strides of q, k, v, and each option by type and value; None for options
-    of other types (the full path then runs every time)."""
-    for opt in (scale, causal, softcap, layout, return_lse):
-        if type(opt) not in _SIMPLE:
-            return None
+def _dense_key(q, k, v, options, layout, return_lse, backend):
+    """Everything the checks of :func:`attention` read (no mask): the types, shapes, dtypes and
+    strides of q, k, v, the options (:func:`~._common.option_key`), layout, return_lse and the
+    backend; None when some of them are of other types (the full path then runs every time)."""
+    opts = option_key(options)
+    if opts is None or type(layout) is not str or type(return_lse) not in (bool, np.bool_):
+        return None
     if backend is not None and not isinstance(backend, (str, Backend)):
         return None
     try:
-        if window is not None:
-            if type(window) not in (tuple, list) or any(type(w) not in _SIMPLE for w in window):
-                return None
-            window = (type(window), tuple(map(type, window)), tuple(window))
         return (type(q), q.shape, q.dtype, q.strides, type(k), k.shape, k.dtype, k.strides,
-                type(v), v.shape, v.dtype, v.strides, type(scale), scale, type(causal), causal,
-                window, type(softcap), softcap, layout, type(return_lse), return_lse,
+                type(v), v.shape, v.dtype, v.strides, opts, layout, type(return_lse), return_lse,
                 type(backend), backend)
     except (AttributeError, TypeError):
         return None
@@ -189,9 +180,9 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     Returns ``out (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``.
     """
     return_lse = _spec.check_bool(return_lse, "return_lse")
-    call = _spec.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
-                             window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                             need_lse=return_lse, sinks=sinks)
+    call = _spec.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, need_lse=return_lse,
+                             scale=scale, causal=causal, window=window, softcap=softcap,
+                             alibi_slopes=alibi_slopes, sinks=sinks)
     be = pick_backend(backend, (q, k, v), call.dtype)
     out, lse = _run(be, call)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _quant, _spec, registry
-from ._common import RoPE, check_rope, empty_lse, pick_backend
+from ._common import RoPE, check_rope, empty_lse, option_key, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -172,10 +172,11 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
     rows. ``sinks`` (float32 ``(Hq,)``): attention sinks, as in ``attention``. Every check runs
     before the cache is touched: a failing call leaves it unchanged.
     """
+    options = dict(scale=scale, causal=causal, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks)
     fast_key = None
-    if type(cache) is KVCache and backend is None and alibi_slopes is None:
-        fast_key = _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse,
-                             start_pos, batch_idx, sinks)
+    if type(cache) is KVCache and backend is None:
+        fast_key = _fast_key(q, k, v, rope, options, return_lse, start_pos, batch_idx)
         entry = cache._fast.get(fast_key) if fast_key is not None else None
         if entry is not None:
             res = entry.run(cache, q, k, v, start_pos, batch_idx, sinks)
@@ -188,9 +189,7 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
     return_lse = _spec.check_bool(return_lse, "return_lse")
     b, sq, hq, d = _spec.check_cache_query(q, cache.dtype, cache.head_dim, cache.n_kv_heads,
                                            cache.max_batch_size, batch_idx is not None)
-    options = _spec.attn_options(d, hq, b, scale=scale, causal=causal, window=window,
-                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                 top_left=False)
+    options = _spec.attn_options(d, hq, b, top_left=False, **options)
     rope_spec = check_rope(rope, d)
     _spec.check_kv_given(k, v, start_pos)
     if k is None:
@@ -235,33 +234,26 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
 
 # ---- repeat calls ------------------------------------------------------------------------------
 _FAST_MAX = 64
-_NONE = type(None)
-#: per-call values whose checks depend only on (type, value): the key holds both, so True and 1
-#: (equal and of one hash) never share an entry
-_SIMPLE = (bool, int, float, _NONE, str, np.bool_, np.float64, np.float32)
 
 
-def _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse, start_pos=None,
-              batch_idx=None, sinks=None) -> tuple | None:
+def _fast_key(q, k, v, rope, options, return_lse, start_pos=None,
+              batch_idx=None) -> tuple | None:
     """Everything the checks of :func:`attention_with_kvcache` read besides the cache's state
     (lengths) and the values of ``start_pos`` / ``batch_idx`` (checked per call, see
-    ``_FastEntry._mapped``): q's (and the new k, v's) type, shape, dtype and strides, every
-    option by type and value, the types of start_pos and batch_idx. None (no repeat entry) for
-    options of other types."""
-    tc, ts, tf, tl = type(causal), type(scale), type(softcap), type(return_lse)
-    if tc not in _SIMPLE or ts not in _SIMPLE or tf not in _SIMPLE or tl not in _SIMPLE:
+    ``_FastEntry._mapped``) and of ``sinks`` (checked per call): q's (and the new k, v's) type,
+    shape, dtype and strides, RoPE's settings, the options
+    (:func:`~._common.option_key`), return_lse, the types of start_pos and batch_idx. None
+    (no repeat entry) for options of other types."""
+    opts = option_key(options, per_call=("sinks",))
+    if opts is None or type(return_lse) not in (bool, np.bool_):
         return None
     try:
         kv = None if k is None and v is None else (
             type(k), k.shape, k.dtype, k.strides, type(v), v.shape, v.dtype, v.strides)
-        if window is not None:
-            if type(window) not in (tuple, list) or any(type(w) not in _SIMPLE for w in window):
-                return None
-            window = (type(window), tuple(map(type, window)), tuple(window))
         if rope is not None:
             rope = (type(rope), rope.theta, rope.interleaved, rope.rotary_dim)
-        return (type(q), q.shape, q.dtype, q.strides, kv, rope, tc, causal, ts, scale, window,
-                tf, softcap, tl, return_lse, type(start_pos), type(batch_idx), sinks is None)
+        return (type(q), q.shape, q.dtype, q.strides, kv, rope, opts, return_lse,
+                type(start_pos), type(batch_idx))
     except (AttributeError, TypeError):
         return None
 

@@ -284,11 +284,10 @@ def _cat(parts: list) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def _options(d: int, hq: int, n_seq: int, causal, scale, window, softcap, alibi_slopes, sinks):
-    """The call's checked options and its causal bound (0: bottom-right, keys up to the row)."""
-    options = _spec.attn_options(d, hq, n_seq, scale=scale, causal=causal, window=window,
-                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                 top_left=False)
+def _options(d: int, hq: int, n_seq: int, **options):
+    """The call's checked options (``options``: its option keywords) and its causal bound (0:
+    bottom-right, keys up to the row)."""
+    options = _spec.attn_options(d, hq, n_seq, top_left=False, **options)
     return dict(options=options,
                 causal_hi=None if options.causal is None else np.zeros(n_seq, np.int64))
 
@@ -340,7 +339,8 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     _spec.check_cache_query_kind(q4, cache.dtype, cache.head_dim, cache.n_kv_heads)
     hq, d = q4.shape[2], q4.shape[3]
     _spec.check_readable(q, "q", be)
-    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes, sinks)
+    opts = _options(d, hq, n_seq, scale=scale, causal=causal, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks)
     rope_spec = check_rope(rope, d)
     _spec.check_kv_given(k, v, None)
     write = None
@@ -416,7 +416,8 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     table, lens = _spec.check_page_table(block_table, seq_lens, n_seq, num_pages, page_size)
     _spec.check_query_rows(q_len, lens, "sequence")
     hq, d = q4.shape[2], q4.shape[3]
-    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes, sinks)
+    opts = _options(d, hq, n_seq, scale=scale, causal=causal, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks)
     arrays = (q, k_pages, v_pages, table) + (() if k_scales is None else (k_scales, v_scales))
     be = pick_backend(backend, arrays, dtype)
     zeros = np.zeros(n_seq, np.int64)

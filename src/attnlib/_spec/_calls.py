@@ -57,8 +57,9 @@ def check_heads(q_shape, k_shape, v_shape, names=("q", "k", "v")) -> None:
         )
 
 
-def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, layout,
-               need_lse: bool, sinks: Any = None) -> AttnCall:
+def dense_call(q, k, v, *, mask, layout, need_lse: bool, **options: Any) -> AttnCall:
+    """The AttnCall of ``attention``; ``options``: its option keywords
+    (:func:`~._options.attn_options`)."""
     layout = check_layout(layout)
     check_qkv(q, k, v, ndim=4)
     q, k, v = (to_bshd(x, layout) for x in (q, k, v))
@@ -68,8 +69,7 @@ def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, l
     if k.shape[0] != b:
         raise ShapeError(f"k has batch {k.shape[0]} but q has {b}; they must match")
     mask_view, mask_kind = check_mask(mask, (b, hq, sq, sk))
-    options = attn_options(d, hq, b, scale=scale, causal=causal, window=window, softcap=softcap,
-                           alibi_slopes=alibi_slopes, sinks=sinks, mask_kind=mask_kind)
+    options = attn_options(d, hq, b, mask_kind=mask_kind, **options)
     idx = np.arange(b, dtype=np.int64)
     zeros = np.zeros(b, dtype=np.int64)
     off = np.full(b, sk - sq, dtype=np.int64)
@@ -82,8 +82,8 @@ def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, l
     )
 
 
-def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_slopes,
-                need_lse: bool, sinks: Any = None) -> AttnCall:
+def varlen_call(q, k, v, cu_q, cu_k, *, need_lse: bool, **options: Any) -> AttnCall:
+    """The AttnCall of ``attention_varlen``; ``options``: its option keywords."""
     check_qkv(q, k, v, ndim=3)
     check_heads(q.shape, k.shape, v.shape)
     cq = check_seqlens(cu_q, "cu_seqlens_q", q.shape[0])
@@ -95,8 +95,7 @@ def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_sl
     n = cq.shape[0] - 1
     q_len, k_len = np.diff(cq), np.diff(ck)
     off = k_len - q_len
-    options = attn_options(q.shape[-1], q.shape[1], n, scale=scale, causal=causal, window=window,
-                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    options = attn_options(q.shape[-1], q.shape[1], n, **options)
     zeros = np.zeros(n, dtype=np.int64)
     return AttnCall(
         q=add_batch_dim(q), k=add_batch_dim(k), v=add_batch_dim(v),
