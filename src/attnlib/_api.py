@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import _spec, registry
-from ._common import RoPE, device_contiguous, empty_lse, from_bshd, option_key, pick_backend
+from ._common import RoPE, device_contiguous, empty_lse, from_bshd, pick_backend
 from .backends.base import AttnCall, Backend
 
 __all__ = [
@@ -99,9 +99,9 @@ _DENSE_MAX = 128
 _dense_entries: dict[tuple, Any] = {}
 def _dense_key(q, k, v, options, layout, return_lse, backend):
     """Everything the checks of :func:`attention` read (no mask): the types, shapes, dtypes and
-    strides of q, k, v, the options (:func:`~._common.option_key`), layout, return_lse and the
+    strides of q, k, v, the options (:func:`~._spec.option_key`), layout, return_lse and the
     backend; None when some of them are of other types (the full path then runs every time)."""
-    opts = option_key(options)
+    opts = _spec.option_key(options)
     if opts is None or type(layout) is not str or type(return_lse) not in (bool, np.bool_):
         return None
     if backend is not None and not isinstance(backend, (str, Backend)):

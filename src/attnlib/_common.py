@@ -17,7 +17,6 @@ __all__ = [
     "device_contiguous",
     "empty_lse",
     "from_bshd",
-    "option_key",
     "pick_backend",
 ]
 
@@ -75,31 +74,6 @@ def from_bshd(x: Any, layout: str, be: Backend) -> Any:
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(xt)
     return device_contiguous(xt, be)
-
-
-#: option values whose checks depend only on (type, value): a repeat-call key holds both, so True
-#: and 1 (equal and of one hash) never share an entry
-_SIMPLE = (bool, int, float, type(None), str, np.bool_, np.float64, np.float32)
-
-
-def option_key(options: dict[str, Any], per_call: tuple[str, ...] = ()) -> tuple | None:
-    """What the checks of the options ``options`` (keyword -> value, in the front door's order)
-    read, for a repeat-call cache: each value by type and value, a tuple or list by its type and
-    its items'; for the names in ``per_call`` only whether they are given (their values are
-    checked on every call). None when a value is of another kind (an array): such calls take the
-    full path every time."""
-    key = []
-    for name, value in options.items():
-        tv = type(value)
-        if name in per_call:
-            key.append(value is None)
-        elif tv in _SIMPLE:
-            key += (tv, value)
-        elif tv in (tuple, list) and all(type(w) in _SIMPLE for w in value):
-            key.append((tv, tuple(map(type, value)), tuple(value)))
-        else:
-            return None
-    return tuple(key)
 
 
 def empty_lse(call: AttnCall, b: int, sq: int) -> np.ndarray:

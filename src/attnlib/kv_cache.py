@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _quant, _spec, registry
-from ._common import RoPE, check_rope, empty_lse, option_key, pick_backend
+from ._common import RoPE, check_rope, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -242,9 +242,9 @@ def _fast_key(q, k, v, rope, options, return_lse, start_pos=None,
     (lengths) and the values of ``start_pos`` / ``batch_idx`` (checked per call, see
     ``_FastEntry._mapped``) and of ``sinks`` (checked per call): q's (and the new k, v's) type,
     shape, dtype and strides, RoPE's settings, the options
-    (:func:`~._common.option_key`), return_lse, the types of start_pos and batch_idx. None
+    (:func:`~._spec.option_key`), return_lse, the types of start_pos and batch_idx. None
     (no repeat entry) for options of other types."""
-    opts = option_key(options, per_call=("sinks",))
+    opts = _spec.option_key(options, per_call=("sinks",))
     if opts is None or type(return_lse) not in (bool, np.bool_):
         return None
     try:

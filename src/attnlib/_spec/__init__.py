@@ -106,7 +106,7 @@ from ._distributed import (
     check_sharding,
 )
 from ._foreign import check_layer_call, front_door
-from ._options import attn_options, causal_bound
+from ._options import attn_options, causal_bound, option_key
 
 __all__ = [
     "check_layer_call",
@@ -195,6 +195,7 @@ __all__ = [
     "check_unscaled_pools",
     "check_window",
     "keywords_checked",
+    "option_key",
     "dense_call",
     "host",
     "is_array",

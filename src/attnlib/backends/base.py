@@ -80,6 +80,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -108,8 +109,10 @@ class RopeSpec:
 class AttnOptions:
     """The options of one attention call (see the module docstring), checked and normalised by
     the front door. Frozen and hashable: equal options hash equal, array-valued fields by their
-    values (read-only copies), so a plan key may hold the whole value. A backend reads every
-    option from here; an option it does not know yet is a field it never reads."""
+    values (read-only copies). A backend reads every option from here; an option it does not
+    know yet is a field it never reads. ``plan_key`` (a tuple) is what a launch plan depends
+    on: every scalar option, and for each array-valued option (ALiBi slopes, sinks) whether it
+    is given (a plan takes their values per call)."""
 
     scale: float
     causal: str | None = None  # "bottom_right" | "top_left"; the bound itself is causal_hi
@@ -127,12 +130,16 @@ class AttnOptions:
                 a = np.array(a)
                 a.flags.writeable = False
                 object.__setattr__(self, name, a)
+        key = _option_values(self)
+        if any(key[i] is not None for i in _ARRAY_INDEX):
+            key = tuple(v is None if i in _ARRAY_INDEX else v for i, v in enumerate(key))
+        object.__setattr__(self, "plan_key", key)
 
     def _key(self) -> tuple:
         key = self.__dict__.get("_key_")
         if key is None:
             key = tuple((v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v
-                        for v in (getattr(self, n) for n in _OPTION_NAMES))
+                        for v in _option_values(self))
             object.__setattr__(self, "_key_", key)
         return key
 
@@ -141,17 +148,6 @@ class AttnOptions:
 
     def __hash__(self) -> int:
         return hash(self._key())
-
-    @property
-    def plan_key(self) -> tuple:
-        """What a launch plan depends on: every scalar option, and for each array-valued option
-        (ALiBi slopes, sinks) whether it is given; a plan takes their values per call."""
-        key = self.__dict__.get("_plan_key_")
-        if key is None:
-            key = tuple(v is None if isinstance(v, np.ndarray) else v
-                        for v in (getattr(self, n) for n in _OPTION_NAMES))
-            object.__setattr__(self, "_plan_key_", key)
-        return key
 
     def for_sequences(self, idx: np.ndarray) -> AttnOptions:
         """The options of the sub-call of sequences ``idx`` (the per-sequence ALiBi slopes)."""
@@ -162,6 +158,8 @@ class AttnOptions:
 
 _OPTION_NAMES = tuple(f.name for f in fields(AttnOptions))
 _ARRAY_OPTIONS = tuple(f.name for f in fields(AttnOptions) if "ndarray" in str(f.type))
+_ARRAY_INDEX = frozenset(_OPTION_NAMES.index(n) for n in _ARRAY_OPTIONS)
+_option_values = attrgetter(*_OPTION_NAMES)
 
 
 @dataclass(frozen=True, eq=False)
