@@ -318,15 +318,16 @@ class PortablePlan(Plan):
         load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0 and not fmt
                     and all(vw.strides[3] == 1 for vw in views))
         cp_mode, cp_emulate = cp_async_mode(be, views, load_vec, dtype)
-        self.mask_kind = 0 if call.mask_view is None else (1 if call.mask_kind == "bool" else 2)
+        self.mask_kind = (0 if call.mask_view is None
+                          else 1 if call.options.mask_kind == "bool" else 2)
         config = QuantFwdConfig if fmt else FwdConfig
         extra = {"KV_FORMAT": fmt} if fmt else {}
         self.cfgs = tuple(config(
             HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
             THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
             STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
-            MASK_KIND=self.mask_kind, HAS_ALIBI=call.alibi is not None,
-            HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
+            MASK_KIND=self.mask_kind, HAS_ALIBI=call.options.alibi is not None,
+            HAS_SOFTCAP=call.options.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
             CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
             CPU_VEC=0 if fmt else cpu_vec(be.facts, tiles, d, dv, dtype),
             PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0, **extra)
@@ -335,8 +336,8 @@ class PortablePlan(Plan):
         opts = [c.options() for c in self.cfgs]
         self.keys = [(ctx.int_ptr, "attn_fwd.cl", "attn_fwd", o) for o in opts]
         self.makes = [functools.partial(program, ctx, "attn_fwd.cl", o) for o in opts]
-        wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
-        wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
+        wl = _UNBOUNDED if call.options.window_left is None else int(call.options.window_left)
+        wr = _UNBOUNDED if call.options.window_right is None else int(call.options.window_right)
         i64, i32, f = np.int64, np.int32, acc.type
         self.n_out_rows = n_out_rows = bq * sq_arr * hq
         dummy = dummy_buffer(ctx)
@@ -345,15 +346,15 @@ class PortablePlan(Plan):
             a.add(name, None)
             a.add(name + "_geometry", i64(view.offset), *(i64(s) for s in view.strides))
         a.add("desc", None)
-        a.add("options", i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
-              f(call.softcap or 1.0))
+        a.add("options", i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.options.scale),
+              f(call.options.softcap or 1.0))
         a.add("alibi", dummy)
         a.add("mask", dummy, *(i64(0) for _ in range(5)))
         a.add("out", None)
         a.add("lse", None)
         a.add("shape", i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv))
         a.add("sinks", dummy)
-        a.add("n_sinks", i32(0 if call.sinks is None else hq))
+        a.add("n_sinks", i32(0 if call.options.sinks is None else hq))
         if call.block_table is not None:  # PAGED_ARGS
             a.add("block_table", *[None] * 6)
         if fmt:  # KV_ARGS: the scales of k and v (buffer, offset, 3 strides each)
@@ -369,7 +370,7 @@ class PortablePlan(Plan):
         #: stand-ins of absent options stay as the plan's first launch set them)
         self.varying = a.indices("q", "k", "v", "out", "lse", "sinks", "block_table",
                                  "k_scales", "v_scales",
-                                 *(["alibi"] if call.alibi is not None else []),
+                                 *(["alibi"] if call.options.alibi is not None else []),
                                  *(["mask"] if self.mask_kind else []))
         self.owners = (object(), object())  # the KernelSlot owner of each split mode
         self.group = hq // hkv
@@ -410,8 +411,8 @@ class PortablePlan(Plan):
                                                               for x in (q, k, v))
         else:
             args[self.i_q], args[self.i_k], args[self.i_v] = q.base_data, k.base_data, v.base_data
-        if call.alibi is not None:
-            args[self.i_alibi] = _pool.upload(queue, np.ascontiguousarray(call.alibi,
+        if call.options.alibi is not None:
+            args[self.i_alibi] = _pool.upload(queue, np.ascontiguousarray(call.options.alibi,
                                                                           np.float32), keep)
         if self.mask_kind:
             mv = call.mask_view
@@ -426,8 +427,8 @@ class PortablePlan(Plan):
             for span, scl in zip(self.s_scales, (call.k_scales, call.v_scales)):
                 sv = device_view(ctx, scl)
                 args[span] = [sv.buf, *(np.int64(a) for a in (sv.offset, *sv.strides))]
-        if call.sinks is not None:
-            args[self.i_sinks] = _pool.upload(queue, call.sinks, keep)
+        if call.options.sinks is not None:
+            args[self.i_sinks] = _pool.upload(queue, call.options.sinks, keep)
         split = splits > 1
         sq_arr, hq, dv, item = self.geom
         n_out_rows = self.n_out_rows
@@ -449,7 +450,7 @@ class PortablePlan(Plan):
         return [evt, launch_merge(self.be, queue, part_o, n_out_rows * dv, part_l,
                                   (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv,
                                   n_out_rows, out, lse, in_kind, out_kind, acc_kind,
-                                  args[self.i_sinks] if call.sinks is not None else None)]
+                                  args[self.i_sinks] if call.options.sinks is not None else None)]
 
 
 def kv_format(call: AttnCall) -> int:

@@ -69,7 +69,7 @@ class MixedPaged(Family):
 
 #: the per-sequence fields of an AttnCall (numpy arrays of length n_seq)
 _PER_SEQ = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0", "k_pos0",
-            "causal_hi", "alibi")
+            "causal_hi")
 
 
 class MixedPlan(Plan):
@@ -100,6 +100,7 @@ class MixedPlan(Plan):
             return plan.run(call, st)
         dec, rest = (replace(call, **{f: getattr(call, f)[idx] for f in _PER_SEQ
                                       if getattr(call, f) is not None},
+                             options=call.options.for_sequences(idx),
                              block_table=call.block_table[idx], need_lse=True)
                      for idx in (dec_idx, rest_idx))
         plan, st = self._part(PORTABLE, rest)
@@ -193,10 +194,8 @@ def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall) -> tuple:
             qd, q.dtype, q.shape, q.strides, q.offset if qd else 0,
             kd, k.dtype, k.shape, k.strides, k.offset if kd else 0,
             v.shape, v.strides, v.offset if kd else 0,
-            call.q_len.shape[0], call.ring, call.scale, call.softcap, call.window_left,
-            call.window_right, call.causal_hi is None, call.need_lse, call.alibi is None,
-            call.sinks is None,
-            None if mv is None else (call.mask_kind, mv.dtype),
+            call.q_len.shape[0], call.ring, call.need_lse, call.options.plan_key,
+            None if mv is None else mv.dtype,
             None if table is None else (call.page_size, type(table), table.shape, table.dtype),
             None if ks is None else tuple((type(x), x.dtype, x.shape, x.strides,
                                            getattr(x, "offset", 0))

@@ -152,8 +152,8 @@ def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
     d = call.head_dim
     fused = (_switches.FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
         d, config, splits)
-    opts = build_options(d, call.dtype, config, softcap=call.softcap is not None,
-                         alibi=call.alibi is not None, scale_pos=call.scale > 0,
+    opts = build_options(d, call.dtype, config, softcap=call.options.softcap is not None,
+                         alibi=call.options.alibi is not None, scale_pos=call.options.scale > 0,
                          split=splits > 1, use_ptx=use_ptx, fused=fused,
                          page_size=page_size(call), kv_format=kv_format(call))
     return opts, fused
@@ -270,7 +270,7 @@ class DecodeKernel:
         a.add("shape", i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
               i64(bq * sq_arr * hq))
         a.add("scalars", *_nvidia_tables.scalars(call))
-        a.add("n_sinks", i32(0 if call.sinks is None else hq))
+        a.add("n_sinks", i32(0 if call.options.sinks is None else hq))
         if call.k_scales is not None:  # QUANT_PARAMS
             a.add("scales", *[None] * 8)
         if call.block_table is not None:  # PAGED_PARAMS
@@ -280,7 +280,7 @@ class DecodeKernel:
                       for n in a.slots}
         self.varying = a.indices("q", "k", "v", "out", "lse", "part_o", "part_l", "sinks",
                                  "scales", "block_table",
-                                 *(["alibi"] if call.alibi is not None else []))
+                                 *(["alibi"] if call.options.alibi is not None else []))
         self.key = kernel_key(ctx, device, opts)
         self.make = lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
         self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
@@ -317,9 +317,10 @@ class DecodePlan(Plan):
             hi = _nvidia_tables.BIG
             if len(col) == 9:
                 hi = min(hi, col[8])
-            if call.window_right is not None:
-                hi = min(hi, call.window_right)
-            lo = -call.window_left if call.window_left is not None else -_nvidia_tables.BIG
+            opts = call.options
+            if opts.window_right is not None:
+                hi = min(hi, opts.window_right)
+            lo = -opts.window_left if opts.window_left is not None else -_nvidia_tables.BIG
             seqs = np.array([[qb, qr0, ql, kb, kr0, kl, qp0 - kp0, lo, hi]], np.int64)
             n_cols = -(-ql // MAX_ROWS)
             tiles = np.zeros((n_cols, 2), np.int32)
@@ -359,9 +360,9 @@ class DecodePlan(Plan):
         else:
             args[0], args[1], args[2] = call.q.base_data, call.k.base_data, call.v.base_data
         sinks = None
-        if call.sinks is not None:
-            sinks = args[slots["sinks"]] = _pool.upload(queue, call.sinks, keep)
-        if call.alibi is not None:
+        if call.options.sinks is not None:
+            sinks = args[slots["sinks"]] = _pool.upload(queue, call.options.sinks, keep)
+        if call.options.alibi is not None:
             args[slots["alibi"]] = _nvidia_tables.slopes(ctx, call)
         if call.k_scales is not None:
             args[slots["scales"]] = scale_args(ctx, call)

@@ -195,7 +195,7 @@ def mask_kind(call: AttnCall) -> int:
     (read in place of float32: exact), 2 float32 (every other float dtype, converted)."""
     if call.mask_view is None:
         return 0
-    if call.mask_kind == "bool":
+    if call.options.mask_kind == "bool":
         return 1
     return {np.dtype(np.float16): 3, BF16: 4}.get(call.mask_view.dtype, 2)
 
@@ -260,8 +260,8 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
         heads_inner = _switches.HEADS_INNER or scheduled
     if scheduled and not any("WARP_SKIP" in o for o in extra_options):
         extra_options = ("-DWARP_SKIP=1", *extra_options)
-    opts = build_options(d, dtype, config, softcap=call.softcap is not None,
-                         alibi=call.alibi is not None, scale_pos=call.scale > 0,
+    opts = build_options(d, dtype, config, softcap=call.options.softcap is not None,
+                         alibi=call.options.alibi is not None, scale_pos=call.options.scale > 0,
                          use_ptx=use_ptx, heads_inner=heads_inner, head_dim_v=call.head_dim_v,
                          vec=vec_loads(call), mask=mask_kind(call)) + tuple(extra_options)
     return opts, heads_inner
@@ -397,12 +397,12 @@ class PrefillPlan(Plan):
         a.add("geometry", *geometry(call))
         a.add("shape", i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]), i32(call.ring))
         a.add("scalars", *scalars(call))
-        a.add("n_sinks", i32(0 if call.sinks is None else hq))
+        a.add("n_sinks", i32(0 if call.options.sinks is None else hq))
         a.add("mask", dummy, *(i64(0) for _ in range(5)))
         self.args = a.values
         self.i_sinks, self.i_alibi, self.s_mask = a.at("sinks"), a.at("alibi"), a.span("mask")
         self.varying = a.indices("q", "k", "v", "out", "lse", "tiles", "seqs", "sinks",
-                                 *(["alibi"] if call.alibi is not None else []),
+                                 *(["alibi"] if call.options.alibi is not None else []),
                                  *(["mask"] if call.mask_view is not None else []))
         self.hq = hq
 
@@ -421,9 +421,9 @@ class PrefillPlan(Plan):
         else:
             args[0], args[1], args[2] = call.q.base_data, call.k.base_data, call.v.base_data
         args[3], args[4], args[5], args[6] = out, lse, tile_buf, seq_buf
-        if call.sinks is not None:
-            args[self.i_sinks] = _pool.upload(queue, call.sinks, keep)
-        if call.alibi is not None:
+        if call.options.sinks is not None:
+            args[self.i_sinks] = _pool.upload(queue, call.options.sinks, keep)
+        if call.options.alibi is not None:
             args[self.i_alibi] = slopes(ctx, call)
         if call.mask_view is not None:
             args[self.s_mask] = mask_args(ctx, call)
@@ -435,8 +435,10 @@ class PrefillPlan(Plan):
 def wgmma_options(call: AttnCall, wgs: int, block_n: int,
                   heads_inner: bool) -> tuple[str, ...]:
     return (f"-DHEAD_DIM={call.head_dim}", f"-DWGS={wgs}", f"-DBLOCK_N={block_n}",
-            f"-DIS_BF16={int(call.dtype == BF16)}", f"-DSOFTCAP={int(call.softcap is not None)}",
-            f"-DALIBI={int(call.alibi is not None)}", f"-DSCALE_POS={int(call.scale > 0)}",
+            f"-DIS_BF16={int(call.dtype == BF16)}",
+            f"-DSOFTCAP={int(call.options.softcap is not None)}",
+            f"-DALIBI={int(call.options.alibi is not None)}",
+            f"-DSCALE_POS={int(call.options.scale > 0)}",
             f"-DHEADS_INNER={int(heads_inner)}")
 
 
