@@ -2,27 +2,34 @@
 
 Sequences forked from one prompt hold the same leading full pages in their block tables. Read
 per sequence, those pages are read once per sequence; here they are read once per group: the
-query rows of every sequence of the group attend over the shared pages together (one sequence of
-many rows, non-causal), each sequence attends over its own remaining pages with the call's rules,
-and the two partial states are merged with the reference ``merge_states`` (numpy, in float64:
-host arrays of a few rows per sequence). The result is the plain call's, ``out`` and ``lse``,
-within the accuracy rule.
+query rows of the group's sequences attend over the shared pages together (consecutive rows of
+its members as one sequence of many rows, non-causal), each sequence attends over its own
+remaining pages with the call's rules, and the partial states are merged. All of it is one call
+of partial states (:meth:`~attnlib.backends.base.Backend.attention_parts`) over the call's query
+rows R = B * Sq seen ``P`` times:
+
+* part 0: every sequence over its own keys (a group's members past their shared pages);
+* part 1 + c: chunk c of each group's shared pages (the backend's ``parts_limits`` cut the
+  prefix into chunks of keys and its rows into runs of rows; a kernel that groups at most 16
+  packed rows reads the prefix once per 16 of them); rows of no group, or past their group's
+  chunks, sit in sequences without keys (empty states: out 0, lse -inf).
+
+The states are float32 (float64 for float64), so a float16 / bfloat16 output is rounded once,
+after the merge, as the plain call rounds it; the call's sinks are folded in once, after the
+merge. On the OpenCL backend the states and the merge stay on the device (merge.cl), device
+queries included; numpy and numba merge on the host in float64.
 
 It applies only where it is exact: every query row of a sequence in a group sees every shared
-key with no position-dependent term, i.e. no ALiBi, causal rows at or past the prefix's last
-position, a window that cuts no shared key for any row. A sequence that fails this stays on the
-plain path (the group keeps the others). Host tables and host queries only: a device-resident
-table or query runs the plain call.
-
-float32 and float64 only. Backends return partial outputs in the input dtype, so for float16 and
-bfloat16 both partial states would be rounded before the merge rounds again: about one unit in
-the last place, which the accuracy rule (twice the naive same-dtype error) does not always allow.
-Those calls run the plain call until attention can return float32 partial states.
+key with no position-dependent term, i.e. no ALiBi, no mask, causal rows at or past the
+prefix's last position, a window that cuts no shared key for any row. A sequence that fails this
+stays on the plain path (the group keeps the others). The block table must be a host array and
+the query rows must be viewable as one (1, B * Sq) batch (a C-contiguous device query).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -39,48 +46,135 @@ def attention(be: Backend, call: AttnCall):
     groups = groups_of(call, MIN_PREFIX_TOKENS)
     if not groups:
         return be.attention(call)
-    ps = call.page_size
-    k_row0, k_pos0, k_len = call.k_row0.copy(), call.k_pos0.copy(), call.k_len.copy()
-    for members, n_pages in groups:
-        k_row0[members] += n_pages * ps
-        k_pos0[members] += n_pages * ps
-        k_len[members] -= n_pages * ps
-    # every sequence over its own keys (the group's members past their shared pages); the
-    # call's sinks are folded in here and not in the prefix call, so the merge counts them once
-    out, lse = be.attention(replace(call, k_row0=k_row0, k_pos0=k_pos0, k_len=k_len,
-                                    need_lse=True))
-    # every group's rows together over its shared pages: one sequence per group
-    bq, sq_arr, hq, d = call.q.shape
-    rows_of = [np.concatenate([call.q_batch[s] * sq_arr + call.q_row0[s]
-                               + np.arange(call.q_len[s]) for s in members.tolist()])
-               for members, _ in groups]
-    n_rows = np.array([r.size for r in rows_of], np.int64)
-    rows = np.concatenate(rows_of)
-    q = np.asarray(call.q)
-    q_group = q.reshape((1, bq * sq_arr, hq, d))[:, rows]
-    n_pages = np.array([n for _, n in groups], np.int64)
-    table = np.full((len(groups), int(n_pages.max())), -1, np.int32)
-    for g, (members, n) in enumerate(groups):
-        table[g, :n] = call.block_table[members[0], :n]
-    zeros = np.zeros(len(groups), np.int64)
-    prefix = AttnCall(q=q_group, k=call.k, v=call.v, q_batch=zeros, q_row0=np.cumsum(n_rows)
-                      - n_rows, q_len=n_rows, k_batch=zeros.copy(), k_row0=zeros.copy(),
-                      k_len=n_pages * ps, q_pos0=n_pages * ps, k_pos0=zeros.copy(),
-                      causal_hi=None, scale=call.scale, softcap=call.softcap, need_lse=True,
-                      block_table=table, page_size=ps, k_scales=call.k_scales,
-                      v_scales=call.v_scales)
-    p_out, p_lse = be.attention(prefix)
-    # the two partial states of each group row, merged on the host (the cascade runs only for
-    # host queries) with the reference merge, in float64
-    b_idx, r_idx = rows // sq_arr, rows % sq_arr
-    own_out = np.asarray(out)[b_idx, r_idx][None]
-    own_lse = np.asarray(lse)[b_idx, :, r_idx].T[None]
-    m_out, m_lse = registry.get_backend("numpy").merge_states(
-        [np.asarray(p_out, own_out.dtype), own_out], [np.asarray(p_lse), own_lse])
-    out, lse = np.array(out), np.array(lse)
-    out[b_idx, r_idx] = np.asarray(m_out)[0].astype(call.dtype)
-    lse[b_idx, :, r_idx] = np.asarray(m_lse)[0].T
+    bq, sq_arr = int(call.q.shape[0]), int(call.q.shape[1])
+    parts, n_parts = parts_call(call, groups, *be.parts_limits(call))
+    res = be.attention_parts(parts, n_parts, (bq, sq_arr))
+    if res is None:
+        res = _merged_on_host(be, parts, n_parts, (bq, sq_arr))
+        if res is None:
+            return be.attention(call)
+    out, lse = res
     return out, (lse if call.need_lse else None)
+
+
+def parts_call(call: AttnCall, groups: list[tuple[np.ndarray, int]], row_cap: int | None,
+               key_cap: int | None) -> tuple[AttnCall, int]:
+    """The :meth:`Backend.attention_parts` call of ``call``'s cascade over ``groups`` (of
+    :func:`groups_of`) and its number of parts; ``row_cap`` / ``key_cap``: the backend's
+    :meth:`~attnlib.backends.base.Backend.parts_limits`."""
+    bq, sq_arr, hq, d = call.q.shape
+    n_rows, heads, ps, n_seq = bq * sq_arr, hq // call.n_kv_heads, call.page_size, call.n_seq
+    table = np.asarray(call.block_table)
+    flat0 = call.q_batch * sq_arr + call.q_row0
+    # the sequence of each flat query row, and the group of each sequence (-1: none)
+    order = np.argsort(flat0, kind="stable")
+    row_seq = np.repeat(order, call.q_len[order])
+    group_of = np.full(n_seq, -1, np.int64)
+    shared = np.zeros(n_seq, np.int64)  # shared pages of each sequence
+    for g, (members, n_pages) in enumerate(groups):
+        group_of[members], shared[members] = g, n_pages
+    max_shared = int(shared.max())
+    chunk = max_shared if key_cap is None else max(1, -(-int(key_cap) // ps))  # pages
+    n_chunks = [-(-n // chunk) for _, n in groups]
+    rows_cap = n_rows if row_cap is None else max(1, int(row_cap) // heads)
+    wl, wr = call.window_left, call.window_right
+
+    # part 0: every sequence over its own pages; a member's table row starts past the prefix
+    start = shared  # first table column of each sequence's row
+    own_len = call.k_len - shared * ps
+    width = max(int(np.max(-(-(call.k_row0 + own_len) // ps))), min(chunk, max_shared))
+    seqs = [dict(q_batch=np.zeros(n_seq, np.int64), q_row0=flat0, q_len=call.q_len,
+                 k_row0=call.k_row0, k_len=own_len, q_pos0=call.q_pos0,
+                 k_pos0=call.k_pos0 + shared * ps,
+                 causal_hi=call.causal_hi)]
+    src_row, src_col = [np.arange(n_seq)], [start]
+    # parts 1..: chunk c of every group's prefix, its members' rows in runs; other rows empty
+    seq_group = group_of[row_seq]
+    for c in range(max(n_chunks)):
+        label = np.where((seq_group >= 0) & (np.array(n_chunks + [0])[seq_group] > c),
+                         seq_group, -1)
+        edges = np.flatnonzero(np.diff(label)) + 1
+        piece = {k: [] for k in ("q_row0", "q_len", "k_len", "q_pos0", "k_pos0", "causal_hi")}
+        rows_src, cols_src = [], []
+        for a, b in zip(np.concatenate([[0], edges]).tolist(),
+                        np.concatenate([edges, [n_rows]]).tolist()):
+            g = int(label[a])
+            if g < 0:  # rows that see no key in this part
+                cap, keys, k0, q0, src = rows_cap, 0, 0, 0, 0
+            else:
+                members, n_pages = groups[g]
+                first = c * chunk
+                keys = (min(first + chunk, n_pages) - first) * ps
+                k0 = first * ps
+                # every row of a run sees every key of the chunk: rows at q0 .. q0 + len - 1
+                # with kpos - qpos <= min(keys - 1, window right) and >= -window left
+                shift = 0 if wr is None else max(0, keys - 1 - wr)
+                q0 = k0 + shift
+                cap = rows_cap if wl is None else max(1, min(rows_cap, wl + 1 - shift))
+                src = int(members[0])
+            for r0 in range(a, b, cap):
+                n = min(cap, b - r0)
+                piece["q_row0"].append(r0)
+                piece["q_len"].append(n)
+                piece["k_len"].append(keys)
+                piece["q_pos0"].append(q0)
+                piece["k_pos0"].append(k0)
+                piece["causal_hi"].append(max(keys - 1, 0))
+                rows_src.append(src)
+                cols_src.append(c * chunk if g >= 0 else 0)
+        m = len(rows_src)
+        part = {k: np.array(v, np.int64) for k, v in piece.items()}
+        part["q_batch"] = np.full(m, c + 1, np.int64)
+        part["k_row0"] = np.zeros(m, np.int64)
+        if call.causal_hi is None:
+            part["causal_hi"] = None
+        seqs.append(part)
+        src_row.append(np.array(rows_src, np.int64))
+        src_col.append(np.array(cols_src, np.int64))
+    fields = {k: (None if seqs[0][k] is None else np.concatenate([p[k] for p in seqs]))
+              for k in seqs[0]}
+    rows, cols = np.concatenate(src_row), np.concatenate(src_col)
+    cols = cols[:, None] + np.arange(width)
+    new_table = np.where(cols < table.shape[1], table[rows[:, None],
+                                                      np.minimum(cols, table.shape[1] - 1)], -1)
+    zeros = np.zeros(rows.size, np.int64)
+    q = _flat_rows(call.q)
+    parts = replace(call, q=q, k_batch=zeros, block_table=new_table.astype(np.int32),
+                    need_lse=True, dense=False, **fields)
+    return parts, 1 + max(n_chunks)
+
+
+def _flat_rows(q: Any) -> Any:
+    """``q (B, S, Hq, D)`` seen as ``(1, B * S, Hq, D)`` (numpy: a copy where no view exists;
+    a device array: C-contiguous, see :func:`groups_of`)."""
+    b, s, hq, d = q.shape
+    return q.reshape((1, b * s, hq, d))
+
+
+def _merged_on_host(be: Backend, parts: AttnCall, n_parts: int,
+                    rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """:meth:`Backend.attention_parts` from :meth:`Backend.attention_state` (host queries):
+    the states merged with the reference ``merge_states``, in float64, the sinks folded in as
+    one more state (0, sink)."""
+    q = parts.q
+    if not isinstance(q, np.ndarray):
+        return None
+    state = be.attention_state(replace(parts, q=np.broadcast_to(q, (n_parts,) + q.shape[1:]),
+                                       sinks=None))
+    if state is None:
+        return None
+    out, lse = (np.asarray(be.to_numpy(x), np.float64) for x in state)
+    outs, lses = [o[None] for o in out], [x[None] for x in lse]
+    if parts.sinks is not None:
+        outs.append(np.zeros_like(outs[0]))
+        lses.append(np.broadcast_to(parts.sinks.astype(np.float64)[None, :, None],
+                                    lses[0].shape))
+    m_out, m_lse = registry.get_backend("numpy").merge_states(outs, lses)
+    b, s = rows
+    hq, dv = out.shape[2], out.shape[3]
+    wide = np.float64 if parts.dtype == np.float64 else np.float32
+    m_lse = np.ascontiguousarray(m_lse[0].reshape(hq, b, s).transpose(1, 0, 2), wide)
+    return m_out.reshape(b, s, hq, dv).astype(parts.dtype), m_lse
 
 
 def groups_of(call: AttnCall, min_prefix_tokens: int | None) -> list[tuple[np.ndarray, int]]:
@@ -90,9 +184,8 @@ def groups_of(call: AttnCall, min_prefix_tokens: int | None) -> list[tuple[np.nd
     pages; a member whose rows would not all see the whole prefix leaves the group."""
     table = call.block_table
     if (min_prefix_tokens is None or call.n_seq < 2 or not isinstance(table, np.ndarray)
-            or not isinstance(call.q, np.ndarray) or call.alibi is not None
-            or call.mask_view is not None or call.ring or call.page_size < 1
-            or call.dtype not in (np.float32, np.float64)):
+            or not _rows_viewable(call.q) or call.alibi is not None
+            or call.mask_view is not None or call.ring or call.page_size < 1):
         return []
     ps = call.page_size
     full = call.k_len // ps
@@ -114,6 +207,13 @@ def groups_of(call: AttnCall, min_prefix_tokens: int | None) -> list[tuple[np.nd
         if members.size >= 2:
             groups.append((members, n_pages))
     return groups
+
+
+def _rows_viewable(q: Any) -> bool:
+    """The query rows can be seen as one (1, B * Sq) batch: numpy (copied where needed) or a
+    C-contiguous device array."""
+    return isinstance(q, np.ndarray) or bool(getattr(getattr(q, "flags", None), "c_contiguous",
+                                                     False))
 
 
 def _sees_prefix(call: AttnCall, s: np.ndarray, n_keys: int) -> np.ndarray:

@@ -254,6 +254,24 @@ class OpenCLBackend(Backend):
         with device_errors("attention"):
             return _dispatch.attention(self, call)
 
+    def attention_parts(self, call: AttnCall, n_parts: int,
+                        rows: tuple[int, int]) -> tuple[Any, Any]:
+        with device_errors("attention"):
+            return _dispatch.attention_parts(self, call, n_parts, rows)
+
+    def parts_limits(self, call: AttnCall) -> tuple[int | None, int | None]:
+        """The tensor-core decode kernel's limits where it takes the call's decode rows: one
+        m16 tile of packed rows, and prefix chunks of ``_nvidia_decode.PARTS_KEYS`` keys (many
+        work-groups, each as long as a sequence's own keys, not one per row tile over the whole
+        prefix); none elsewhere."""
+        from . import _nvidia_decode as nd
+
+        group = call.n_heads // call.n_kv_heads
+        if (self.use_mma and call.n_seq and int(call.q_len.max()) * group <= nd.MAX_ROWS
+                and nd.applicable(self.device, call)):
+            return nd.MAX_ROWS, nd.PARTS_KEYS
+        return None, None
+
     def softmax(self, x: Any, axis: int, log: bool) -> Any:
         with device_errors("softmax"):
             return _ops.softmax(self, x, axis, log)

@@ -280,14 +280,16 @@ class PortablePlan:
     geom: tuple
 
     def enqueue(self, be: OpenCLBackend, queue: Any, args: list, out: Any, lse: Any,
-                n_groups: int, splits: int, owner: Any = None) -> None:
+                n_groups: int, splits: int, owner: Any = None, parts: bool = False) -> Any:
         """Launch over ``n_groups`` work-group columns with ``splits`` key splits: ``args`` is a
         copy of :attr:`args` with the call's slots (q, k, v, descriptor, ALiBi, mask) set, and
         ``out`` / ``lse`` the destination buffers; split partial states go to pooled scratch
         and merge.cl. ``owner``: the repeat-call plan (one object per split mode) whose launches
-        set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here."""
+        set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here.
+        ``parts``: the split build even for one split, its partial states kept (no merge) and
+        returned as (outs, lses) buffers in merge.cl's layout."""
         hkv, dv, sq_arr, hq, n_out_rows, nt, item, in_kind, out_kind, acc_kind = self.geom
-        split = splits > 1
+        split = splits > 1 or parts
         sinks = args[ARG_SINKS] if args[ARG_SINKS + 1] else None
         if split:
             part_o = _pool.scratch(queue, splits * n_out_rows * dv * item)
@@ -298,10 +300,13 @@ class PortablePlan:
         be.launch(queue.context, queue, "attn_fwd.cl", self.opts[split], "attn_fwd",
                   (n_groups * nt, hkv, splits), (nt, 1, 1), args, varying=REPEAT_VARYING,
                   owner=None if owner is None else owner[split])
+        if parts:
+            return part_o, part_l
         if split:
             launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
                          (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
                          out, lse, in_kind, out_kind, acc_kind, sinks)
+        return None
 
 
 #: the plans by geometry (``_dispatch.forget_plans`` empties this and the repeat-call cache)
@@ -380,9 +385,12 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
 
 
 def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
-        max_rows: int) -> tuple[Any, Any]:
+        max_rows: int, parts: bool = False) -> Any:
     """``call`` on the portable kernel (``rows``: packed query rows per sequence, ``max_rows``
-    their maximum); numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out."""
+    their maximum); numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
+    ``parts``: the call's partial states, unmerged, sinks not folded: (outs, lses, splits,
+    keep), device buffers of ``splits`` states in merge.cl's layout (``PortablePlan.enqueue``)
+    and the Array holding the events of the call's uploads (hand them on: dropping one waits)."""
     ctx = queue.context
     dtype = call.dtype
     acc = acc_dtype(dtype)
@@ -444,7 +452,9 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
                 sv.offset, *sv.strides))]
     args[ARG_SINKS] = dummy_buffer(ctx) if call.sinks is None else \
         _pool.upload(queue, call.sinks, out)
-    plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)
+    res = plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits, parts=parts)
+    if parts:
+        return (*res, splits, out)
     if host:
         return out.get(), lse.get()
     return out, lse

@@ -52,6 +52,11 @@ DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
 #: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch; faster
 #: on the H200, bench/RESULTS.md)
 FUSED_MERGE = True
+#: keys of one shared-prefix chunk in a cascade call (``attnlib._cascade``, the backend's
+#: ``parts_limits``): chunks of the prefix are sequences of their own, so that the prefix's rows,
+#: at most MAX_ROWS packed per work-group, spread over many work-groups. Not yet measured on a
+#: card (``bench/gpu/run.py --only forks`` sweeps it).
+PARTS_KEYS = 1024
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
 #: tests only: the plan cache (``_nvidia_plans``) and :func:`run` build the emulated kernel
@@ -126,16 +131,17 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
 
 
 def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
-                   fused: bool | None = None) -> tuple[tuple[str, ...], bool]:
+                   fused: bool | None = None, parts: bool = False) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel with ``splits`` key splits, and whether the splits
     are merged in the kernel (``fused``, default FUSED_MERGE, where the buffers hold them): the one
-    place for :func:`run` and the repeat-call plans of ``_nvidia_plans``."""
+    place for :func:`run` and the repeat-call plans of ``_nvidia_plans``. ``parts``: the float32
+    partial states of every split kept (SPLIT, never fused), one split included."""
     d = call.head_dim
-    fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
+    fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and not parts and fused_fits(
         d, config, splits)
     opts = build_options(d, call.dtype, config, softcap=call.softcap is not None,
                          alibi=call.alibi is not None, scale_pos=call.scale > 0,
-                         split=splits > 1, use_ptx=use_ptx, fused=fused,
+                         split=splits > 1 or parts, use_ptx=use_ptx, fused=fused,
                          page_size=page_size(call), kv_format=kv_format(call))
     return opts, fused
 
@@ -235,15 +241,16 @@ class DecodePlan:
     (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
 
     __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare", "varying",
-                 "scale_slot")
+                 "scale_slot", "parts")
 
     def __init__(self, queue: Any, device: Any, call: AttnCall, config: tuple, splits: int,
                  n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any, seq_buf: Any,
-                 alibi_buf: Any, geometry: list, scalars: list) -> None:
+                 alibi_buf: Any, geometry: list, scalars: list, parts: bool = False) -> None:
         ctx = queue.context
         bq, sq_arr, hq, _ = call.q.shape
         hkv = call.k.shape[2]
-        opts, fused = kernel_options(call, config, splits, use_ptx, fused)
+        opts, fused = kernel_options(call, config, splits, use_ptx, fused, parts)
+        self.parts = parts
         counter_buf = counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
         threads = 32 * config[1]
         i64, i32 = np.int64, np.int32
@@ -274,7 +281,8 @@ class DecodePlan:
         launches set only the call slots; ``table``: a paged call's block-table arguments
         (``_attention.table_args``), the kernel's last six; ``sinks``: their buffer when the
         plan's call has them (folded in by the kernel, its fused merge or merge.cl, once);
-        ``scales``: a quantized call's :func:`scale_args`."""
+        ``scales``: a quantized call's :func:`scale_args`. A ``parts`` plan returns the
+        partial states' buffers (outs, lses) in merge.cl's layout instead, unmerged."""
         bq, sq_arr, hq, d = call.q.shape
         n_out_rows = bq * sq_arr * hq
         splits, fused, spare = self.splits, self.fused, self.spare
@@ -285,7 +293,7 @@ class DecodePlan:
             args[-6:] = table
         if scales is not None:
             args[self.scale_slot:self.scale_slot + 8] = scales
-        if splits > 1:
+        if splits > 1 or self.parts:
             part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
             part_l = _pool.scratch(queue, splits * n_out_rows * 4)
             args[3:7] = [out if fused else spare, lse if fused else spare, part_o, part_l]
@@ -294,6 +302,8 @@ class DecodePlan:
         evts = [launch(self.key, self.make, "attn_decode_mma", queue, self.grid, self.local,
                        args, varying=self.varying if owner is not None else None,
                        owner=owner)]
+        if self.parts:
+            return [part_o, part_l]
         if splits > 1 and not fused:
             evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
                                      (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
@@ -304,7 +314,7 @@ class DecodePlan:
 
 def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         splits: int | None = None, use_ptx: bool | None = None, fused: bool | None = None,
-        events: list | None = None) -> tuple[Any, Any]:
+        events: list | None = None, parts: bool = False) -> Any:
     """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
 
     ``be`` is the OpenCL backend (device, compute units, merge.cl launches); ``config`` =
@@ -312,7 +322,8 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
     (default :func:`choose_splits`, or the backend's ``num_splits``); ``use_ptx=False`` builds the
     emulated kernel (any OpenCL device; for checks only); ``fused`` (default FUSED_MERGE) merges
     the splits in the kernel's last work-group per pair instead of merge.cl; ``events`` receives
-    the kernels' events.
+    the kernels' events. ``parts``: the float32 partial states of the splits, unmerged, sinks
+    not folded, as ``_attention.run``'s (outs, lses, splits, keep).
     """
 
     ctx, device = queue.context, be.device
@@ -340,7 +351,7 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         splits = max(1, int(splits))
         alibi_buf, bufs, geometry, scalars = _nvidia_tables.kernel_inputs(ctx, call)
         plan = DecodePlan(queue, device, call, config, splits, n_cols, use_ptx, fused, tile_buf,
-                          seq_buf, alibi_buf, geometry, scalars)
+                          seq_buf, alibi_buf, geometry, scalars, parts)
         table = None
         if call.block_table is not None:
             table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
@@ -348,6 +359,8 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         scales = None if call.k_scales is None else scale_args(ctx, call)
         evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data, table=table,
                             sinks=sinks, scales=scales)
+        if parts:
+            return (*evts, splits, out)
         for e in evts:
             out.add_event(e)
             lse.add_event(e)
