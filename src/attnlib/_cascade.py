@@ -28,6 +28,8 @@ the query rows must be viewable as one (1, B * Sq) batch (a C-contiguous device 
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -61,87 +63,108 @@ def parts_call(call: AttnCall, groups: list[tuple[np.ndarray, int]], row_cap: in
                key_cap: int | None) -> tuple[AttnCall, int]:
     """The :meth:`Backend.attention_parts` call of ``call``'s cascade over ``groups`` (of
     :func:`groups_of`) and its number of parts; ``row_cap`` / ``key_cap``: the backend's
-    :meth:`~attnlib.backends.base.Backend.parts_limits`."""
-    bq, sq_arr, hq, d = call.q.shape
-    n_rows, heads, ps, n_seq = bq * sq_arr, hq // call.n_kv_heads, call.page_size, call.n_seq
+    :meth:`~attnlib.backends.base.Backend.parts_limits`. The prefix parts depend only on the
+    call's rows, the groups and the limits, so decode steps reuse them (:func:`_prefix_parts`);
+    part 0 and the block table are made per call."""
+    bq, sq_arr, hq, _ = call.q.shape
+    ps, n_seq = call.page_size, call.n_seq
     table = np.asarray(call.block_table)
     flat0 = call.q_batch * sq_arr + call.q_row0
-    # the sequence of each flat query row, and the group of each sequence (-1: none)
-    order = np.argsort(flat0, kind="stable")
-    row_seq = np.repeat(order, call.q_len[order])
     group_of = np.full(n_seq, -1, np.int64)
     shared = np.zeros(n_seq, np.int64)  # shared pages of each sequence
     for g, (members, n_pages) in enumerate(groups):
         group_of[members], shared[members] = g, n_pages
     max_shared = int(shared.max())
     chunk = max_shared if key_cap is None else max(1, -(-int(key_cap) // ps))  # pages
-    n_chunks = [-(-n // chunk) for _, n in groups]
-    rows_cap = n_rows if row_cap is None else max(1, int(row_cap) // heads)
-    wl, wr = call.window_left, call.window_right
-
+    rows_cap = bq * sq_arr if row_cap is None else max(1, int(row_cap) // (hq // call.n_kv_heads))
+    key = (bq * sq_arr, ps, chunk, rows_cap, call.window_left, call.window_right,
+           call.causal_hi is None, flat0.tobytes(), call.q_len.tobytes(), group_of.tobytes(),
+           tuple((int(m[0]), n) for m, n in groups))
+    with _lock:
+        pre = _memo.get(key)
+    if pre is None:
+        pre = _prefix_parts(call, groups, flat0, group_of, chunk, rows_cap)
+        _remember(key, pre)
+    fields, src_row, src_col, n_parts = pre
     # part 0: every sequence over its own pages; a member's table row starts past the prefix
-    start = shared  # first table column of each sequence's row
     own_len = call.k_len - shared * ps
+    own = dict(q_batch=np.zeros(n_seq, np.int64), q_row0=flat0, q_len=call.q_len,
+               k_row0=call.k_row0, k_len=own_len, q_pos0=call.q_pos0,
+               k_pos0=call.k_pos0 + shared * ps, causal_hi=call.causal_hi)
     width = max(int(np.max(-(-(call.k_row0 + own_len) // ps))), min(chunk, max_shared))
-    seqs = [dict(q_batch=np.zeros(n_seq, np.int64), q_row0=flat0, q_len=call.q_len,
-                 k_row0=call.k_row0, k_len=own_len, q_pos0=call.q_pos0,
-                 k_pos0=call.k_pos0 + shared * ps,
-                 causal_hi=call.causal_hi)]
-    src_row, src_col = [np.arange(n_seq)], [start]
-    # parts 1..: chunk c of every group's prefix, its members' rows in runs; other rows empty
-    seq_group = group_of[row_seq]
-    for c in range(max(n_chunks)):
-        label = np.where((seq_group >= 0) & (np.array(n_chunks + [0])[seq_group] > c),
-                         seq_group, -1)
+    tkey = ("table", id(table), width, key)
+    with _lock:
+        hit = _memo.get(tkey)
+    if hit is not None and hit[0] is table:  # the same table object (a cache's, kept)
+        new_table = hit[1]
+    else:
+        rows = np.concatenate([np.arange(n_seq), src_row])
+        cols = np.concatenate([shared, src_col])[:, None] + np.arange(width)
+        new_table = np.where(cols < table.shape[1], table[rows[:, None], np.minimum(
+            cols, table.shape[1] - 1)], -1).astype(np.int32)
+        _remember(tkey, (table, new_table))
+    per_seq = {k: (None if v is None else np.concatenate([v, fields[k]]))
+               for k, v in own.items()}
+    parts = replace(call, q=_flat_rows(call.q), k_batch=np.zeros(new_table.shape[0], np.int64),
+                    block_table=new_table, need_lse=True, dense=False, **per_seq)
+    return parts, n_parts
+
+
+#: what recent calls derived from their block tables and rows: prefix parts
+#: (:func:`_prefix_parts`), parts' block tables and groups before the visibility check (by the
+#: table object, which a PagedKVCache keeps while no page changes), by what they are made from
+_memo: OrderedDict[tuple, Any] = OrderedDict()
+_MEMO_MAX = 64
+_lock = threading.Lock()
+
+
+def _remember(key: tuple, value: Any) -> None:
+    with _lock:
+        _memo[key] = value
+        while len(_memo) > _MEMO_MAX:
+            _memo.popitem(last=False)
+
+
+def _prefix_parts(call: AttnCall, groups: list[tuple[np.ndarray, int]], flat0: np.ndarray,
+                  group_of: np.ndarray, chunk: int, rows_cap: int) -> tuple:
+    """Parts 1.. of :func:`parts_call`: chunk c (``chunk`` pages) of every group's prefix in
+    part 1 + c, its members' consecutive rows in runs of at most ``rows_cap`` rows (and fewer
+    where a window would hide a chunk's key from a run's row); rows of no group, or past their
+    group's chunks, in sequences without keys. Returns (per-sequence fields, their table rows'
+    source sequence and first column, number of parts)."""
+    ps, n_rows = call.page_size, int(call.q.shape[0] * call.q.shape[1])
+    wl, wr = call.window_left, call.window_right
+    order = np.argsort(flat0, kind="stable")
+    row_group = np.repeat(group_of[order], call.q_len[order])  # the group of each flat row
+    n_chunks = np.array([-(-n // chunk) for _, n in groups] + [0])  # [-1]: rows of no group
+    cols = ("q_batch", "q_row0", "q_len", "k_len", "q_pos0", "k_pos0", "causal_hi", "src_row",
+            "src_col")
+    out: list[tuple] = []
+    for c in range(int(n_chunks.max())):
+        label = np.where(n_chunks[row_group] > c, row_group, -1)
         edges = np.flatnonzero(np.diff(label)) + 1
-        piece = {k: [] for k in ("q_row0", "q_len", "k_len", "q_pos0", "k_pos0", "causal_hi")}
-        rows_src, cols_src = [], []
-        for a, b in zip(np.concatenate([[0], edges]).tolist(),
-                        np.concatenate([edges, [n_rows]]).tolist()):
+        for a, b in zip([0, *edges.tolist()], [*edges.tolist(), n_rows]):
             g = int(label[a])
             if g < 0:  # rows that see no key in this part
-                cap, keys, k0, q0, src = rows_cap, 0, 0, 0, 0
+                cap, keys, k0, q0, src, col = rows_cap, 0, 0, 0, 0, 0
             else:
                 members, n_pages = groups[g]
-                first = c * chunk
-                keys = (min(first + chunk, n_pages) - first) * ps
-                k0 = first * ps
-                # every row of a run sees every key of the chunk: rows at q0 .. q0 + len - 1
-                # with kpos - qpos <= min(keys - 1, window right) and >= -window left
+                col = c * chunk
+                keys, k0 = (min(col + chunk, n_pages) - col) * ps, col * ps
+                # every row of a run sees every key of the chunk: rows at q0 .. q0 + len - 1,
+                # kpos - qpos within [-window left, min(keys - 1, window right)]
                 shift = 0 if wr is None else max(0, keys - 1 - wr)
                 q0 = k0 + shift
                 cap = rows_cap if wl is None else max(1, min(rows_cap, wl + 1 - shift))
                 src = int(members[0])
-            for r0 in range(a, b, cap):
-                n = min(cap, b - r0)
-                piece["q_row0"].append(r0)
-                piece["q_len"].append(n)
-                piece["k_len"].append(keys)
-                piece["q_pos0"].append(q0)
-                piece["k_pos0"].append(k0)
-                piece["causal_hi"].append(max(keys - 1, 0))
-                rows_src.append(src)
-                cols_src.append(c * chunk if g >= 0 else 0)
-        m = len(rows_src)
-        part = {k: np.array(v, np.int64) for k, v in piece.items()}
-        part["q_batch"] = np.full(m, c + 1, np.int64)
-        part["k_row0"] = np.zeros(m, np.int64)
-        if call.causal_hi is None:
-            part["causal_hi"] = None
-        seqs.append(part)
-        src_row.append(np.array(rows_src, np.int64))
-        src_col.append(np.array(cols_src, np.int64))
-    fields = {k: (None if seqs[0][k] is None else np.concatenate([p[k] for p in seqs]))
-              for k in seqs[0]}
-    rows, cols = np.concatenate(src_row), np.concatenate(src_col)
-    cols = cols[:, None] + np.arange(width)
-    new_table = np.where(cols < table.shape[1], table[rows[:, None],
-                                                      np.minimum(cols, table.shape[1] - 1)], -1)
-    zeros = np.zeros(rows.size, np.int64)
-    q = _flat_rows(call.q)
-    parts = replace(call, q=q, k_batch=zeros, block_table=new_table.astype(np.int32),
-                    need_lse=True, dense=False, **fields)
-    return parts, 1 + max(n_chunks)
+            out += [(c + 1, r0, min(cap, b - r0), keys, q0, k0, max(keys - 1, 0), src, col)
+                    for r0 in range(a, b, cap)]
+    arr = np.array(out, np.int64).reshape(-1, len(cols))
+    fields = {k: arr[:, i] for i, k in enumerate(cols[:7])}
+    fields["k_row0"] = np.zeros(arr.shape[0], np.int64)
+    if call.causal_hi is None:
+        fields["causal_hi"] = None
+    return fields, arr[:, 7], arr[:, 8], 1 + int(n_chunks.max())
 
 
 def _flat_rows(q: Any) -> Any:
@@ -189,7 +212,28 @@ def groups_of(call: AttnCall, min_prefix_tokens: int | None) -> list[tuple[np.nd
         return []
     ps = call.page_size
     full = call.k_len // ps
-    cand = np.flatnonzero((call.q_len > 0) & (full >= 1) & (call.k_row0 == 0))
+    key = ("groups", id(table), table.shape, min_prefix_tokens, full.tobytes(),
+           call.q_len.tobytes(), call.k_row0.tobytes())
+    with _lock:
+        hit = _memo.get(key)
+    if hit is not None and hit[0] is table:  # the same table object (a cache's, kept)
+        shared = hit[1]
+    else:
+        shared = _shared_pages(table, full, call.q_len, call.k_row0, ps, min_prefix_tokens)
+        _remember(key, (table, shared))
+    groups = []
+    for members, n_pages in shared:
+        members = members[_sees_prefix(call, members, n_pages * ps)]
+        if members.size >= 2:
+            groups.append((members, n_pages))
+    return groups
+
+
+def _shared_pages(table: np.ndarray, full: np.ndarray, q_len: np.ndarray, k_row0: np.ndarray,
+                  ps: int, min_prefix_tokens: int) -> list[tuple[np.ndarray, int]]:
+    """:func:`groups_of` before the visibility check: sequences with query rows grouped by
+    their first page, with the leading run of full pages all of them hold."""
+    cand = np.flatnonzero((q_len > 0) & (full >= 1) & (k_row0 == 0))
     by_first: dict[int, list[int]] = {}
     for s in cand.tolist():
         by_first.setdefault(int(table[s, 0]), []).append(s)
@@ -201,10 +245,7 @@ def groups_of(call: AttnCall, min_prefix_tokens: int | None) -> list[tuple[np.nd
         width = int(full[members].min())
         same = (table[members, :width] == table[members[0], :width]).all(axis=0)
         n_pages = width if same.all() else int(np.argmin(same))
-        if n_pages < 1 or n_pages * ps < min_prefix_tokens:
-            continue
-        members = members[_sees_prefix(call, members, n_pages * ps)]
-        if members.size >= 2:
+        if n_pages >= 1 and n_pages * ps >= min_prefix_tokens:
             groups.append((members, n_pages))
     return groups
 

@@ -225,7 +225,7 @@ def test_random_forks(attnlib_backend, data):
     rows and options, in random order: the cascade takes exactly the members whose rows all see
     the prompt's full pages, and the result is the reference's and the plain call's."""
     draw = data.draw
-    dtype = draw(st.sampled_from(["float32", "float64", "float16", "bfloat16"]))
+    dtype = draw(st.sampled_from(["float32", "float64"]))
     if unsupported_ok(attnlib_backend, dtype):
         dtype = "float32"
     ps = draw(st.sampled_from([1, 3, 4, 16]))

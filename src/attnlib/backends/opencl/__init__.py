@@ -29,6 +29,8 @@ How a call runs (one path for the first call and every repeat)::
         -> otherwise the family's run (_attention.run, _nvidia_mma.run, _nvidia_decode.run)
     every launch: the family's plan .enqueue -> _runtime.launch (one kernel-object cache,
     programs from _runtime.program, the one program cache)
+    OpenCLBackend.attention_parts (the shared-prompt cascade) -> _dispatch.attention_parts:
+                                  the family's run keeping float32 partial states, one merge.cl
 
 Modules: ``_dispatch`` (:func:`~._dispatch.kernel_family`, the only place that chooses the
 kernel family), ``_plan_cache`` (the repeat-call plans, the portable family's included),

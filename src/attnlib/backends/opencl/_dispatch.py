@@ -108,49 +108,58 @@ def forget_plans() -> None:
     _plan_cache.plans.clear()
 
 
+
 def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int,
                     rows: tuple[int, int]) -> tuple[Any, Any]:
-    """``Backend.attention_parts`` on the device: the call's kernel (the tensor-core decode
-    kernel where :func:`kernel_family` picks it, else the portable one) writes the float32
-    partial states of its key splits for every part, and one merge.cl launch merges the
-    ``splits * n_parts`` states of each row into the output dtype, folds the sinks in and
-    writes the LSE in the contract's layout. Two launches, nothing through the host for device
-    queries."""
+    """``Backend.attention_parts`` on the device: the ``n_parts`` parts are the batches of one
+    call whose query is the rows' array seen with a zero batch stride; its kernel (the
+    tensor-core decode kernel where :func:`kernel_family` picks it, else the portable one)
+    writes float32 partial states (float16 / bfloat16: its split build's, one per key split
+    and part; float32 / float64: its plain output), and one merge.cl launch merges each row's
+    states into the output dtype, folds the sinks in and writes the LSE in the contract's
+    layout. A host query is uploaded once; nothing else goes through the host."""
+    import pyopencl.array as cla
+
     from ._arrays import acc_dtype, is_cl_array, store_kind
 
     q1 = call.q  # (1, R, Hq, D)
     queue = be.queue_for(q1, call.k, call.v)
-    _, n_rows, hq, d = q1.shape
     host = not is_cl_array(q1)
-    shape = (n_parts, n_rows, hq, d)
     if host:
-        q = np.broadcast_to(q1, shape)
-    else:  # every part reads the same rows: a zero batch stride
-        import pyopencl.array as cla
-
-        q = cla.Array(queue, shape, q1.dtype, strides=(0, *q1.strides[1:]), data=q1.base_data,
-                      offset=q1.offset)
+        q1 = be.to_device(q1)
+    _, n_rows, hq, d = q1.shape
+    # every part reads the same rows: a zero batch stride
+    q = cla.Array(queue, (n_parts, n_rows, hq, d), q1.dtype, strides=(0, *q1.strides[1:]),
+                  data=q1.base_data, offset=q1.offset)
     call = replace(call, q=q)
     dtype, acc = call.dtype, acc_dtype(call.dtype)
-    hkv, dv = call.n_kv_heads, call.head_dim_v
-    packed = call.q_len.astype(np.int64, copy=False) * (hq // hkv)
+    dv = call.head_dim_v
+    packed = call.q_len.astype(np.int64, copy=False) * (hq // call.n_kv_heads)
     max_rows = int(packed.max())
+    b, s = rows
+    keep = None
     if kernel_family(be, call, max_rows) == "decode":
         part_o, part_l, splits, keep = _nvidia_decode.run(be, queue, call, parts=True)
+        # state split * n_parts + part; its LSEs (rows, Hq)
+        n_states, l_strides = splits * n_parts, (n_rows * hq, s * hq, hq, 1)
+    elif dtype == acc:  # the plain output is the state: the build of the plain call
+        po, pl = _attention.run(be, queue, replace(call, sinks=None, need_lse=True), packed,
+                                max_rows)
+        part_o, part_l, keep = po.data, pl.data, po
+        n_states, l_strides = n_parts, (hq * n_rows, s, 1, n_rows)  # LSEs (Hq, rows)
     else:
         part_o, part_l, splits, keep = _attention.run(be, queue, call, packed, max_rows,
                                                       parts=True)
-    b, s = rows
+        n_states, l_strides = splits * n_parts, (n_rows * hq, s * hq, hq, 1)
     out = _pool.empty(queue, (b, s, hq, dv), dtype)
     lse = _pool.empty(queue, (b, hq, s), acc)
     for e in keep.events:  # the call's uploads: done before its kernels, never waited on here
         out.add_event(e)
     sinks = None if call.sinks is None else _pool.upload(queue, call.sinks, out)
-    # state i = split * n_parts + part, rows (b * S + s) * Hq + h in each (see merge.cl)
-    _attention.launch_merge(be, queue, part_o, n_rows * hq * dv, part_l,
-                            (n_rows * hq, s * hq, hq, 1), splits * n_parts, s, hq, dv,
-                            n_rows * hq, out.data, lse.data, store_kind(acc), store_kind(dtype),
-                            int(acc == np.float64), sinks)
+    # rows (b * S + s) * Hq + h of every state (see merge.cl)
+    _attention.launch_merge(be, queue, part_o, n_rows * hq * dv, part_l, l_strides, n_states,
+                            s, hq, dv, n_rows * hq, out.data, lse.data, store_kind(acc),
+                            store_kind(dtype), int(acc == np.float64), sinks)
     if host:
         return out.get(), lse.get()
     return out, lse
