@@ -48,11 +48,10 @@ def attention(be: Backend, call: AttnCall):
     groups = groups_of(call, MIN_PREFIX_TOKENS)
     if not groups:
         return be.attention(call)
-    bq, sq_arr = int(call.q.shape[0]), int(call.q.shape[1])
     parts, n_parts = parts_call(call, groups, *be.parts_limits(call))
-    res = be.attention_parts(parts, n_parts, (bq, sq_arr))
+    res = be.attention_parts(parts, n_parts)
     if res is None:
-        res = _merged_on_host(be, parts, n_parts, (bq, sq_arr))
+        res = _merged_on_host(be, parts, n_parts)
         if res is None:
             return be.attention(call)
     out, lse = res
@@ -105,7 +104,7 @@ def parts_call(call: AttnCall, groups: list[tuple[np.ndarray, int]], row_cap: in
         _remember(tkey, (table, new_table))
     per_seq = {k: (None if v is None else np.concatenate([v, fields[k]]))
                for k, v in own.items()}
-    parts = replace(call, q=_flat_rows(call.q), k_batch=np.zeros(new_table.shape[0], np.int64),
+    parts = replace(call, k_batch=np.zeros(new_table.shape[0], np.int64),
                     block_table=new_table, need_lse=True, dense=False, **per_seq)
     return parts, n_parts
 
@@ -167,22 +166,17 @@ def _prefix_parts(call: AttnCall, groups: list[tuple[np.ndarray, int]], flat0: n
     return fields, arr[:, 7], arr[:, 8], 1 + int(n_chunks.max())
 
 
-def _flat_rows(q: Any) -> Any:
-    """``q (B, S, Hq, D)`` seen as ``(1, B * S, Hq, D)`` (numpy: a copy where no view exists;
-    a device array: C-contiguous, see :func:`groups_of`)."""
-    b, s, hq, d = q.shape
-    return q.reshape((1, b * s, hq, d))
-
-
-def _merged_on_host(be: Backend, parts: AttnCall, n_parts: int,
-                    rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+def _merged_on_host(be: Backend, parts: AttnCall,
+                    n_parts: int) -> tuple[np.ndarray, np.ndarray] | None:
     """:meth:`Backend.attention_parts` from :meth:`Backend.attention_state` (host queries):
     the states merged with the reference ``merge_states``, in float64, the sinks folded in as
     one more state (0, sink)."""
     q = parts.q
     if not isinstance(q, np.ndarray):
         return None
-    state = be.attention_state(replace(parts, q=np.broadcast_to(q, (n_parts,) + q.shape[1:]),
+    b, s, hq, d = q.shape
+    state = be.attention_state(replace(parts, q=np.broadcast_to(q.reshape(1, b * s, hq, d),
+                                                              (n_parts, b * s, hq, d)),
                                        sinks=None))
     if state is None:
         return None
@@ -193,8 +187,7 @@ def _merged_on_host(be: Backend, parts: AttnCall, n_parts: int,
         lses.append(np.broadcast_to(parts.sinks.astype(np.float64)[None, :, None],
                                     lses[0].shape))
     m_out, m_lse = registry.get_backend("numpy").merge_states(outs, lses)
-    b, s = rows
-    hq, dv = out.shape[2], out.shape[3]
+    dv = out.shape[3]
     wide = np.float64 if parts.dtype == np.float64 else np.float32
     m_lse = np.ascontiguousarray(m_lse[0].reshape(hq, b, s).transpose(1, 0, 2), wide)
     return m_out.reshape(b, s, hq, dv).astype(parts.dtype), m_lse

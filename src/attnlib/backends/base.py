@@ -219,20 +219,20 @@ class Backend:
             return self.attention(call)
         return None
 
-    def attention_parts(self, call: AttnCall, n_parts: int,
-                        rows: tuple[int, int]) -> tuple[Any, Any] | None:
+    def attention_parts(self, call: AttnCall, n_parts: int) -> tuple[Any, Any] | None:
         """The merge of ``n_parts`` partial states of the same query rows, made in one call
         (the shared-prompt cascade's primitive, ``attnlib._cascade``).
 
-        ``call.q`` is ``(1, R, Hq, D)`` with ``R = B * S`` (``rows = (B, S)``), and
-        ``call.q_batch[s]`` is the *part* of sequence ``s`` (0 .. n_parts - 1), not a batch of
-        ``q``: the query rows are the same in every part, each row belongs to exactly one
-        sequence of each part, and a row's parts see disjoint keys. Returns ``merge_states`` of
-        each row's ``n_parts`` states with ``call.sinks`` folded in once after it: ``out (B, S,
-        Hq, Dv)`` in ``call.dtype`` and ``lse (B, Hq, S)`` (float32; float64 for float64), in
-        the backend's array type, what one call over the union of each row's keys gives; the
-        states are kept in float32 or wider. None: the caller merges :meth:`attention_state`'s
-        states itself (the default)."""
+        ``call.q`` is ``(B, S, Hq, D)`` (numpy, or a C-contiguous device array) and its
+        ``R = B * S`` rows are read flat: sequence ``s`` has the rows ``q_row0[s] ..
+        q_row0[s] + q_len[s] - 1`` of ``q.reshape(1, R, Hq, D)``, and ``call.q_batch[s]`` is
+        its *part* (0 .. n_parts - 1), not a batch of ``q``. The query rows are the same in
+        every part, each row belongs to exactly one sequence of each part, and a row's parts
+        see disjoint keys. Returns ``merge_states`` of each row's ``n_parts`` states with
+        ``call.sinks`` folded in once after it: ``out (B, S, Hq, Dv)`` in ``call.dtype`` and
+        ``lse (B, Hq, S)`` (float32; float64 for float64), in the backend's array type, what one
+        call over the union of each row's keys gives; the states are kept in float32 or wider.
+        None: the caller merges :meth:`attention_state`'s states itself (the default)."""
         return None
 
     def parts_limits(self, call: AttnCall) -> tuple[int | None, int | None]:

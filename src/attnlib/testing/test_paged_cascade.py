@@ -138,8 +138,10 @@ def test_forked_groups(attnlib_backend, dtype, cascade_spy):
             frozenset([f.e, f.e1]): 2}
     # decode rows and multi-row chunks (c2: 2 rows, u: 3 rows), packed
     assert _both(p, cascade_spy, sids, [1, 1, 3, 2, 1, 1, 1, 1, 1]) == want
-    # batched decode step, the query on the device where the backend has device arrays
-    assert _both(p, cascade_spy, sids, [1] * len(sids), packed=False, device=True) == want
+    # batched decode step, the query on the device where the backend has device arrays (a's
+    # group in consecutive rows: one run of rows over its prefix)
+    batch = [f.a, f.c1, f.c2, f.c3, f.u, f.b, f.d1, f.e, f.e1]
+    assert _both(p, cascade_spy, batch, [1] * len(batch), packed=False, device=True) == want
     # appended chunks past the prefix, then a decode step, through the appending path
     cascade_spy.seen.clear()
     p.attend([f.c1, f.c3, f.d1, f.u], [3, 1, 2, 1], [3, 1, 2, 1])

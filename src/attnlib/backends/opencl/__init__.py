@@ -256,10 +256,9 @@ class OpenCLBackend(Backend):
         with device_errors("attention"):
             return _dispatch.attention(self, call)
 
-    def attention_parts(self, call: AttnCall, n_parts: int,
-                        rows: tuple[int, int]) -> tuple[Any, Any]:
+    def attention_parts(self, call: AttnCall, n_parts: int) -> tuple[Any, Any]:
         with device_errors("attention"):
-            return _dispatch.attention_parts(self, call, n_parts, rows)
+            return _dispatch.attention_parts(self, call, n_parts)
 
     def parts_limits(self, call: AttnCall) -> tuple[int | None, int | None]:
         """The tensor-core decode kernel's limits where it takes the call's decode rows: one

@@ -109,8 +109,7 @@ def forget_plans() -> None:
 
 
 
-def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int,
-                    rows: tuple[int, int]) -> tuple[Any, Any]:
+def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[Any, Any]:
     """``Backend.attention_parts`` on the device: the ``n_parts`` parts are the batches of one
     call whose query is the rows' array seen with a zero batch stride; its kernel (the
     tensor-core decode kernel where :func:`kernel_family` picks it, else the portable one)
@@ -122,21 +121,23 @@ def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int,
 
     from ._arrays import acc_dtype, is_cl_array, store_kind
 
-    q1 = call.q  # (1, R, Hq, D)
-    queue = be.queue_for(q1, call.k, call.v)
-    host = not is_cl_array(q1)
+    q4 = call.q  # (B, S, Hq, D), rows read flat
+    queue = be.queue_for(q4, call.k, call.v)
+    host = not is_cl_array(q4)
     if host:
-        q1 = be.to_device(q1)
-    _, n_rows, hq, d = q1.shape
-    # every part reads the same rows: a zero batch stride
-    q = cla.Array(queue, (n_parts, n_rows, hq, d), q1.dtype, strides=(0, *q1.strides[1:]),
-                  data=q1.base_data, offset=q1.offset)
+        q4 = be.to_device(q4)
+    b, s, hq, d = q4.shape
+    n_rows = b * s
+    # every part reads the same R rows: a zero batch stride (C-contiguous rows)
+    item = q4.dtype.itemsize
+    q = cla.Array(queue, (n_parts, n_rows, hq, d), q4.dtype,
+                  strides=(0, hq * d * item, d * item, item), data=q4.base_data,
+                  offset=q4.offset)
     call = replace(call, q=q)
     dtype, acc = call.dtype, acc_dtype(call.dtype)
     dv = call.head_dim_v
     packed = call.q_len.astype(np.int64, copy=False) * (hq // call.n_kv_heads)
     max_rows = int(packed.max())
-    b, s = rows
     keep = None
     if kernel_family(be, call, max_rows) == "decode":
         part_o, part_l, splits, keep = _nvidia_decode.run(be, queue, call, parts=True)
