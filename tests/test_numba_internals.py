@@ -202,11 +202,13 @@ def test_softmax_and_merge_against_reference():
 
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_cache_reads_only_held_rows_and_matches_reference(ring, dtype):
-    """16-bit caches are widened only where the call reads (``_narrow_keys``): batch_idx
-    subsets, partly filled buffers and a ring read across its wrap give the reference's result."""
+def test_half_cache_is_read_in_place_and_matches_reference(ring, dtype):
+    """16-bit caches are widened tile by tile as the kernel loads them: batch_idx subsets,
+    partly filled buffers and a ring read across its wrap give the reference's result, and a
+    decode step over a long cache allocates far less than one widened copy of its keys."""
+    import tracemalloc
+
     import attnlib
-    from attnlib.backends.numba_backend._launch import _narrow_keys
 
     rng = np.random.default_rng(11)
     caches = {be: attnlib.KVCache(4, 64, 2, 16, dtype=dtype, ring=ring, backend=be)
@@ -219,17 +221,55 @@ def test_half_cache_reads_only_held_rows_and_matches_reference(ring, dtype):
         got, want = (attnlib.attention_with_kvcache(q, c, k, v, batch_idx=np.array(rows))
                      for c in caches.values())
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=2e-3)
-    # the narrowing itself: a short prefix of two cache rows is all that is handed on
-    from attnlib.backends.base import AttnCall
+    # memory: 2 x 4096 x 2 x 64 keys are 2 MiB in 16 bits, 4 MiB widened (8 MiB with the values)
+    big = attnlib.KVCache(2, 4096, 2, 64, dtype=dtype, ring=ring, backend="numba")
+    kv = rng.standard_normal((2, 4096, 2, 64)).astype(npdt)
+    big.update(kv, kv, 0)
+    q = rng.standard_normal((2, 1, 4, 64)).astype(npdt)
+    attnlib.attention_with_kvcache(q, big)  # plans, scratch
+    tracemalloc.start()
+    try:
+        attnlib.attention_with_kvcache(q, big)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < kv.nbytes, peak  # the split-key partial states: up to 1 MiB
 
-    c = caches["numba"]
-    one = np.ones(1, np.int64)
-    call = AttnCall(q=q[:1], k=c.k, v=c.v, q_batch=0 * one, q_row0=0 * one, q_len=one,
-                    k_batch=2 * one, k_row0=0 * one, k_len=5 * one, q_pos0=4 * one,
-                    k_pos0=0 * one, causal_hi=None, scale=0.25, ring=64 if ring else 0)
-    small = _narrow_keys(call)
-    assert small.k.shape == (1, 5, 2, 16) and small.k_batch.tolist() == [0]
-    np.testing.assert_array_equal(small.k[0], c.k[2, :5])
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "float8_e5m2", "float16",
+                                 "bfloat16"])
+def test_tile_load_decodes_every_code_exactly(fmt):
+    """``_load_stored`` gives every stored code's value exactly (NaN codes NaN, subnormals and
+    infinities kept): all 256 bytes of an 8-bit format times a row scale against
+    :func:`attnlib._quant.decode_table`, all 65536 bit patterns of a 16-bit float against
+    numpy's own conversion."""
+    import ml_dtypes
+
+    from attnlib import _quant
+    from attnlib.backends.numba_backend import _flash
+
+    q = _quant.FORMATS.get(fmt)
+    width = 64
+    if q is not None:
+        codes = np.arange(256, dtype=np.uint8)
+        scale = np.float32(0.7)
+        want = _quant.decode_table(q) * scale
+        code, sc = q.code, np.full(256 // width, scale, np.float32)
+        raw = codes
+    else:
+        dtype = np.float16 if fmt == "float16" else ml_dtypes.bfloat16
+        bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+        want = bits.view(dtype).astype(np.float32)
+        code = _flash.F16 if fmt == "float16" else _flash.BF16
+        sc = np.zeros(0, np.float32)
+        raw = bits.view(np.uint8)
+    rows = want.size // width
+    st = np.array([0, width, 0, width], np.int64)  # one batch, one head, contiguous rows
+    sst = np.array([0, 1, 0], np.int64)
+    got = np.empty(want.size, np.float32)
+    _flash._load_stored(raw, st, sc, sst, code, np.zeros((0, 0), np.int64), 0, 0, 0, rows, 0,
+                        0, 0, 0, got, width)
+    np.testing.assert_array_equal(got, want)
 
 
 class _MklWithoutJitCode:

@@ -3,17 +3,20 @@
 ``attention`` runs :func:`._flash.flash_forward`: query blocks x key blocks with the online-softmax
 rescale, BLAS gemms on contiguous tiles, no Sq x Sk buffer, key tiles hidden by causal / window
 skipped, parallel over (sequence, kv head, query block) and, for decode-sized calls, over key
-splits merged afterwards in a fixed order (bitwise reproducible). float16 / bfloat16 inputs are
-widened to float32 before the kernel and accumulate in float32; float64 stays float64. The
-tile gemms call MKL (sequential; its JIT kernels for full float32 tiles) when the ``mkl`` wheel
-is installed, else scipy's OpenBLAS (:mod:`._blas`).
+splits merged afterwards in a fixed order (bitwise reproducible). float16 / bfloat16 q, k and v
+are read in their own dtype and widened to float32 tile by tile as the kernel loads them
+(``_flash._load_q``, ``_flash._load_stored``; never a widened copy of an input), accumulating in
+float32; float64 stays float64. The tile gemms call MKL (sequential; its JIT kernels for full
+float32 tiles) when the ``mkl`` wheel is installed, else scipy's OpenBLAS (:mod:`._blas`).
 
 Paged calls (``AttnCall.block_table``) run the same kernel: a key tile whose pages follow each
 other in the pool is read in place, any other is gathered one page at a time into the thread's
-scratch tile (``_flash._load_paged``); fp16/bf16 pools widen only the pages in use.
+scratch tile (``_flash._load_paged``); fp16/bf16 pools are widened as their tiles load.
 Quantized caches (``AttnCall.k_scales``) are read by the same kernel: each key / value tile is
-dequantized into the scratch tile as it is loaded (``_flash._load_quant``: a byte's value from
-its bits, in registers, times the row's scale), never as a copy of the cache.
+dequantized into the scratch tile as it is loaded (``_flash._load_stored``: int8 sign-extended,
+an fp8 byte converted through the float16 of the same bits, times the row's scale, read once
+per row), never as a copy of the cache. KV cache buffers are head-major (:meth:`NumbaBackend.
+cache_alloc`, :meth:`NumbaBackend.page_alloc`), so a tile is one contiguous block.
 
 The other primitives (softmax, merge_states, rope, the KV caches) are small numba / numpy code.
 Compiled functions are cached on disk (:mod:`._cache`: ``NUMBA_CACHE_DIR`` when set, else
@@ -100,7 +103,16 @@ class NumbaBackend(HostPages, Backend):
 
     # ---- KV cache -----------------------------------------------------------------------------
     def cache_alloc(self, shape, dtype) -> np.ndarray:
-        return np.zeros(shape, dtype=dtype)
+        """A KV cache buffer ``(max_batch, max_seq_len, Hkv, D)`` is head-major, as pages are
+        (:meth:`page_alloc`): memory ``(max_batch, Hkv, max_seq_len, D)`` seen through the
+        contract's shape, so a key tile of one kv head is one contiguous block that the kernel
+        streams (token-major, its rows lie ``Hkv * D`` elements apart, each on its own stretch
+        of memory: a decode step ran about twice as long, see bench/RESULTS.md). Other shapes
+        (the per-(token, kv head) scales) are C order."""
+        if len(shape) != 4:
+            return np.zeros(shape, dtype=dtype)
+        b, s, h, d = shape
+        return np.zeros((b, h, s, d), dtype=dtype).transpose(0, 2, 1, 3)
 
     def page_alloc(self, shape, dtype) -> np.ndarray:
         """Head-major pages: memory ``(num_pages, Hkv, page_size, D)`` seen as ``(num_pages,

@@ -254,36 +254,83 @@ def _load_paged(src, st, table, s, row0, nrows, page_size, n_pages, h, dst, widt
         t += run
 
 
-F8_E4M3, F8_E5M2, INT8 = 1, 2, 3  # kv formats (attnlib._quant.KVFormat.code)
-_E4M3_UNBIAS = np.float32(2.0 ** 120)  # 2**(127 - 7): a float32's exponent bias to e4m3's
-_E5M2_UNBIAS = np.float32(2.0 ** 112)  # 2**(127 - 15)
+# storage formats of k / v (``kv_format``) and q (``q_format``) other than the compute dtype:
+# the 8-bit codes (attnlib._quant.KVFormat.code) and the 16-bit floats
+F8_E4M3, F8_E5M2, INT8 = 1, 2, 3
+F16, BF16 = 4, 5
+
+
+@intrinsic
+def _f16_to_f32(typingctx, bits):
+    """The float32 value of the float16 whose bits are the uint16 ``bits``: a register bitcast
+    and ``fpext`` (exact, NaN and infinities kept; x86's F16C converts 8 or 16 lanes in one
+    instruction)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _bf16_to_f32(typingctx, bits):
+    """The float32 value of the bfloat16 whose bits are the uint16 ``bits``: the bits moved to
+    a float32's upper half (exact)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return sig, codegen
 
 
 @njit(fastmath=FASTMATH, inline="always")
-def _f8_value(c, fmt):
-    """The value of the fp8 code ``c`` (int32 0..255), exactly: its exponent and mantissa bits
-    moved into a float32's (a subnormal code lands on a float32 subnormal of the same
-    significand) and the exponent bias corrected by one power-of-two multiply; e4m3fn's NaN code,
-    e5m2's infinities and NaNs (all exponent bits set: the same bits moved into a float32's
-    all-ones exponent) chosen by selects. No branch, so the tile loop vectorises."""
-    sign = (c & 0x80) << 24
-    if fmt == F8_E4M3:
-        x = _bits_to_f32(((c & 0x7f) << 20) | sign) * _E4M3_UNBIAS
-        return np.float32(np.nan) if (c & 0x7f) == 0x7f else x
-    x = _bits_to_f32(((c & 0x7f) << 21) | sign) * _E5M2_UNBIAS
-    special = _bits_to_f32(sign | 0x7f800000 | ((c & 3) << 21))
-    return special if (c & 0x7c) == 0x7c else x
+def _widen_row(codes, wide, fmt, f, out):
+    """``out[d] = f * value(code d)`` of one row: ``codes`` the row's bytes (8-bit formats),
+    ``wide`` its uint16 elements (F16, BF16; ``f`` unused). Each branch is one branch-free loop
+    that LLVM vectorises, every value exact: int8 a sign extension; the fp8 formats become the
+    float16 of the same bits and go through ``fpext`` (F16C on x86, no float32 subnormal on
+    the way, which would cost a microcode assist per element): e5m2 is float16's high byte,
+    e4m3fn's exponent and mantissa land in a float16's, which reads them with bias 15 instead
+    of 7 (the 2**8 folded into the row's scale; e4m3fn subnormals land on float16 subnormals
+    of the same significand), and its NaN code 0x7f (the only one whose ``m + 1`` carries into
+    bit 7) gets the float16 exponent's top bit, which makes it a NaN; float16 ``fpext``;
+    bfloat16 a shift."""
+    if fmt == INT8:
+        for d in range(out.shape[0]):
+            out[d] = np.float32(np.int8(codes[d])) * f
+    elif fmt == F8_E4M3:
+        f = f * np.float32(256.0)
+        for d in range(out.shape[0]):
+            c = np.int32(codes[d])
+            m = c & 0x7F
+            out[d] = _f16_to_f32(((c & 0x80) << 8) | (m << 7) | (((m + 1) & 0x80) << 7)) * f
+    elif fmt == F8_E5M2:
+        for d in range(out.shape[0]):
+            out[d] = _f16_to_f32(np.int32(codes[d]) << 8) * f
+    elif fmt == F16:
+        for d in range(out.shape[0]):
+            out[d] = _f16_to_f32(wide[d])
+    else:
+        for d in range(out.shape[0]):
+            out[d] = _bf16_to_f32(wide[d])
 
 
 @njit(fastmath=FASTMATH)
-def _load_quant(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_size, n_pages, h,
-                dst, width):
-    """Dequantizing tile load: ``dst[t*width + d] = scale * value(code)`` for logical row
-    ``row0 + t`` of kv head ``h``, where ``src`` holds the 8-bit codes (flat uint8, element
-    strides ``st``) of format ``fmt`` (F8_E4M3, F8_E5M2, INT8), ``sc`` the float32 scales (flat,
-    strides ``sst`` along batch / page, row / slot, head). Paged (``page_size > 0``): the row
-    lives in sequence ``s``'s pages (clamped into the pool); else in batch ``b``, wrapping at
-    ``ring``."""
+def _load_stored(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_size, n_pages, h,
+                 dst, width):
+    """Widening tile load: ``dst[t*width + d]`` = the float32 value of element ``d`` of logical
+    row ``row0 + t`` of kv head ``h``, decoded as the tile loads (never a widened copy of the
+    cache). ``src`` holds the stored bytes (flat uint8) of format ``fmt``: 8-bit codes (F8_E4M3,
+    F8_E5M2, INT8; element strides ``st``), each row times its float32 scale from ``sc`` (flat,
+    strides ``sst`` along batch / page, row / slot, head), read once per row; or 16-bit floats
+    (F16, BF16; strides ``st`` in 16-bit elements, no scales). Paged (``page_size > 0``): the
+    row lives in sequence ``s``'s pages (clamped into the pool); else in batch ``b``, wrapping
+    at ``ring``."""
+    wide = src[: src.size & ~1].view(np.uint16)
+    f = np.float32(1.0)
     for t in range(nrows):
         r = row0 + t
         if page_size > 0:
@@ -296,18 +343,36 @@ def _load_quant(src, st, sc, sst, fmt, table, s, b, row0, nrows, ring, page_size
                 r -= ring
             off = b * st[0] + r * st[1] + h * st[2]
             so = b * sst[0] + r * sst[1] + h * sst[2]
-        f = sc[so]
-        codes = src[off:off + width]
-        out = dst[t * width:(t + 1) * width]
-        if fmt == INT8:
-            for d in range(width):
-                out[d] = np.float32(np.int8(codes[d])) * f
-        elif fmt == F8_E4M3:
-            for d in range(width):
-                out[d] = _f8_value(np.int32(codes[d]), F8_E4M3) * f
+        if fmt < F16:
+            f = sc[so]
+        _widen_row(src[off:off + width], wide[off:off + width], fmt, f,
+                   dst[t * width:(t + 1) * width])
+
+
+@njit(fastmath=FASTMATH)
+def _load_q(q, qc, qst, q_format, qb, qrow0, r0, nr, g, kvh, mult, qt, d_qk):
+    """The query block, pre-scaled: ``qt[r*d_qk + d] = mult * q[qb, qrow0 + i, h, d]`` for
+    packed row ``r`` (``i = (r0 + r) // g``, ``h = kvh * g + (r0 + r) % g``). ``q_format`` 0:
+    ``q`` holds the compute dtype; F16 / BF16: ``qc`` holds q's bytes (flat uint8, element
+    strides ``qst`` in 16-bit elements), widened as they load."""
+    wide = qc[: qc.size & ~1].view(np.uint16)
+    for r in range(nr):
+        i = (r0 + r) // g
+        h = kvh * g + (r0 + r) % g
+        src = qb * qst[0] + (qrow0 + i) * qst[1] + h * qst[2]
+        out = qt[r * d_qk:(r + 1) * d_qk]
+        if q_format == F16:
+            row16 = wide[src:src + d_qk]
+            for d in range(d_qk):
+                out[d] = _f16_to_f32(row16[d]) * mult
+        elif q_format == BF16:
+            row16 = wide[src:src + d_qk]
+            for d in range(d_qk):
+                out[d] = _bf16_to_f32(row16[d]) * mult
         else:
-            for d in range(width):
-                out[d] = _f8_value(np.int32(codes[d]), F8_E5M2) * f
+            qrow = q[src:src + d_qk]  # a slice: unit-stride loads the loop vectorises
+            for d in range(d_qk):
+                out[d] = qrow[d] * mult
 
 
 @njit(fastmath=FASTMATH)
@@ -377,7 +442,8 @@ def _all_finite(x):
 @njit(nogil=True, fastmath=FASTMATH)
 def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap, alibi, mask, ring,
                   sinks, block_m, block_n, counter, done, out, lse, part_o, part_ml, gemm_fn, jit,
-                  table, page_size, n_pages, kc, vc, ksc, vsc, sst, kv_format, work):
+                  table, page_size, n_pages, kc, vc, ksc, vsc, sst, kv_format, qc, q_format,
+                  work):
     """Run every task; see the module docstring.
 
     ``q``, ``k``, ``v``: flat (1-D) query, key and value arrays; ``qst`` / ``kst`` / ``vst``
@@ -387,7 +453,8 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     ``seq`` int64 (n_seq, 9): q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0, k_pos0,
     causal_hi (BIG when not causal). Key / value tiles are read in place by BLAS
     (leading dimension: the row stride; no copy), except a tile that wraps around a ring buffer,
-    which is copied first. ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
+    which is copied first, and tiles stored in another dtype (``kv_format``), which are widened
+    into the scratch tile. ``gemm_fn``: the address of BLAS ``sgemm`` / ``dgemm`` (the compute
     dtype's), called through :func:`_gemm`. ``jit`` int64 (4,): MKL JIT kernels (address,
     jitter) specialised to the full tile's ``Q K^T`` and ``P V`` shapes (0: none), used for full
     ``block_m x block_n`` tiles read in place.
@@ -405,11 +472,14 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     ``r % page_size`` of page ``table[s, r // page_size]`` (clamped into ``[0, n_pages)``); a
     tile whose pages follow each other in the pool is read in place, any other is gathered into
     the scratch tile first. ``page_size`` 0: not paged (``table`` (0, 0)).
-    ``kv_format`` > 0: a quantized cache (F8_E4M3, F8_E5M2, INT8). ``kc`` / ``vc`` then hold
-    the keys' and values' 8-bit codes (flat uint8, strides ``kst`` / ``vst``; ``k`` and ``v``
-    are unused), ``ksc`` / ``vsc`` their float32 scales (flat, strides ``sst``), and every tile
-    is dequantized into the scratch tile as it is loaded (:func:`_load_quant`). 0: those are
-    empty.
+    ``kv_format`` > 0: k and v are stored in another dtype than the compute dtype: a quantized
+    cache (F8_E4M3, F8_E5M2, INT8) or float16 / bfloat16 (F16, BF16). ``kc`` / ``vc`` then hold
+    their bytes (flat uint8, element strides ``kst`` / ``vst``; ``k`` and ``v`` are unused),
+    ``ksc`` / ``vsc`` the 8-bit formats' float32 scales (flat, strides ``sst``), and every tile
+    is widened (dequantized) into the scratch tile as it is loaded (:func:`_load_stored`),
+    never as a copy of the whole input. 0: those are empty.
+    ``q_format`` F16 / BF16: q is stored so; ``qc`` holds its bytes (``q`` unused) and the
+    query block is widened as it loads (:func:`_load_q`). 0: ``q`` holds the compute dtype.
     ``work``: this thread's scratch, 1-D of the compute dtype, at least
     ``work_layout(block_m, block_n, D, Dv)[-1]`` elements, 64-byte aligned; no other thread
     uses it during the call.
@@ -452,7 +522,7 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     paged = page_size > 0
     # consecutive pages are consecutive rows only when the pool's page stride is page_size rows
     pool_flat = paged and kst[0] == page_size * k_ld and vst[0] == page_size * v_ld
-    quant = kv_format > 0
+    stored = kv_format > 0
     while True:
         t = _fetch_add(counter, 1)
         if t >= n_tasks:
@@ -468,13 +538,7 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
         kpos0 = seq[s, 7]
         hi = min(seq[s, 8], wr)
         # -- load the query block, pre-scaled; packed row r = i * G + head-in-group
-        for r in range(nr):
-            i = (r0 + r) // g
-            h = kvh * g + (r0 + r) % g
-            src = qb * qst[0] + (qrow0 + i) * qst[1] + h * qst[2]
-            qrow = q[src:src + d_qk]  # a slice: unit-stride loads the loop vectorises
-            for d in range(d_qk):
-                qt[r * d_qk + d] = qrow[d] * (scale * unit)
+        _load_q(q, qc, qst, q_format, qb, qrow0, r0, nr, g, kvh, scale * unit, qt, d_qk)
         qpos_lo = qpos0 + r0 // g
         qpos_hi = qpos0 + (r0 + nr - 1) // g
         # -- only key tiles that some row of the block can see (causal / window skipping)
@@ -495,13 +559,13 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
             if ring > 0 and row >= ring:
                 row -= ring
             copied = ring > 0 and row + n > ring  # the tile wraps: copy it
-            if quant:
-                # -- dequantize as the tiles load: scale * value of each code
+            if stored:
+                # -- widen / dequantize as the tiles load: (scale *) value of each element
                 lrow = seq[s, 4] + jb if paged else row
-                _load_quant(kc, kst, ksc, sst, kv_format, table, s, kb, lrow, n, ring,
-                            page_size, n_pages, kvh, kt, d_qk)
-                _load_quant(vc, vst, vsc, sst, kv_format, table, s, kb, lrow, n, ring,
-                            page_size, n_pages, kvh, vt, d_v)
+                _load_stored(kc, kst, ksc, sst, kv_format, table, s, kb, lrow, n, ring,
+                             page_size, n_pages, kvh, kt, d_qk)
+                _load_stored(vc, vst, vsc, sst, kv_format, table, s, kb, lrow, n, ring,
+                             page_size, n_pages, kvh, vt, d_v)
                 copied = True
                 k_addr, k_lead = np.int64(kt.ctypes.data), d_qk
                 v_addr, v_lead = np.int64(vt.ctypes.data), d_v

@@ -9,7 +9,6 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -142,67 +141,62 @@ def _flat(x: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, flat, st
 
 
-def _quantized(call: AttnCall, cdt: np.dtype) -> tuple:
-    """A quantized call's kernel arrays: (k codes 4-D, empty k, k strides, the same for v, and
-    the kernel's quantized arguments ``(kc, vc, ksc, vsc, sst, kv_format)``): the codes as flat
-    uint8 read in place (no copy of the cache), the float32 scales flat with their strides, the
-    format's code."""
+def _bytes(x: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x seen as ``dtype``, 4-D; its memory as a read-only flat uint8 array; int64 (4,) element
+    strides, as :func:`_flat`) for an input the kernel reads in its storage dtype: no copy
+    unless x's layout is neither bshd nor bhsd (then a C-contiguous copy in the same dtype)."""
+    x4, flat, st = _flat(np.asarray(x).view(dtype), dtype)
+    raw = flat.view(np.uint8)
+    raw.flags.writeable = False
+    return x4, raw, st
+
+
+def _stored(call: AttnCall, cdt: np.dtype) -> tuple:
+    """k and v as the kernel reads them when their dtype is not the compute dtype: (k 4-D,
+    empty k, k strides, the same for v, and the kernel's stored-format arguments ``(kc, vc,
+    ksc, vsc, sst, kv_format)``). The bytes are read in place, tile by tile (never a widened
+    or dequantized copy): an 8-bit cache's codes with its float32 scales (flat, strides
+    ``sst``), or float16 / bfloat16 elements (strides in 16-bit elements, no scales)."""
     from ... import _quant
+    from ._flash import BF16, F16
 
     fmt = _quant.format_of(call.k.dtype)
-    k, kc, kst = _flat(np.asarray(call.k).view(np.uint8), np.dtype(np.uint8))
-    v, vc, vst = _flat(np.asarray(call.v).view(np.uint8), np.dtype(np.uint8))
+    empty = _empty_ro(cdt)
+    if fmt is None:
+        code = F16 if call.k.dtype == np.float16 else BF16
+        k, kc, kst = _bytes(call.k, np.dtype(np.uint16))
+        v, vc, vst = _bytes(call.v, np.dtype(np.uint16))
+        no = _empty_ro(np.dtype(np.float32))
+        return k, empty, kst, v, empty, vst, (kc, vc, no, no, np.zeros(3, np.int64), code)
+    k, kc, kst = _bytes(call.k, np.dtype(np.uint8))
+    v, vc, vst = _bytes(call.v, np.dtype(np.uint8))
     ksc = _readonly_c(call.k_scales, np.dtype(np.float32))
     vsc = _readonly_c(call.v_scales, np.dtype(np.float32))
     _, s, h = ksc.shape
     sst = np.array([s * h, h, 1], np.int64)
-    empty = _empty(cdt, 1)
     return (k, empty, kst, v, empty, vst,
             (kc, vc, ksc.reshape(-1), vsc.reshape(-1), sst, fmt.code))
 
 
-def _not_quantized() -> tuple:
-    """The kernel's quantized arguments for a call that is not: empty arrays (one signature)."""
-    u8 = _empties.get(("u8",))
-    if u8 is None:
-        u8 = _empties[("u8",)] = (np.zeros(0, np.uint8), np.zeros(0, np.uint8),
-                                  np.zeros(0, np.float32), np.zeros(0, np.float32),
-                                  np.zeros(3, np.int64))
-    return u8 + (0,)
+def _not_stored() -> tuple:
+    """The kernel's stored-format arguments for k and v in the compute dtype: empty arrays of
+    the same (read-only) types, so every float32 call shares one compiled signature."""
+    u8, f32 = _empty_ro(np.dtype(np.uint8)), _empty_ro(np.dtype(np.float32))
+    return (u8, u8, f32, f32, np.zeros(3, np.int64), 0)
 
 
-def _narrow_keys(call: AttnCall) -> AttnCall:
-    """The call over only the key rows it reads, when k and v must be converted anyway
-    (float16/bfloat16 are widened to float32): a decode call over a KV cache then widens the
-    held tokens of its own sequences, not the whole pre-allocated buffer. Rows are only cut
-    where no sequence wraps round a ring, so the addressing stays ``k_row0 + j``."""
-    if call.n_seq == 0:
-        return call
-    k = np.asarray(call.k)
-    end = int((call.k_row0 + call.k_len).max())
-    if call.ring and end > call.ring:
-        end = k.shape[1]  # a wrapped ring reads across the end of the buffer: keep every row
-    batches, inv = np.unique(call.k_batch, return_inverse=True)
-    if end >= k.shape[1] and batches.size == k.shape[0]:
-        return call
-    wrapped = call.ring and end == k.shape[1]
-    return replace(call, k=k[batches, :end], v=np.asarray(call.v)[batches, :end],
-                   k_batch=inv.astype(np.int64), ring=call.ring if wrapped else 0)
+def _query(call: AttnCall, cdt: np.dtype) -> tuple:
+    """(q 4-D, q as the compute dtype (flat, read-only), its strides, and the kernel's ``(qc,
+    q_format)``): a float16 / bfloat16 q is read as its bytes (``qc``), widened as each query
+    block loads; any other q is handed over in the compute dtype (``qc`` empty)."""
+    from ._flash import BF16, F16
 
-
-def _narrow_pages(call: AttnCall) -> AttnCall:
-    """A paged call over only the pages its sequences read, when k and v are converted anyway
-    (float16/bfloat16 are widened to float32): the pages in use are gathered (page indices
-    clamped into the pool as the kernel does) and the table renumbered to them."""
-    ps = call.page_size
-    table = np.asarray(call.block_table).astype(np.int64)
-    n_pages = int(call.k.shape[0])
-    need = -(-(call.k_row0 + call.k_len) // ps)  # pages each sequence reads
-    used = np.arange(table.shape[1])[None, :] < need[:, None]
-    table = np.where(used, np.clip(table, 0, n_pages - 1), 0)
-    pages = np.unique(table[used]) if used.any() else np.zeros(1, np.int64)
-    return replace(call, k=np.asarray(call.k)[pages], v=np.asarray(call.v)[pages],
-                   block_table=np.searchsorted(pages, table).astype(np.int64))
+    dtype = np.dtype(call.q.dtype)
+    if dtype == cdt:
+        q, qf, qst = _flat(call.q, cdt)
+        return q, qf, qst, (_empty_ro(np.dtype(np.uint8)), 0)
+    q, qc, qst = _bytes(call.q, np.dtype(np.uint16))
+    return q, _empty_ro(cdt), qst, (qc, F16 if dtype == np.float16 else BF16)
 
 
 def _paging(call: AttnCall, k: np.ndarray) -> tuple:
@@ -216,7 +210,18 @@ def _paging(call: AttnCall, k: np.ndarray) -> tuple:
 
 
 _empty_table = np.zeros((0, 0), np.int64)
-_empties: dict[tuple[str, int], np.ndarray] = {}
+_empties: dict[tuple, np.ndarray] = {}
+
+
+def _empty_ro(dtype: np.dtype) -> np.ndarray:
+    """A read-only empty 1-D array of ``dtype`` (an unused input of the kernel), made once."""
+    key = ("ro", np.dtype(dtype).str)
+    e = _empties.get(key)
+    if e is None:
+        e = np.zeros(0, dtype)
+        e.flags.writeable = False
+        _empties[key] = e
+    return e
 
 
 def _empty(cdt: np.dtype, ndim: int, broadcast: bool = False) -> np.ndarray:
@@ -405,15 +410,13 @@ def attention(call: AttnCall, keep_acc: bool = False) -> tuple[np.ndarray, np.nd
 
     dtype = call.dtype
     cdt = _ops.compute_dtype(dtype)
-    if dtype != cdt and not call.quantized:
-        call = _narrow_pages(call) if call.block_table is not None else _narrow_keys(call)
-    q, qf, qst = _flat(call.q, cdt)
-    if call.quantized:
-        k, kf, kst, v, vf, vst, quant = _quantized(call, cdt)
+    q, qf, qst, q_stored = _query(call, cdt)
+    if call.quantized or np.dtype(call.k.dtype) != cdt:
+        k, kf, kst, v, vf, vst, kv_stored = _stored(call, cdt)
     else:
         k, kf, kst = _flat(call.k, cdt)
         v, vf, vst = _flat(call.v, cdt)
-        quant = _not_quantized()
+        kv_stored = _not_stored()
     bq, sq_arr, hq, _ = q.shape
     d_v = v.shape[3]
     big = _flash.BIG
@@ -453,7 +456,8 @@ def attention(call: AttnCall, keep_acc: bool = False) -> tuple[np.ndarray, np.nd
         with _launch_lock, (_blas_single_thread() if limit else contextlib.nullcontext()):
             pre = (qf, kf, vf, qst, kst, vst, seq, dealt, g, float(call.scale), wl, wr,
                    softcap, alibi, mask, int(call.ring), sinks, block_m, block_n)
-            post = (out, lse, part_o, part_ml, gemm_fn, jit) + _paging(call, k) + quant
+            post = (out, lse, part_o, part_ml, gemm_fn, jit) + _paging(call, k) + \
+                kv_stored + q_stored
             _run_tasks(_flash.flash_forward, (pre, post), dealt.shape[0], n_threads, size,
                        cdt)
             if n_slots:
