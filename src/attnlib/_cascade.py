@@ -93,15 +93,17 @@ def parts_call(call: AttnCall, groups: list[tuple[np.ndarray, int]], row_cap: in
     width = max(int(np.max(-(-(call.k_row0 + own_len) // ps))), min(chunk, max_shared))
     tkey = ("table", id(table), width, key)
     with _lock:
-        hit = _memo.get(tkey)
-    if hit is not None and hit[0] is table:  # the same table object (a cache's, kept)
+        hit = _memo.get(tkey) if _kept(table) else None
+    if hit is not None and hit[0] is table:
         new_table = hit[1]
     else:
         rows = np.concatenate([np.arange(n_seq), src_row])
         cols = np.concatenate([shared, src_col])[:, None] + np.arange(width)
         new_table = np.where(cols < table.shape[1], table[rows[:, None], np.minimum(
             cols, table.shape[1] - 1)], -1).astype(np.int32)
-        _remember(tkey, (table, new_table))
+        if _kept(table):
+            new_table.flags.writeable = False
+            _remember(tkey, (table, new_table))
     per_seq = {k: (None if v is None else np.concatenate([v, fields[k]]))
                for k, v in own.items()}
     parts = replace(call, k_batch=np.zeros(new_table.shape[0], np.int64),
@@ -110,11 +112,18 @@ def parts_call(call: AttnCall, groups: list[tuple[np.ndarray, int]], row_cap: in
 
 
 #: what recent calls derived from their block tables and rows: prefix parts
-#: (:func:`_prefix_parts`), parts' block tables and groups before the visibility check (by the
-#: table object, which a PagedKVCache keeps while no page changes), by what they are made from
+#: (:func:`_prefix_parts`), and from a kept table (:func:`_kept`: a PagedKVCache keeps one
+#: while no page changes) the parts' block table and the groups before the visibility check
 _memo: OrderedDict[tuple, Any] = OrderedDict()
 _MEMO_MAX = 64
 _lock = threading.Lock()
+
+
+def _kept(table: np.ndarray) -> bool:
+    """A table that cannot change while it lives (a PagedKVCache's: read-only, owning its
+    memory), so that what is derived from it may be found again by its identity; a caller's
+    table may be rewritten in place between calls."""
+    return not table.flags.writeable and table.base is None
 
 
 def _remember(key: tuple, value: Any) -> None:
@@ -208,12 +217,13 @@ def groups_of(call: AttnCall, min_prefix_tokens: int | None) -> list[tuple[np.nd
     key = ("groups", id(table), table.shape, min_prefix_tokens, full.tobytes(),
            call.q_len.tobytes(), call.k_row0.tobytes())
     with _lock:
-        hit = _memo.get(key)
-    if hit is not None and hit[0] is table:  # the same table object (a cache's, kept)
+        hit = _memo.get(key) if _kept(table) else None
+    if hit is not None and hit[0] is table:
         shared = hit[1]
     else:
         shared = _shared_pages(table, full, call.q_len, call.k_row0, ps, min_prefix_tokens)
-        _remember(key, (table, shared))
+        if _kept(table):
+            _remember(key, (table, shared))
     groups = []
     for members, n_pages in shared:
         members = members[_sees_prefix(call, members, n_pages * ps)]

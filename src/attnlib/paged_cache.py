@@ -201,6 +201,7 @@ class PagedKVCache:
             table = np.full((len(ids), width), -1, np.int32)
             for row, i in enumerate(ids):
                 table[row, :len(self._pages[i])] = self._pages[i]
+            table.flags.writeable = False  # calls may keep what they derive from it by identity
             if len(self._tables) >= 16:
                 self._tables.clear()
             self._tables[key] = table

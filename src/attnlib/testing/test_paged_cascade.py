@@ -189,6 +189,32 @@ def test_where_the_cascade_must_not_apply(attnlib_backend, cascade_spy):
         frozenset([f.a, f.c1, f.c3]): 3, frozenset([f.b, f.d1]): 2}
 
 
+def test_caller_table_rewritten_in_place(attnlib_backend, cascade_spy):
+    """``paged_attention`` with one host table object that the caller rewrites between calls
+    (as an engine reusing its buffer does): the second call's groups and result are its own."""
+    import attnlib
+
+    p = Paged(attnlib_backend, 48, 4, dv=11)
+    be = attnlib.get_backend(attnlib_backend)
+    f = _forest(p)
+    first, second = [f.a, f.c1, f.c2, f.c3], [f.b, f.d1, f.e, f.e1]
+    table = p.cache.block_table(first)
+    for sids, want in ((first, {frozenset(first): 3}),
+                       (second, {frozenset([f.b, f.d1]): 2, frozenset([f.e, f.e1]): 2})):
+        now = p.cache.block_table(sids)
+        table[:] = -1
+        table[:, :now.shape[1]] = now
+        q = randn(p.rng, (4, 1, p.hq, p.d), p.dtype)
+        cascade_spy.seen.clear()
+        q_in = be.to_device(q) if be.owns(p.cache.k_pages) else q
+        out, lse = (attnlib.to_numpy(x) for x in attnlib.paged_attention(
+            q_in, p.cache.k_pages, p.cache.v_pages, table,
+            p.cache.lengths(sids).astype(np.int32), return_lse=True, backend=attnlib_backend))
+        assert _groups(sids, cascade_spy.seen[-1]) == want
+        for b, s in enumerate(sids):
+            p.check_rows(s, q[b], out[b], lse[b])
+
+
 def test_shared_prefix_threshold(attnlib_backend, cascade_spy):
     """Below the threshold (in tokens) no group is taken; the result is the same."""
     from attnlib import _cascade
