@@ -108,7 +108,6 @@ def forget_plans() -> None:
     _plan_cache.plans.clear()
 
 
-
 def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[Any, Any]:
     """``Backend.attention_parts`` on the device: the ``n_parts`` parts are the batches of one
     call whose query is the rows' array seen with a zero batch stride; its kernel (the
@@ -133,19 +132,18 @@ def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[An
     q = cla.Array(queue, (n_parts, n_rows, hq, d), q4.dtype,
                   strides=(0, hq * d * item, d * item, item), data=q4.base_data,
                   offset=q4.offset)
-    call = replace(call, q=q)
+    sink_logits = call.sinks  # folded in once, by the merge
+    call = replace(call, q=q, sinks=None, need_lse=True)
     dtype, acc = call.dtype, acc_dtype(call.dtype)
     dv = call.head_dim_v
     packed = call.q_len.astype(np.int64, copy=False) * (hq // call.n_kv_heads)
     max_rows = int(packed.max())
-    keep = None
     if kernel_family(be, call, max_rows) == "decode":
         part_o, part_l, splits, keep = _nvidia_decode.run(be, queue, call, parts=True)
         # state split * n_parts + part; its LSEs (rows, Hq)
         n_states, l_strides = splits * n_parts, (n_rows * hq, s * hq, hq, 1)
     elif dtype == acc:  # the plain output is the state: the build of the plain call
-        po, pl = _attention.run(be, queue, replace(call, sinks=None, need_lse=True), packed,
-                                max_rows)
+        po, pl = _attention.run(be, queue, call, packed, max_rows)
         part_o, part_l, keep = po.data, pl.data, po
         n_states, l_strides = n_parts, (hq * n_rows, s, 1, n_rows)  # LSEs (Hq, rows)
     else:
@@ -156,7 +154,7 @@ def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[An
     lse = _pool.empty(queue, (b, hq, s), acc)
     for e in keep.events:  # the call's uploads: done before its kernels, never waited on here
         out.add_event(e)
-    sinks = None if call.sinks is None else _pool.upload(queue, call.sinks, out)
+    sinks = None if sink_logits is None else _pool.upload(queue, sink_logits, out)
     # rows (b * S + s) * Hq + h of every state (see merge.cl)
     _attention.launch_merge(be, queue, part_o, n_rows * hq * dv, part_l, l_strides, n_states,
                             s, hq, dv, n_rows * hq, out.data, lse.data, store_kind(acc),
