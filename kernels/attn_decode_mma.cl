@@ -38,6 +38,12 @@
 // (cp.async copies bytes only), so the tile loop, masking and softmax are those of the other
 // formats.
 
+// the score transform (score.h) in the exp2 domain, as attn_fwd_mma.cl (no mask)
+#define SCORE_LOG2 1
+#define SCORE_SOFTCAP SOFTCAP
+#define SCORE_ALIBI ALIBI
+#include "score.h"
+#include "epilogue.h"
 #include "nv_warp.h"
 #ifndef KV_FORMAT
 #define KV_FORMAT 0
@@ -453,23 +459,12 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
       }
     }
 
-    // -- scores in the exp2 domain: softcap, alibi, then the mask
+    // -- scores in the exp2 domain (score.h; slope[hf]: with ALIBI only)
     UNROLL for (int nt = 0; nt < NT_S; nt++) {
       UNROLL for (int c = 0; c < 4; c++) {
         const int j = n0 + kw0 + nt * 8 + 2 * tg + (c & 1), hf = c >> 1;
-        float x = sacc[nt][c];
-#if !FOLD
-#if SOFTCAP
-        x = cap * tanh(x * qk_scale);  // qk_scale = scale / softcap, cap = softcap * log2(e)
-#else
-        x *= qk_scale;                 // qk_scale = scale * log2(e)
-#endif
-#if ALIBI
-        x -= slope[hf] * fabs((float)(ri[hf] + base - j));
-#endif
-#endif
-        if (need_mask && (j < rlo[hf] || j > rhi[hf])) x = -INFINITY;
-        sacc[nt][c] = x;
+        SCORE_VARIANT(sacc[nt][c], qk_scale, cap, slope[hf], ri[hf] + base - j, j, rlo[hf],
+                      rhi[hf], 0, need_mask)
       }
     }
 
@@ -484,10 +479,7 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
       }
       mx = fmax(mx, SHFL_XOR(mx, 1));
       mx = fmax(mx, SHFL_XOR(mx, 2));
-#if FOLD
-      mx *= qk_scale;
-#endif
-      m_new[hf] = fmax(m_i[hf], mx);
+      m_new[hf] = fmax(m_i[hf], SCORE_MAX(mx, qk_scale));
       grow |= m_new[hf] - m_i[hf] > RESCALE_THRESH;  // false while both are -inf
     }
     if (WARP_ANY(grow)) {
@@ -507,11 +499,7 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
       float rs = 0.f;
       UNROLL for (int nt = 0; nt < NT_S; nt++) {
         UNROLL for (int c = 0; c < 2; c++) {
-#if FOLD
-          const float p = ex2(fma(sacc[nt][2 * hf + c], qk_scale, -m_use));
-#else
-          const float p = ex2(sacc[nt][2 * hf + c] - m_use);
-#endif
+          const float p = ex2(SCORE_P_ARG(sacc[nt][2 * hf + c], m_use, qk_scale));
           sacc[nt][2 * hf + c] = p;
           rs += p;
         }
@@ -608,11 +596,12 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
         o1 += ow.y * wt;
       }
     }
-    const float inv = l == 0.f ? 0.f : 1.f / l;
     const long row = qrow0 + r / group;
     const int h = hk * group + r % group;
     const long orow = (qb * sq_arr + row) * n_heads + h;
-    const float lse_r = l == 0.f ? -INFINITY : (mm + log2(l)) * LN2;
+    // the epilogue (epilogue.h); a split's partial state takes no sink
+    float inv, lse_r;
+    EPI_FINISH(1, float, mm, l, !SPLIT && n_sinks, sinks[h], inv, lse_r)
 #if SPLIT
     *(__global float2 *)(part_o + (split * n_out_rows + orow) * HEAD_DIM + col) =
         (float2)(o0 * inv, o1 * inv);
@@ -621,10 +610,8 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
     GLOBAL_FENCE();  // this thread's partial writes before the counter (threadFenceReduction)
 #endif
 #else
-    float inv_s = inv, lse_s = lse_r;
-    if (n_sinks) SINK_FOLD(mm, l, sinks[h], inv_s, lse_s)
-    out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv_s, o1 * inv_s);
-    if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_s;
+    out[(orow * HEAD_DIM + col) / 2] = pack2(o0 * inv, o1 * inv);
+    if (col == 0) lse[(qb * n_heads + h) * sq_arr + row] = lse_r;
 #endif
   }
 #if FUSED_MERGE
@@ -702,15 +689,11 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
                                                            + col);
       o4 += wt != EMPTY_W ? wt * x : (float4)(0.f);
     }
+    // the merged state (natural log; empty: every split empty, sum 0) through the epilogue
+    // (epilogue.h), the sink folded in once
     const float mm = sM[r], sum = sL[r];
-    const bool empty = mm == -INFINITY;
-    float inv = empty ? 0.f : 1.f / sum, lse_r = empty ? -INFINITY : mm + log(sum);
-    if (n_sinks) {  // the merged state (natural log) merged once with (0, sink)
-      const float sk = sinks[h], mx = empty ? sk : fmax(mm, sk);
-      const float a = empty ? 0.f : exp(mm - mx), lt = sum * a + exp(sk - mx);
-      inv = a / lt;
-      lse_r = mx + log(lt);
-    }
+    float inv, lse_r;
+    EPI_FINISH(0, float, mm, sum, n_sinks, sinks[h], inv, lse_r)
     o4 *= inv;
     *(__global uint2 *)(out + (orow * HEAD_DIM + col) / 2) =
         (uint2)(pack2(o4.x, o4.y), pack2(o4.z, o4.w));

@@ -123,6 +123,13 @@ inline long paged_page(__global const int *t, long base, long s1, int w, int n_p
 #endif
 
 #include "storage.h"
+/* the score transform (score.h) in natural units, and the epilogue */
+#define SCORE_T acc_t
+#define SCORE_LOG2 0
+#define SCORE_SOFTCAP HAS_SOFTCAP
+#define SCORE_ALIBI HAS_ALIBI
+#include "score.h"
+#include "epilogue.h"
 
 #if KV_FORMAT
 #include "kv_format.h"
@@ -163,11 +170,7 @@ typedef acc4_t kv4_t;
 #define KV4(p, i4) (((__local const acc4_t *)(p))[i4])
 #endif
 
-#if MASK_KIND == 2
-typedef acc_t mask_t;
-#else
-typedef uchar mask_t;
-#endif
+typedef MASK_T mask_t; /* score.h: uchar (bool) or acc_t (additive, MASK_KIND 2) */
 
 #if SPLIT
 typedef acc_t out_t;
@@ -423,6 +426,8 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
     const long causal_hi = d[8] == INT_MAX ? ((long)1 << 40) : (long)d[8];
     /* key visible iff -win_left <= kpos - qpos <= hi_off */
     const long hi_off = min(causal_hi, win_right);
+    /* the scores' factor: scale (over the softcap with one: score.h) */
+    const acc_t qmul = HAS_SOFTCAP ? scale / softcap : scale;
 
     const int rows = q_len * group;
     const int m_last = min(m0 + BLOCK_M, rows) - 1;
@@ -463,7 +468,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 #endif
 
     int row_ok[TM], row_i[TM], row_h[TM];
-    long qpos[TM];
+    long qpos[TM], klo[TM], khi[TM];
     acc_t m_i[TM], l_i[TM], acc[TM][DV_PER] ALIGN8;
     for (int r = 0; r < TM; ++r) {
         const int m = m0 + tm + THREADS_M * r;
@@ -471,6 +476,9 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         row_i[r] = m / group;
         row_h[r] = hk * group + m % group; /* a valid head on padding rows too */
         qpos[r] = q_pos0 + row_i[r];
+        /* the keys the row sees (none for a padding row) */
+        klo[r] = max(0L, qpos[r] - k_pos0 - win_left);
+        khi[r] = row_ok[r] ? min((long)k_len - 1, qpos[r] - k_pos0 + hi_off) : -1L;
         m_i[r] = NEG_INF;
         l_i[r] = 0;
         for (int c = 0; c < DV_PER; ++c) acc[r][c] = 0;
@@ -520,7 +528,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
                 if (r0 + r >= TM) break;
                 cvec_t mv = NEG_INF;
                 _Pragma("unroll") for (int c = 0; c < CPU_KB; ++c) {
-                    const cvec_t x = sa[r][c] * scale;
+                    const cvec_t x = sa[r][c] * qmul;
                     P8(&s[r0 + r][CPU_VEC * c]) = x;
                     mv = (x > mv || x != x) ? x : mv;
                 }
@@ -565,7 +573,7 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         }
 #endif
 
-        /* -- scale, softcap, ALiBi, mask; invisible keys become -inf */
+        /* -- the score transform (score.h); invisible keys become -inf */
         acc_t mx[TM];
         for (int r = 0; r < TM; ++r) {
 #if CPU_VEC
@@ -583,35 +591,12 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
 #endif
             for (int c = 0; c < TN; ++c) {
                 const long j = n0 + tn + THREADS_N * c;
-#if CPU_VEC
-                acc_t x = s[r][c]; /* scaled in the S pass */
-#else
-                acc_t x = s[r][c] * scale;
-#endif
-#if HAS_SOFTCAP
-                x = softcap * tanh(x / softcap);
-#endif
-#if HAS_ALIBI
-                const long dist = k_pos0 + j - qpos[r];
-                x -= slope * (acc_t)(dist < 0 ? -dist : dist);
-#endif
-                if (!full) {
-                    const long dlt = k_pos0 + j - qpos[r];
-                    int vis = row_ok[r] && j < k_len && dlt <= hi_off && dlt >= -win_left;
-#if MASK_KIND != 0
-                    if (vis) {
-                        const mask_t mv = mask[m_off + seq * m_s0 + row_h[r] * m_s1 +
-                                               row_i[r] * m_s2 + j * m_s3];
-#if MASK_KIND == 1
-                        vis = mv != 0;
-#else
-                        vis = mv != NEG_INF; /* -inf excludes the key even where k is NaN */
-                        x += mv;
-#endif
-                    }
-#endif
-                    if (!vis) x = NEG_INF;
-                }
+                acc_t x = s[r][c]; /* CPU_VEC: scaled in the S pass */
+                SCORE_VARIANT(x, CPU_VEC ? (acc_t)1 : qmul, softcap, slope,
+                              qpos[r] - k_pos0 - j, j, klo[r], khi[r],
+                              mask + m_off + seq * m_s0 + row_h[r] * m_s1 + row_i[r] * m_s2 +
+                                  j * m_s3,
+                              !full)
                 s[r][c] = x;
                 mx[r] = nan_max(mx[r], x);
             }
@@ -703,25 +688,13 @@ __kernel __attribute__((reqd_work_group_size(NT, 1, 1))) void attn_fwd(
         const long obase = orow * HEAD_DIM_V;
         const long lidx = ((long)qb * n_heads + row_h[r]) * sq_arr + row;
 #endif
-        if (!SPLIT && n_sinks) {
-            /* the sink (never into split partial states): m' = max(m, sink),
-             * l' = l e^(m - m') + e^(sink - m'), out = acc e^(m - m') / l', lse = m' + log(l') */
-            const acc_t sk = (acc_t)sinks[row_h[r]];
-            const acc_t mx = l == 0 ? sk : fmax(m_i[r], sk);
-            const acc_t a = l == 0 ? (acc_t)0 : exp(m_i[r] - mx);
-            const acc_t lt = l * a + exp(sk - mx);
-            const acc_t inv = a / lt;
-            for (int c = 0; c < DV_PER; ++c) {
-                const int col = DV_COL(c);
-                if (col < HEAD_DIM_V) OUT_ST(out, obase + col, acc[r][c] * inv);
-            }
-            if (tn == 0) lse[lidx] = mx + log(lt);
-            continue;
-        }
+        /* out = acc / l, lse, the sink (never into split partial states): epilogue.h */
+        acc_t inv, lse_r;
+        EPI_FINISH(0, acc_t, m_i[r], l, !SPLIT && n_sinks, sinks[row_h[r]], inv, lse_r)
         for (int c = 0; c < DV_PER; ++c) {
             const int col = DV_COL(c);
-            if (col < HEAD_DIM_V) OUT_ST(out, obase + col, l == 0 ? (acc_t)0 : acc[r][c] / l);
+            if (col < HEAD_DIM_V) OUT_ST(out, obase + col, acc[r][c] * inv);
         }
-        if (tn == 0) lse[lidx] = l == 0 ? NEG_INF : m_i[r] + log(l);
+        if (tn == 0) lse[lidx] = lse_r;
     }
 }

@@ -98,23 +98,10 @@
     const int n_ = (N) - (CH) * EPC;                                                            \
     UNROLL for (int e_ = 0; e_ < EPC; e_++) (DST)[e_] = e_ < n_ ? (SRC)[e_] : (ELEM)0;          \
   }
-// masks (-DMASK_KIND, 0: none): 1 bool (uchar, 0 hides the key), additive (added to the score;
-// -inf hides the key) stored as 2 float32, 3 float16, 4 bfloat16 (the caller's own 16-bit
-// masks, read exactly as float32), per (sequence, head, row, key) with the host's strides
+// masks (-DMASK_KIND, 0: none; the kinds: score.h) per (sequence, head, row, key) with the
+// host's strides
 #ifndef MASK_KIND
 #define MASK_KIND 0
-#endif
-#if MASK_KIND == 2
-#define MASK_T float
-#define MASK_VALUE(P) (*(P))
-#elif MASK_KIND == 3
-#define MASK_T half
-#define MASK_VALUE(P) vload_half(0, P)
-#elif MASK_KIND == 4
-#define MASK_T ushort
-#define MASK_VALUE(P) as_float((uint)*(P) << 16)
-#else
-#define MASK_T uchar
 #endif
 // Causal scheduling options (0 = off; the 16-bit build is unchanged with both off):
 // HEADS_INNER=1: grid (n_tiles * n_heads, 1), work-group id = tile * n_heads + head, so every
@@ -158,8 +145,13 @@
 #if KV_SPLIT_STAGES && IS_TF32
 #error "KV_SPLIT_STAGES=1 is for the 16-bit kernel"
 #endif
-#define LOG2E 1.4426950408889634f
-
+// the score transform (score.h) in the exp2 domain: the host passes qk_scale = scale log2(e)
+// (scale / softcap with a softcap), cap = softcap log2(e) and slopes times log2(e)
+#define SCORE_LOG2 1
+#define SCORE_SOFTCAP SOFTCAP
+#define SCORE_ALIBI ALIBI
+#include "score.h"
+#include "epilogue.h"
 #include "nv_warp.h"
 #if USE_PTX
 #define SCR_DECL
@@ -169,28 +161,14 @@
 #define SCR_ARG , scr
 #endif
 
-// The mask of row (MT, HF) and key J (a key inside the row's range): MASK_SEES whether the row
-// sees it, MASK_SCORE hides it (bool) or adds its value to the exp2-domain score X (additive)
-#if MASK_KIND
+// The mask element of row (MT, HF) and key J (mrow: with MASK_KIND only; read only then)
 #define MASK_PTR(MT, HF, J) (mask + mrow[MT][HF] + (long)(J) * m_s3)
-#if MASK_KIND == 1
-#define MASK_SEES(MT, HF, J) (*MASK_PTR(MT, HF, J) != 0)
-#define MASK_SCORE(X, MT, HF, J) if (!*MASK_PTR(MT, HF, J)) X = -INFINITY;
-#else
-#define MASK_SEES(MT, HF, J) (MASK_VALUE(MASK_PTR(MT, HF, J)) != -INFINITY)
-#define MASK_SCORE(X, MT, HF, J) X = fma(MASK_VALUE(MASK_PTR(MT, HF, J)), LOG2E, X);
-#endif
-#else
-#define MASK_SEES(MT, HF, J) 1
-#define MASK_SCORE(X, MT, HF, J)
-#endif
-// Tiles that hide some keys (NM): keys outside row (MT, HF)'s range are -inf, the mask applies
-// to the others.  Every tile is such a tile when there is a mask.
-#define APPLY_MASK(X, MT, HF, J, NM)                                                            \
-  if (NM) {                                                                                     \
-    if ((J) < rlo[MT][HF] || (J) > rhi[MT][HF]) X = -INFINITY;                                  \
-    else { MASK_SCORE(X, MT, HF, J) }                                                           \
-  }
+// Score X (in place) of this lane's row (MT, HF) and key J: score.h's transform, the keys of
+// tiles that hide some (NM) hidden outside the row's range [rlo, rhi] or by the mask.  Every
+// tile is such a tile when there is a mask.
+#define ROW_SCORE(X, MT, HF, J, NM)                                                             \
+  SCORE_VARIANT(X, qk_scale, cap, slope, m0 + wrow0 + (MT) * 16 + g + 8 * (HF) + base - (J), J,  \
+                rlo[MT][HF], rhi[MT][HF], MASK_PTR(MT, HF, J), NM)
 
 #if IS_TF32
 #include "attn_fwd_mma_tf32.h"
@@ -243,7 +221,7 @@
           long row = krow0 + j;                                                                 \
           if (ring > 0 && row >= ring) row -= ring;                                             \
           __global const ELEM *vr = vh + row * v_sr + 2 * tg;                                   \
-          if (!MASK_SEES(mt, hf, j)) continue;                                                  \
+          if (!MASK_SEES(MASK_PTR(mt, hf, j))) continue;                                        \
           UNROLL for (int nd = 0; nd < NT_O; nd++) {                                            \
             UNROLL for (int e = 0; e < 2; e++) {                                                \
               if (DV == HEAD_DIM_V || nd * 8 + 2 * tg + e < HEAD_DIM_V)                         \
@@ -686,41 +664,18 @@ void attn_fwd_mma(PREFILL_PARAMS) {
     }
 #endif
 
-    // -- scores in the exp2 domain: softcap, alibi, then the mask
-#if FOLD
-    if (need_mask) {
+    // -- scores in the exp2 domain (score.h); with the scale folded into the softmax only the
+    // hiding is left, and tiles that hide nothing skip the pass
+    if (!SCORE_FOLD || need_mask) {
       UNROLL for (int mt = 0; mt < M_TILES; mt++) {
         UNROLL for (int nt = 0; nt < NT_S; nt++) {
           UNROLL for (int c = 0; c < 4; c++) {
             const int j = n0 + nt * 8 + 2 * tg + (c & 1);
-            APPLY_MASK(sacc[mt][nt][c], mt, c >> 1, j, true)
+            ROW_SCORE(sacc[mt][nt][c], mt, c >> 1, j, SCORE_FOLD || need_mask)
           }
         }
       }
     }
-#else
-    UNROLL for (int mt = 0; mt < M_TILES; mt++) {
-      UNROLL for (int nt = 0; nt < NT_S; nt++) {
-        UNROLL for (int c = 0; c < 4; c++) {
-          float x = sacc[mt][nt][c];
-#if SOFTCAP
-          x = cap * tanh(x * qk_scale);  // qk_scale = scale / softcap, cap = softcap * log2(e)
-#else
-          x *= qk_scale;                 // qk_scale = scale * log2(e)
-#endif
-          const int j = n0 + nt * 8 + 2 * tg + (c & 1);
-#if ALIBI
-          {
-            long i = m0 + wrow0 + mt * 16 + g + 8 * (c >> 1);
-            x -= slope * fabs((float)(i + base - j));
-          }
-#endif
-          APPLY_MASK(x, mt, c >> 1, j, need_mask)
-          sacc[mt][nt][c] = x;
-        }
-      }
-    }
-#endif
 
 #if KV_SPLIT_STAGES
 #if WARP_SKIP && USE_PTX
@@ -752,10 +707,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
         }
         mx = fmax(mx, SHFL_XOR(mx, 1));
         mx = fmax(mx, SHFL_XOR(mx, 2));
-#if FOLD
-        mx *= qk_scale;
-#endif
-        m_new[mt][hf] = fmax(m_i[mt][hf], mx);
+        m_new[mt][hf] = fmax(m_i[mt][hf], SCORE_MAX(mx, qk_scale));
         grow |= m_new[mt][hf] - m_i[mt][hf] > RESCALE_THRESH;  // false while both are -inf
       }
     }
@@ -779,11 +731,7 @@ void attn_fwd_mma(PREFILL_PARAMS) {
         float rs = 0.f;
         UNROLL for (int nt = 0; nt < NT_S; nt++) {
           UNROLL for (int c = 0; c < 2; c++) {
-#if FOLD
-            float p = ex2(fma(sacc[mt][nt][2 * hf + c], qk_scale, -m_use));
-#else
-            float p = ex2(sacc[mt][nt][2 * hf + c] - m_use);
-#endif
+            float p = ex2(SCORE_P_ARG(sacc[mt][nt][2 * hf + c], m_use, qk_scale));
             sacc[mt][nt][2 * hf + c] = p;
             rs += p;
           }
@@ -865,16 +813,14 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 #endif
   CP_WAIT(0);
 
-  // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf (with
-  //    sinks: SINK_FOLD)
+  // -- epilogue (epilogue.h): O / l, lse = (m + log2 l) ln 2, the sink; empty rows
   UNROLL for (int mt = 0; mt < M_TILES; mt++) {
     UNROLL for (int hf = 0; hf < 2; hf++) {
       float l = l_i[mt][hf];
       l += SHFL_XOR(l, 1);
       l += SHFL_XOR(l, 2);
-      float inv = l == 0.f ? 0.f : 1.f / l;
-      float lse_r = l == 0.f ? -INFINITY : (m_i[mt][hf] + log2(l)) * LN2;
-      if (n_sinks) SINK_FOLD(m_i[mt][hf], l, sinks[h], inv, lse_r)
+      float inv, lse_r;
+      EPI_FINISH(1, float, m_i[mt][hf], l, n_sinks, sinks[h], inv, lse_r)
       const int r = wrow0 + mt * 16 + g + 8 * hf;
       if (r < nrows) {
         const long row = qrow0 + m0 + r;

@@ -67,26 +67,7 @@
     }                                                                                          \
   }
 
-// A: scores of keys N0H.. in the exp2 domain (softcap, alibi, mask), row max, lazy rescale
-#if SOFTCAP
-#define SCORE(X) (cap * tanh((X) * qk_scale))
-#elif FOLD
-#define SCORE(X) (X)  // the scale is folded into the max and the exponent
-#else
-#define SCORE(X) ((X) * qk_scale)
-#endif
-#if ALIBI
-#define ALIBI_TERM(MT, C, J) (slope * fabs((float)(m0 + wrow0 + (MT) * 16 + g + 8 * ((C) >> 1) + base - (J))))
-#else
-#define ALIBI_TERM(MT, C, J) 0.f
-#endif
-#if FOLD
-#define MAX_SCALE(MX) ((MX) * qk_scale)
-#define EXP_ARG(X, M) fma((X), qk_scale, -(M))
-#else
-#define MAX_SCALE(MX) (MX)
-#define EXP_ARG(X, M) ((X) - (M))
-#endif
+// A: scores of keys N0H.. in the exp2 domain (ROW_SCORE: score.h), row max, lazy rescale
 #define A_HALF(SH, N0H)                                                                        \
   {                                                                                            \
     const bool nm_ = MASK_KIND || !((N0H) >= lo_all && (N0H) + HN - 1 <= hi_all);             \
@@ -94,9 +75,7 @@
       UNROLL for (int nt = 0; nt < NT_H; nt++) {                                               \
         UNROLL for (int c = 0; c < 4; c++) {                                                   \
           const int j = (N0H) + nt * 8 + 2 * tg + (c & 1);                                     \
-          float x = SCORE(SH[mt][nt][c]) - ALIBI_TERM(mt, c, j);                               \
-          APPLY_MASK(x, mt, c >> 1, j, nm_)                                                    \
-          SH[mt][nt][c] = x;                                                                   \
+          ROW_SCORE(SH[mt][nt][c], mt, c >> 1, j, nm_)                                         \
         }                                                                                      \
       }                                                                                        \
     }                                                                                          \
@@ -110,7 +89,7 @@
         }                                                                                      \
         mx = fmax(mx, SHFL_XOR(mx, 1));                                                        \
         mx = fmax(mx, SHFL_XOR(mx, 2));                                                        \
-        m_new[mt][hf] = fmax(m_i[mt][hf], MAX_SCALE(mx));                                      \
+        m_new[mt][hf] = fmax(m_i[mt][hf], SCORE_MAX(mx, qk_scale));                            \
         grow |= m_new[mt][hf] - m_i[mt][hf] > RESCALE_THRESH;                                  \
       }                                                                                        \
     }                                                                                          \
@@ -138,7 +117,7 @@
       float rs = 0.f;                                                                          \
       UNROLL for (int nt = 0; nt < NT_H; nt++) {                                               \
         UNROLL for (int c = 0; c < 2; c++) {                                                   \
-          const float p = ex2(EXP_ARG(SH[mt][nt][2 * hf + c], m_use));                         \
+          const float p = ex2(SCORE_P_ARG(SH[mt][nt][2 * hf + c], m_use, qk_scale));           \
           SH[mt][nt][2 * hf + c] = p;                                                          \
           rs += p;                                                                             \
         }                                                                                      \

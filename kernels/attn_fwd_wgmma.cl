@@ -60,9 +60,14 @@
 // emulation (USE_PTX=0) ignores it. The work-group barrier of each tile (K/V buffer reuse)
 // brings the two warpgroups back in step.
 #define WG_PINGPONG (WGS == 2 && HEAD_DIM >= 128)
-#define LOG2E 1.4426950408889634f
 // the inf/NaN scan's zeroed values (nv_warp.h) must reach wgmma's reads of V
 #define SCAN_FENCE() FENCE_ASYNC_SHARED();
+// the score transform (score.h) in the exp2 domain, as attn_fwd_mma.cl (no mask)
+#define SCORE_LOG2 1
+#define SCORE_SOFTCAP SOFTCAP
+#define SCORE_ALIBI ALIBI
+#include "score.h"
+#include "epilogue.h"
 #include "nv_warp.h"
 
 #if USE_PTX
@@ -324,46 +329,22 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
     UNROLL for (int t2 = 0; t2 < KSTEPS_PV; t2++) { WG_RS_STEP(t2, dv0); }                     \
     WG_COMMIT();                                                                               \
   }
-  // scores of key tile N0 in the exp2 domain: softcap, alibi, then the mask
-#if FOLD
+  // scores of key tile N0 in the exp2 domain (score.h); with the scale folded into the softmax
+  // only the hiding is left, and tiles that hide nothing (!NEED) skip the pass
 #define SCORES(N0, NEED)                                                                       \
-  if (NEED) {                                                                                  \
+  if (!SCORE_FOLD || (NEED)) {                                                                 \
     UNROLL for (int nt = 0; nt < NT_S; nt++) {                                                 \
       UNROLL for (int c = 0; c < 4; c++) {                                                     \
         const int j = (N0) + nt * 8 + 2 * tg + (c & 1);                                        \
-        if (j < rlo[c >> 1] || j > rhi[c >> 1]) sacc[nt][c] = -INFINITY;                      \
+        SCORE_VARIANT(sacc[nt][c], qk_scale, cap, slope, m0 + wrow0 + g + 8 * (c >> 1) + base - j, \
+                      j, rlo[c >> 1], rhi[c >> 1], 0, SCORE_FOLD || (NEED))                    \
       }                                                                                        \
     }                                                                                          \
   }
-#else
-#if SOFTCAP
-#define SCORE_X(X) (cap * tanh((X) * qk_scale))
-#else
-#define SCORE_X(X) ((X) * qk_scale)
-#endif
-#if ALIBI
-#define ALIBI_X(X, C, J) ((X) - slope * fabs((float)(m0 + wrow0 + g + 8 * ((C) >> 1) + base - (J))))
-#else
-#define ALIBI_X(X, C, J) (X)
-#endif
-#define SCORES(N0, NEED)                                                                       \
-  UNROLL for (int nt = 0; nt < NT_S; nt++) {                                                   \
-    UNROLL for (int c = 0; c < 4; c++) {                                                       \
-      const int j = (N0) + nt * 8 + 2 * tg + (c & 1);                                          \
-      float x = ALIBI_X(SCORE_X(sacc[nt][c]), c, j);                                           \
-      if ((NEED) && (j < rlo[c >> 1] || j > rhi[c >> 1])) x = -INFINITY;                       \
-      sacc[nt][c] = x;                                                                         \
-    }                                                                                          \
-  }
-#endif
   // online softmax of the scores in sacc (lazy rescaling, exact; see attn_fwd_mma.cl): the new
   // running max, l rescaled and summed, P = 2^(S - m) in sacc; O's rescale by alpha is left to
   // RESCALE_O (resc = 1 when some row of the warp moved its max)
-#if FOLD
-#define P_OF(X, M) ex2(fma((X), qk_scale, -(M)))
-#else
-#define P_OF(X, M) ex2((X) - (M))
-#endif
+#define P_OF(X, M) ex2(SCORE_P_ARG(X, M, qk_scale))
 #define SOFTMAX_P()                                                                            \
   {                                                                                            \
     float m_new[2];                                                                            \
@@ -375,7 +356,7 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
       }                                                                                        \
       mx = fmax(mx, SHFL_XOR(mx, 1));                                                          \
       mx = fmax(mx, SHFL_XOR(mx, 2));                                                          \
-      m_new[hf] = fmax(m_i[hf], FOLD ? mx * qk_scale : mx);                                    \
+      m_new[hf] = fmax(m_i[hf], SCORE_MAX(mx, qk_scale));                                     \
       grow |= m_new[hf] - m_i[hf] > RESCALE_THRESH;                                            \
     }                                                                                          \
     resc = WARP_ANY(grow);                                                                     \
@@ -450,15 +431,13 @@ void attn_fwd_wgmma(PREFILL_PARAMS) {
   TURNS_END()
   CP_WAIT(0);
 
-  // -- epilogue: O / l, lse = (m + log2 l) ln 2; a row that saw no key: 0 and -inf (with
-  //    sinks: SINK_FOLD)
+  // -- epilogue (epilogue.h): O / l, lse = (m + log2 l) ln 2, the sink; empty rows
   UNROLL for (int hf = 0; hf < 2; hf++) {
     float l = l_i[hf];
     l += SHFL_XOR(l, 1);
     l += SHFL_XOR(l, 2);
-    float inv = l == 0.f ? 0.f : 1.f / l;
-    float lse_r = l == 0.f ? -INFINITY : (m_i[hf] + log2(l)) * LN2;
-    if (n_sinks) SINK_FOLD(m_i[hf], l, sinks[h], inv, lse_r)
+    float inv, lse_r;
+    EPI_FINISH(1, float, m_i[hf], l, n_sinks, sinks[h], inv, lse_r)
     const int r = wrow0 + g + 8 * hf;
     if (r < nrows) {
       const long row = qrow0 + m0 + r;

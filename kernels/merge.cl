@@ -35,6 +35,7 @@
 #define CW (WG / G)
 
 #include "storage.h"
+#include "epilogue.h"
 
 #define CHUNK 256
 #define UNROLL 8
@@ -125,16 +126,10 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) void merge_states(
         for (int g2 = 1; g2 < G; ++g2) o += red[g2 * CW + lid];
     }
 #endif
-    if (n_sinks) { /* m' = max(m, sink), l' = sum e^(m - m') + e^(sink - m') */
-        const acc_t sk = (acc_t)sinks[h];
-        const acc_t mx = sum == 0 ? sk : fmax(m, sk);
-        const acc_t a = sum == 0 ? (acc_t)0 : exp(m - mx);
-        const acc_t lt = sum * a + exp(sk - mx);
-        if (grp == 0 && c < DV) ST(out, r * DV + c, o * (a / lt));
-        if (lid == 0 && get_group_id(0) == 0) lse_out[(b * H + h) * S + s] = mx + log(lt);
-    } else {
-        if (grp == 0 && c < DV) ST(out, r * DV + c, sum == 0 ? (acc_t)0 : o / sum);
-        if (lid == 0 && get_group_id(0) == 0)
-            lse_out[(b * H + h) * S + s] = sum == 0 ? NEG_INF : m + log(sum);
-    }
+    /* the merged state (m, sum) through the epilogue (epilogue.h): out = o / sum, lse, the
+     * sink folded in once; all states empty (sum 0): out 0, lse -inf or the sink */
+    acc_t inv, lse_r;
+    EPI_FINISH(0, acc_t, m, sum, n_sinks, sinks[h], inv, lse_r)
+    if (grp == 0 && c < DV) ST(out, r * DV + c, o * inv);
+    if (lid == 0 && get_group_id(0) == 0) lse_out[(b * H + h) * S + s] = lse_r;
 }

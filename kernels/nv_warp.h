@@ -1,14 +1,15 @@
-// What the two tensor-core kernels (attn_fwd_mma.cl, attn_decode_mma.cl) share: the warp-level
-// NVIDIA instructions -- mma.sync.m16n8k16 (f32 accumulate), ldmatrix x4 (plain and .trans),
-// cp.async 16-byte copies, shuffles, vote.any, ex2.approx and the f32 -> f16/bf16 pair
-// conversion -- and the masking / non-finite helpers and softmax constants.
+// What the tensor-core kernels (attn_fwd_mma.cl, attn_fwd_wgmma.cl, attn_decode_mma.cl) share:
+// the warp-level NVIDIA instructions -- mma.sync.m16n8k16 (f32 accumulate), ldmatrix x4 (plain
+// and .trans), cp.async 16-byte copies, shuffles, vote.any, ex2.approx and the f32 -> f16/bf16
+// pair conversion -- the non-finite helpers, the softmax constant and the prefill kernels' shared
+// parameters and tile geometry.  Their score transform and epilogue: score.h, epilogue.h.
 //
 // USE_PTX=1: inline PTX (NVIDIA's OpenCL, sm_80+).  USE_PTX=0: an exact emulation in plain
 // OpenCL C for any device (PoCL in CI): each lane publishes its operands in a per-warp scratch
 // area `scr` (256 uints, declared by the kernel), a barrier, then each lane reads what the PTX
 // ISA says it receives.  Every such call must sit in work-group-uniform control flow.
 //
-// Needs IS_BF16, USE_PTX, SOFTCAP, ALIBI and SCALE_POS defined.
+// Needs IS_BF16 and USE_PTX defined; PREFILL_PARAMS needs score.h (MASK_T).
 
 #define XSTR_(X) #X
 #define XSTR(X) XSTR_(X)
@@ -223,32 +224,10 @@ inline int emu_any(int pred, __local uint *scr) {
 #define GLOBAL_FENCE() mem_fence(CLK_GLOBAL_MEM_FENCE)
 #endif
 
-// ---------------------------------------------------------------- shared by both kernels
+// ---------------------------------------------------------------- shared by the kernels
 // Lazy rescaling: (l, O) are rescaled only when a row's running max grows by more than this
 // (log2 units).
 #define RESCALE_THRESH 8.0f
-// Fold the scale into the exponent (p = 2^(s c - m) as one FMA) when the scores need no other
-// transform and c > 0 (then max(s) c = max(s c)).
-#if SOFTCAP || ALIBI || !SCALE_POS || MASK_KIND >= 2
-#define FOLD 0
-#else
-#define FOLD 1
-#endif
-#define LN2 0.6931471805599453f
-// Attention sinks (contract §10): a row's final state (M, L) in the exp2 domain merged once
-// with (out 0, lse SK), SK the sink (natural log): with s2 = SK log2(e), m' = max(M, s2),
-// l' = L 2^(M - m') + 2^(s2 - m'); sets INV (the factor of the unnormalised output) and LSE
-// (natural log). A row that saw no key (L = 0): INV 0, LSE = SK exactly. The partial states of
-// split keys never take it.
-#define SINK_FOLD(M, L, SK, INV, LSE)                                                           \
-  {                                                                                             \
-    const float s2_ = (SK) * 1.4426950408889634f;                                               \
-    const float mx_ = (L) == 0.f ? s2_ : fmax((M), s2_);                                        \
-    const float a_ = (L) == 0.f ? 0.f : ex2((M) - mx_);                                         \
-    const float lt_ = (L) * a_ + ex2(s2_ - mx_);                                                \
-    INV = a_ / lt_;                                                                             \
-    LSE = (L) == 0.f ? (SK) : (mx_ + log2(lt_)) * LN2;                                          \
-  }
 
 #define ZERO16(DST) (*(__local uint4 *)(DST) = (uint4)(0u, 0u, 0u, 0u))
 
@@ -309,10 +288,6 @@ inline float nonfinite_value(uint b) {
   const int klen = (int)SP[5];                                                                  \
   const long base = SP[6], dlo = SP[7], dhi = SP[8];
 
-// The mask's element type (attn_fwd_mma.cl -DMASK_KIND; the wgmma kernel takes no mask)
-#ifndef MASK_T
-#define MASK_T uchar
-#endif
 // The two prefill kernels (attn_fwd_mma.cl, attn_fwd_wgmma.cl): their parameters (the host's
 // _nvidia_mma.run sets them), the work-group's query head h, kv head hk, sequence s and first
 // local row m0 (from the tile table; HEADS_INNER: one grid dimension, tile * n_heads + head),

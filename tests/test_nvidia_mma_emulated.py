@@ -321,9 +321,11 @@ def test_mma_shapes_masks(name, dtype, shape, mask, opts):
     opts = dict(opts)
     if mask is not None:
         m = _mask(rng, name, mask)
-        if "bool" in name and mask[-1] == sk:
-            # key sk - 2 hidden from every row by the mask alone: its NaN must not leak
-            m[..., sk - 2] = False
+        if mask[-1] == sk:
+            # key sk - 2 hidden from every row by the mask alone (False, or -inf added): the NaN
+            # in its k and v must not leak
+            m[..., sk - 2] = False if "bool" in name else -np.inf
+            k[0, sk - 2, 0, 0] = np.nan
             v[0, sk - 2, 0, dv - 1] = np.nan
         opts["mask"] = m
     else:

@@ -670,6 +670,14 @@ def flash_forward(q, k, v, qst, kst, vst, seq, tasks, g, scale, wl, wr, softcap,
     return 0
 
 
+def empty_lse(bq, hq, sq, sinks, cdt):
+    """``(bq, hq, sq)`` lse of rows that see no key: -inf, or their head's sink with ``sinks``
+    (the empty-row rule of ``_finish_row``, for the rows no task reaches)."""
+    if sinks.shape[0] == 0:
+        return np.full((bq, hq, sq), -np.inf, cdt)
+    return np.repeat(np.repeat(sinks[None, :, None], bq, 0), sq, 2)
+
+
 @njit(fastmath=FASTMATH, inline="always")
 def _finish_row(acc, m, li, sinks, h, out_row, lse_at):
     """out = acc / l, lse = m + log(l) of one row from its state (acc = sum p v, m in natural

@@ -120,7 +120,7 @@ def _flat(x: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x as a 4-D numpy array of ``dtype``, a read-only flat view of its memory, int64 (4,):
     its element strides along (batch, row, head) and the row width) for the kernel. No copy
     when x is C-contiguous (bshd) or a (B, S, H, D) view of C-contiguous (B, H, S, D) memory,
-    which ``layout="bhsd"`` hands over; the kernel reads the second ~10 % faster (rows of one
+    which ``layout="bhsd"`` hands over; the kernel reads the second faster (rows of one
     head adjacent: a tile spans a few pages, not one per row); anything else is copied
     C-contiguous. Strides come from the shape (numpy leaves them arbitrary along length-1
     axes)."""
@@ -366,7 +366,7 @@ def _plan(call: AttnCall, seq: np.ndarray, n_threads: int, wl: int, wr: int, cdt
     holds the per-sequence lengths and positions): (block_m, block_n, tasks costliest first,
     tasks in natural order, partial-state slots, MKL JIT kernels (int64 (4,), zeros: plain
     gemm), the gemm's address, the per-thread scratch size, whether BLAS needs a thread
-    limit). A repeated call shape skips ~0.1 ms of numpy work. The kernel never writes these
+    limit). A repeated call shape skips that numpy work. The kernel never writes these
     arrays."""
     from . import _blas, _flash
 
@@ -437,12 +437,9 @@ def attention(call: AttnCall, keep_acc: bool = False) -> tuple[np.ndarray, np.nd
     # a dense call writes every output row (each row is one task's), so no zero fill
     covered = call.dense and bool((call.q_len == sq_arr).all())
     out = (np.empty if covered else np.zeros)((bq, sq_arr, hq, d_v), cdt)
-    if covered:
-        lse = np.empty((bq, hq, sq_arr), cdt)
-    elif call.sinks is None:
-        lse = np.full((bq, hq, sq_arr), -np.inf, cdt)
-    else:  # rows no task reaches see no key: lse = their head's sink
-        lse = np.repeat(np.repeat(sinks[None, :, None], bq, 0), sq_arr, 2)
+    # rows no task reaches see no key
+    lse = (np.empty((bq, hq, sq_arr), cdt) if covered
+           else _flash.empty_lse(bq, hq, sq_arr, sinks, cdt))
     n_threads = numba.get_num_threads()
     g = hq // k.shape[2]
     block_m, block_n, dealt, tasks, n_slots, jit, gemm_fn, size, limit = \
