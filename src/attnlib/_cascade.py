@@ -76,9 +76,9 @@ def parts_call(call: AttnCall, groups: list[tuple[np.ndarray, int]], row_cap: in
     max_shared = int(shared.max())
     chunk = max_shared if key_cap is None else max(1, -(-int(key_cap) // ps))  # pages
     rows_cap = bq * sq_arr if row_cap is None else max(1, int(row_cap) // (hq // call.n_kv_heads))
-    key = (bq * sq_arr, ps, chunk, rows_cap, call.window_left, call.window_right,
-           call.causal_hi is None, flat0.tobytes(), call.q_len.tobytes(), group_of.tobytes(),
-           tuple((int(m[0]), n) for m, n in groups))
+    key = (bq * sq_arr, ps, chunk, rows_cap, call.options.window_left,
+           call.options.window_right, call.causal_hi is None, flat0.tobytes(),
+           call.q_len.tobytes(), group_of.tobytes(), tuple((int(m[0]), n) for m, n in groups))
     with _lock:
         pre = _memo.get(key)
     if pre is None:
@@ -141,7 +141,7 @@ def _prefix_parts(call: AttnCall, groups: list[tuple[np.ndarray, int]], flat0: n
     group's chunks, in sequences without keys. Returns (per-sequence fields, their table rows'
     source sequence and first column, number of parts)."""
     ps, n_rows = call.page_size, int(call.q.shape[0] * call.q.shape[1])
-    wl, wr = call.window_left, call.window_right
+    wl, wr = call.options.window_left, call.options.window_right
     order = np.argsort(flat0, kind="stable")
     row_group = np.repeat(group_of[order], call.q_len[order])  # the group of each flat row
     n_chunks = np.array([-(-n // chunk) for _, n in groups] + [0])  # [-1]: rows of no group
@@ -186,14 +186,15 @@ def _merged_on_host(be: Backend, parts: AttnCall,
     b, s, hq, d = q.shape
     state = be.attention_state(replace(parts, q=np.broadcast_to(q.reshape(1, b * s, hq, d),
                                                               (n_parts, b * s, hq, d)),
-                                       sinks=None))
+                                       options=replace(parts.options, sinks=None)))
     if state is None:
         return None
     out, lse = (np.asarray(be.to_numpy(x), np.float64) for x in state)
     outs, lses = [o[None] for o in out], [x[None] for x in lse]
-    if parts.sinks is not None:
+    sinks = parts.options.sinks
+    if sinks is not None:
         outs.append(np.zeros_like(outs[0]))
-        lses.append(np.broadcast_to(parts.sinks.astype(np.float64)[None, :, None],
+        lses.append(np.broadcast_to(sinks.astype(np.float64)[None, :, None],
                                     lses[0].shape))
     m_out, m_lse = registry.get_backend("numpy").merge_states(outs, lses)
     dv = out.shape[3]
@@ -209,7 +210,7 @@ def groups_of(call: AttnCall, min_prefix_tokens: int | None) -> list[tuple[np.nd
     pages; a member whose rows would not all see the whole prefix leaves the group."""
     table = call.block_table
     if (min_prefix_tokens is None or call.n_seq < 2 or not isinstance(table, np.ndarray)
-            or not _rows_viewable(call.q) or call.alibi is not None
+            or not _rows_viewable(call.q) or call.options.alibi is not None
             or call.mask_view is not None or call.ring or call.page_size < 1):
         return []
     ps = call.page_size
@@ -267,8 +268,8 @@ def _sees_prefix(call: AttnCall, s: np.ndarray, n_keys: int) -> np.ndarray:
     ok = np.ones(s.size, bool)
     if call.causal_hi is not None:
         ok &= last_k - first_q <= call.causal_hi[s]
-    if call.window_left is not None:
-        ok &= first_k - last_q >= -call.window_left
-    if call.window_right is not None:
-        ok &= last_k - first_q <= call.window_right
+    if call.options.window_left is not None:
+        ok &= first_k - last_q >= -call.options.window_left
+    if call.options.window_right is not None:
+        ok &= last_k - first_q <= call.options.window_right
     return ok

@@ -83,6 +83,7 @@ def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall,
         idx = np.flatnonzero(keep)
         parts.append(replace(call, **{f: getattr(call, f)[idx] for f in _PER_SEQ
                                       if getattr(call, f) is not None},
+                             options=call.options.for_sequences(idx),
                              block_table=call.block_table[idx], need_lse=True))
     dec, rest = parts
     if not _nvidia_decode.applicable(be.device, dec):
@@ -98,7 +99,7 @@ def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall,
 
 #: the per-sequence fields of an AttnCall (numpy arrays of length n_seq)
 _PER_SEQ = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0", "k_pos0",
-            "causal_hi", "alibi")
+            "causal_hi")
 
 
 def forget_plans() -> None:
@@ -132,8 +133,8 @@ def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[An
     q = cla.Array(queue, (n_parts, n_rows, hq, d), q4.dtype,
                   strides=(0, hq * d * item, d * item, item), data=q4.base_data,
                   offset=q4.offset)
-    sink_logits = call.sinks  # folded in once, by the merge
-    call = replace(call, q=q, sinks=None, need_lse=True)
+    sink_logits = call.options.sinks  # folded in once, by the merge
+    call = replace(call, q=q, options=replace(call.options, sinks=None), need_lse=True)
     dtype, acc = call.dtype, acc_dtype(call.dtype)
     dv = call.head_dim_v
     packed = call.q_len.astype(np.int64, copy=False) * (hq // call.n_kv_heads)
