@@ -360,8 +360,9 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         scales = None if call.k_scales is None else scale_args(ctx, call)
         evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data, table=table,
                             sinks=sinks, scales=scales)
-        if parts:
-            return (*evts, splits, out)
+        if parts:  # the partial states' buffers, not events
+            part_o, part_l = evts
+            return part_o, part_l, splits, out
         for e in evts:
             out.add_event(e)
             lse.add_event(e)
