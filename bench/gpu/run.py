@@ -31,8 +31,9 @@ CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
 * **forks** (``forks``): 32 forks of an 8192-token prompt with 256 tokens of their own each
   (a ``PagedKVCache``, page 16, float16, device queries), one decode step for all 32 through the
   shared-prompt cascade (checked to take the 32 forks; one row per prefix chunk size of
-  ``FORKS_KEYS``, the default marked), beside the same step with the cascade off and over 32
-  unshared contiguous caches of 8448 tokens (the per-sequence decode, the speed-up's base);
+  ``FORKS_KEYS``, the default marked; "host": the call alone, returning before its kernels
+  finish), beside the same step with the cascade off and over 32 unshared contiguous caches of
+  8448 tokens (the per-sequence decode, the speed-up's base);
   "equivalent TB/s" counts every sequence's tokens as if read separately. ``--quick`` (4 forks of
   512 + 16 tokens) runs it on a CPU OpenCL device.
 * **portable** (``portable``): the portable kernel (``use_mma=False``) against the device's
@@ -480,9 +481,12 @@ def forks(reps: int, rows: list, quick: bool = False) -> None:
             _nvidia_decode.PARTS_KEYS = keys or default_keys
             got = step().get()
             t, tp = _median_time(step, sync, 3, reps), _pipelined_time(step, sync, reps)
+            host = _median_time(step, lambda: None, 3, reps)  # the call alone, no wait
+            sync()
             rows.append({"kind": "forks", "forks": n_fork, "prompt": prompt, "own": own,
                          "chunk_keys": keys, "default": keys == default_keys,
                          "opencl_us": t * 1e6, "opencl_pipe_us": tp * 1e6,
+                         "host_us": host * 1e6,
                          "equiv_TBps": nbytes / tp / 1e12, "plain_us": t0 * 1e6,
                          "plain_pipe_us": tp0 * 1e6, "per_seq_us": t1 * 1e6,
                          "per_seq_pipe_us": tp1 * 1e6, "speedup": tp1 / tp,
@@ -521,17 +525,17 @@ def paged_table(rows: list) -> str:
 
 
 def forks_table(rows: list) -> str:
-    out = ["| forks × (prompt + own) | prefix chunk keys | cascade µs | equivalent TB/s "
-           "| cascade off µs | unshared caches µs | speed-up vs unshared (pipelined) "
-           "| max diff vs cascade off | max err vs float64 |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| forks × (prompt + own) | prefix chunk keys | cascade µs | cascade host µs "
+           "| equivalent TB/s | cascade off µs | unshared caches µs "
+           "| speed-up vs unshared (pipelined) | max diff vs cascade off | max err vs float64 |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "forks":
             mark = " (default)" if r["default"] else ""
             keys = "whole prefix" if r["chunk_keys"] is None else f"{r['chunk_keys']}{mark}"
             out.append(f"| {r['forks']} × ({r['prompt']} + {r['own']}) | {keys} "
                        f"| {_fmt(r['opencl_us'])} / {_fmt(r['opencl_pipe_us'])} "
-                       f"| {_fmt(r['equiv_TBps'], 2)} "
+                       f"| {_fmt(r['host_us'])} | {_fmt(r['equiv_TBps'], 2)} "
                        f"| {_fmt(r['plain_us'])} / {_fmt(r['plain_pipe_us'])} "
                        f"| {_fmt(r['per_seq_us'])} / {_fmt(r['per_seq_pipe_us'])} "
                        f"| {_fmt(r['speedup'], 2)} | {_fmt(r['diff_plain'], 4)} "
