@@ -257,7 +257,7 @@ def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[An
 
     from . import _pool
     from ._arrays import acc_dtype, is_cl_array, store_kind
-    from ._attention import PortablePlan, launch_merge
+    from ._attention import launch_merge
 
     q4 = call.q  # (B, S, Hq, D), rows read flat
     queue = be.queue_for(q4, call.k, call.v)
@@ -279,7 +279,7 @@ def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[An
     out = _pool.empty(queue, (b, s, hq, dv), dtype)
     lse = _pool.empty(queue, (b, hq, s), acc)
     if Decode().applicable(be, call, max_rows) is None:
-        plan: Plan = _nvidia_decode.DecodePlan(be, queue, call, parts=True)
+        plan = _parts_plan(be, queue, call, max_rows, True)
         step = plan.step(call, vals, col)
         part_o, part_l = plan.enqueue(step, call, None, None, out)
         # state split * n_parts + part; its LSEs (rows, Hq)
@@ -291,7 +291,7 @@ def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[An
             out.add_event(e)
         n_states, l_strides = n_parts, (hq * n_rows, s, 1, n_rows)  # LSEs (Hq, rows)
     else:
-        plan = PortablePlan(be, queue, call, max_rows, parts=True)
+        plan = _parts_plan(be, queue, call, max_rows, False)
         step = plan.step(call, vals, col)
         part_o, part_l = plan.enqueue(step, call, None, None, out)
         n_states, l_strides = step[2] * n_parts, (n_rows * hq, s * hq, hq, 1)
@@ -305,3 +305,23 @@ def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[An
     if host:
         return out.get(), lse.get()
     return out, lse
+
+
+#: the parts-mode plans of attention_parts, by call description (:func:`plan_key`), family and
+#: packed row count: a cascade's decode steps reuse theirs (device tables rewritten in place)
+parts_plans: dict[tuple, Plan] = _plans.table()
+
+
+def _parts_plan(be: OpenCLBackend, queue: Any, call: AttnCall, max_rows: int,
+                decode: bool) -> Plan:
+    from ._attention import PortablePlan
+
+    key = (plan_key(be, queue, call), decode, 0 if decode else max_rows)
+    plan = parts_plans.get(key)
+    if plan is None:
+        plan = (_nvidia_decode.DecodePlan(be, queue, call, parts=True) if decode
+                else PortablePlan(be, queue, call, max_rows, parts=True))
+        if len(parts_plans) >= _PLANS_MAX:
+            parts_plans.clear()
+        parts_plans[key] = plan
+    return plan
