@@ -10,7 +10,7 @@ import pytest
 
 import attnlib
 from attnlib.backends.base import AttnCall
-from attnlib.testing._helpers import randn, rng_for
+from attnlib.testing._helpers import paged_twin, randn, rng_for
 from attnlib.testing.reference import reference_call, seq_call
 from attnlib.testing.tolerance import assert_rule
 
@@ -274,38 +274,6 @@ def test_decode_oclgrind():
     reports = [b for b in run_oclgrind.report_blocks(proc.stderr)
                if not run_oclgrind.is_harmless(b)]
     assert not reports, "\n\n".join(reports[:3])
-
-
-def paged_twin(rng, call: AttnCall, page_size: int, spare: int = 3,
-               table_dtype=np.int32) -> AttnCall:
-    """``call`` (batch s = sequence s, rows from k_row0) with its keys and values moved into a
-    page pool: the pages of every sequence drawn from a shuffled free list (scattered, in no
-    order), ``spare`` pages nobody uses filled with NaN, table columns past a sequence's last
-    page pointing at garbage (page -7, 10**6: clamped, never read)."""
-    import dataclasses
-
-    k, v = call.k, call.v
-    hkv, d = k.shape[2], k.shape[3]
-    need = [-(-(int(r) + int(n)) // page_size) for r, n in zip(call.k_row0, call.k_len)]
-    width = max(need) + 2
-    n_pages = sum(need) + spare
-    free = rng.permutation(n_pages)
-    kp = np.full((n_pages, page_size, hkv, d), np.nan, k.dtype)
-    vp = np.full((n_pages, page_size, hkv, d), np.nan, v.dtype)
-    table = np.empty((call.n_seq, width), np.int64)
-    table[:, 1::2], table[:, ::2] = -7, 10**6
-    used = 0
-    for s in range(call.n_seq):
-        b = int(call.k_batch[s])
-        pages = free[used:used + need[s]]
-        used += need[s]
-        table[s, :need[s]] = pages
-        rows = np.arange(need[s] * page_size)
-        src = np.minimum(rows, k.shape[1] - 1)
-        kp[pages.repeat(page_size), np.tile(np.arange(page_size), need[s])] = k[b, src]
-        vp[pages.repeat(page_size), np.tile(np.arange(page_size), need[s])] = v[b, src]
-    return dataclasses.replace(call, k=kp, v=vp, k_batch=np.zeros(call.n_seq, np.int64),
-                               block_table=table.astype(table_dtype), page_size=page_size)
 
 
 def run_paged_and_check(call: AttnCall, page_size: int, *, splits, config=None, fused=False,

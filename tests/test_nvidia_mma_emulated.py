@@ -337,3 +337,50 @@ def test_mma_shapes_masks(name, dtype, shape, mask, opts):
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
     assert out.shape == (b, sq, hq, dv)
     _check(q, k, v, slopes, kw, out, lse)
+
+
+# Paged K/V pools (-DPAGE_SIZE: each key row's address from the block table, the entries staged
+# ahead of the loads): page sizes below, at and above a key tile (and 5, which divides nothing),
+# with each schedule the defaults pick (plain double buffer, KV_SPLIT_STAGES, SOFTMAX_PIPE, the
+# float32 3xTF32 build, padded head dims with element-wise loads), GQA, causal, window, softcap,
+# ALiBi and sinks; the pages scattered, unused pages NaN, garbage table columns past each
+# sequence's pages, keys from mid-page (k_row0 > 0), NaN in v of a key some rows do not see.
+PAGED_CASES = [
+    # name, page size, dtype, (b, sq, sk, hq, hkv, d, dv), options
+    ("f16 d64 causal pipe", 16, "float16", (2, 70, 131, 4, 2, 64, 64), {"causal": True}),
+    ("f16 d128 causal kv_split", 1, "float16", (1, 45, 101, 2, 1, 128, 128), {"causal": True}),
+    ("bf16 d128 window softcap alibi", 8, "bfloat16", (2, 45, 141, 2, 1, 128, 128),
+     {"window": (20, 5), "softcap": 30.0, "alibi": True}),
+    ("f16 d64 kv_split sinks", 5, "float16", (1, 33, 150, 4, 1, 64, 64), {"sinks": True}),
+    ("f32 d64 causal", 32, "float32", (1, 70, 131, 4, 2, 64, 64), {"causal": True}),
+    ("f16 d80 gqa", 128, "float16", (1, 40, 101, 4, 2, 80, 80), {}),
+    ("f16 d59/48 causal", 16, "float16", (1, 21, 70, 2, 1, 59, 48), {"causal": True}),
+    ("bf16 d192/128 causal", 64, "bfloat16", (1, 50, 90, 2, 1, 192, 128), {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("name,page,dtype,shape,opts", PAGED_CASES,
+                         ids=[c[0] for c in PAGED_CASES])
+def test_mma_paged_emulated(name, page, dtype, shape, opts):
+    from dataclasses import replace
+
+    from attnlib.backends.opencl import _nvidia_mma
+    from attnlib.testing._helpers import paged_twin
+
+    be = attnlib.get_backend("opencl")
+    b, sq, sk, hq, hkv, d, dv = shape
+    rng = rng_for("mma paged", name)
+    q, k, v = qkv(rng, b, sq, sk + 7, hq, hkv, d, dv, dtype=dtype)
+    opts = dict(opts)
+    sinks = opts.pop("sinks", False)
+    # keys from row 7 of k (mid-page): the contiguous twin is q over k[:, 7:]
+    call, slopes, kw = kernel_call(q, k[:, 7:], v[:, 7:], opts)
+    v[0, 7 + sk - 1, 0, dv - 1] = np.nan  # hidden from the first rows by causal, else seen
+    call = replace(call, k=k, v=v, k_row0=call.k_row0 + 7)
+    if sinks:
+        kw["sinks"] = (rng.standard_normal(hq) * np.resize([2.0, 25.0], hq)).astype(np.float32)
+        call = replace(call, sinks=kw["sinks"])
+    paged = paged_twin(rng, call, page)
+    assert _nvidia_mma.page_size(paged) == page
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, paged, use_ptx=False)
+    _check(q, k[:, 7:], v[:, 7:], slopes, kw, out, lse)

@@ -6,13 +6,16 @@
 
 * ``"mma"``: NVIDIA tensor cores, sm_80+ (``_nvidia_mma``: mma.sync; on sm_90 the warpgroup-MMA
   kernel of ``_nvidia_wgmma``), float16/bfloat16, float32 as 3xTF32, more than
-  :data:`~._attention.DECODE_ROWS` packed query rows;
+  :data:`~._attention.DECODE_ROWS` packed query rows, paged calls included (their PAGE_SIZE load
+  variant, mma.sync);
 * ``"decode"``: NVIDIA tensor cores, float16/bfloat16, at most 16 packed query rows per kv head
   (``_nvidia_decode``), paged calls and quantized KV caches (8-bit codes, its KV_FORMAT load
   variant) included;
 * ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls and quantized
-  KV caches included; a paged call of prefill chunks and decode steps with host arrays runs its
-  decode sequences on the decode kernel and the rest here (``_mixed_paged``).
+  KV caches included.
+
+A paged call of prefill chunks and decode steps with host arrays runs its decode sequences on the
+decode kernel and the rest on the family that takes them ("mma" or "portable"; ``_mixed_paged``).
 """
 
 from __future__ import annotations
@@ -31,13 +34,10 @@ if TYPE_CHECKING:
 
 def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
     """The kernel family of ``call`` on ``be`` (``max_rows``: its largest number of packed query
-    rows, q_len * group, of one sequence): "mma", "decode" or "portable". Paged calls (a block
-    table) run the decode kernel when it takes them, else the portable kernel: the prefill
-    kernel does not read page tables. Quantized K/V (``k_scales``) run the decode kernel's
-    KV_FORMAT variant when it takes them, else the portable kernel: the prefill kernel reads K
-    and V in the dtype only."""
-    if (be.use_mma and call.k_scales is None and max_rows > _attention.DECODE_ROWS
-            and call.block_table is None):
+    rows, q_len * group, of one sequence): "mma", "decode" or "portable". Quantized K/V
+    (``k_scales``) run the decode kernel's KV_FORMAT variant when it takes them, else the
+    portable kernel: the prefill kernel reads K and V in the dtype only."""
+    if be.use_mma and call.k_scales is None and max_rows > _attention.DECODE_ROWS:
         if _nvidia_mma.applicable(be.device, call):
             return "mma"
     if be.use_mma and max_rows <= _nvidia_decode.MAX_ROWS:
@@ -55,24 +55,25 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
     rows = call.q_len.astype(np.int64, copy=False) * (hq // hkv)
     max_rows = int(rows.max()) if call.n_seq else 0
     family = kernel_family(be, call, max_rows)
-    if family == "mma":
-        return _nvidia_mma.run(queue.context, queue, be.device, call)
     if family == "decode":
         return _nvidia_decode.run(be, queue, call)
     if (call.block_table is not None and call.k_scales is None and be.use_mma
             and max_rows > _nvidia_decode.MAX_ROWS):
-        res = _mixed_paged(be, queue, call, rows)
+        res = _mixed_paged(be, queue, call, rows, family)
         if res is not None:
             return res
+    if family == "mma":
+        return _nvidia_mma.run(queue.context, queue, be.device, call)
     return _attention.run(be, queue, call, rows, max_rows)
 
 
-def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall,
-                 rows: np.ndarray) -> tuple[Any, Any] | None:
+def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
+                 family: str) -> tuple[Any, Any] | None:
     """A paged call of prefill chunks and decode steps (``cu_seqlens_q``) with host arrays: the
     decode sequences (at most MAX_ROWS packed rows) on the tensor-core decode kernel, the
-    others on the portable kernel, each writing its own query rows; None where the decode
-    kernel takes none of them (the whole call then runs the portable kernel)."""
+    others on ``family``'s kernel (the prefill kernel or the portable one), each writing its own
+    query rows; None where the decode kernel takes none of them (the whole call then runs
+    ``family``)."""
     if not isinstance(call.q, np.ndarray) or not isinstance(call.block_table, np.ndarray):
         return None
     small = rows <= _nvidia_decode.MAX_ROWS
@@ -87,7 +88,10 @@ def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall,
     dec, rest = parts
     if not _nvidia_decode.applicable(be.device, dec):
         return None
-    out, lse = _attention.run(be, queue, rest, rows[~small], int(rows[~small].max()))
+    if family == "mma":
+        out, lse = _nvidia_mma.run(queue.context, queue, be.device, rest)
+    else:
+        out, lse = _attention.run(be, queue, rest, rows[~small], int(rows[~small].max()))
     d_out, d_lse = _nvidia_decode.run(be, queue, dec)
     for s in range(dec.n_seq):
         b, r0, n = int(dec.q_batch[s]), int(dec.q_row0[s]), int(dec.q_len[s])

@@ -12,7 +12,9 @@ zero-filled columns on load, the padding never stored), or float32 with D == Dv 
 window, softcap, alibi, GQA/MQA, LSE, and bool or additive masks of any broadcast shape (read per
 tile from the unbroadcast array, ``-DMASK_KIND``). Rows that are not 16-byte aligned (e.g. D = 59
 in 16 bits) are read element by element instead of by cp.async (``-DVEC_LOADS=0``). Paged calls
-go to the portable kernel.
+(page pools and a block table, any page size) build the load variant ``-DPAGE_SIZE``: each key
+row's address comes from the table, whose entries the kernel stages ahead of the K/V loads; on
+Hopper they run this kernel, not the warpgroup-MMA one.
 
 float16/bfloat16 run ``mma.sync.m16n8k16`` with float32 accumulators. float32 runs "3xTF32"
 (``-DIS_TF32=1``, kernels/attn_fwd_mma_tf32.h): every operand of Q K^T and P V is split as
@@ -44,6 +46,7 @@ from ... import _config
 from ..base import AttnCall
 from . import _pool
 from ._arrays import is_cl_array
+from ._attention import table_args
 from ._nvidia_tables import kernel_inputs, mask_args, results, sinks_input, tables_on_device
 from ._runtime import KernelBuildError, launch, program
 
@@ -202,13 +205,19 @@ def mask_kind(call: AttnCall) -> int:
     return {np.dtype(np.float16): 3, BF16: 4}.get(call.mask_view.dtype, 2)
 
 
+def page_size(call: AttnCall) -> int:
+    """The kernel's -DPAGE_SIZE of ``call``: its pools' page size, 0 for unpaged k and v."""
+    return int(call.page_size or 0) if call.block_table is not None else 0
+
+
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
                   alibi: bool = False, scale_pos: bool = True, use_ptx: bool = True,
                   heads_inner: bool = False, head_dim_v: int | None = None,
-                  vec: bool = True, mask: int = 0) -> tuple[str, ...]:
+                  vec: bool = True, mask: int = 0, page_size: int = 0) -> tuple[str, ...]:
     block_m, block_n, warps, q_in_regs = config
     shape = ((f"-DHEAD_DIM_V={head_dim_v}",) if head_dim_v not in (None, head_dim) else ()) + (
-        () if vec else ("-DVEC_LOADS=0",)) + ((f"-DMASK_KIND={mask}",) if mask else ())
+        () if vec else ("-DVEC_LOADS=0",)) + ((f"-DMASK_KIND={mask}",) if mask else ()) + (
+        (f"-DPAGE_SIZE={page_size}",) if page_size else ())
     return shape + (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
         f"-DWARPS={warps}", f"-DQ_IN_REGS={int(q_in_regs)}",
@@ -266,7 +275,8 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
     opts = build_options(d, dtype, config, softcap=call.softcap is not None,
                          alibi=call.alibi is not None, scale_pos=call.scale > 0,
                          use_ptx=use_ptx, heads_inner=heads_inner, head_dim_v=call.head_dim_v,
-                         vec=vec_loads(call), mask=mask_kind(call)) + tuple(extra_options)
+                         vec=vec_loads(call), mask=mask_kind(call),
+                         page_size=page_size(call)) + tuple(extra_options)
     return opts, heads_inner
 
 
@@ -276,11 +286,12 @@ _wgmma_failed: set[int] = set()
 
 def use_wgmma(device: Any, call: AttnCall) -> bool:
     """True when ``call`` runs the warpgroup-MMA kernel (Hopper, 16-bit, D == Dv of
-    :data:`WGMMA_CONFIGS`, aligned rows, no mask, and no failed build of it on this device);
-    the other head dims and masked calls run the mma.sync kernel on Hopper too."""
+    :data:`WGMMA_CONFIGS`, aligned rows, no mask, not paged, and no failed build of it on this
+    device); the other head dims, masked and paged calls run the mma.sync kernel on Hopper too."""
     return (WGMMA_ON and not EMULATE_PTX and compute_capability(device) == (9, 0)
             and call.dtype != _F32 and call.head_dim in WGMMA_CONFIGS
             and call.head_dim_v == call.head_dim and call.mask_view is None
+            and call.block_table is None
             and vec_loads(call) and device.int_ptr not in _wgmma_failed)
 
 
@@ -327,7 +338,8 @@ class Launch:
 
 
 #: the prefill kernel's per-call argument slots: q, k, v, out, lse, tile table, sequence table,
-#: sinks (their count, the last argument, is fixed by the plan: 0 without sinks)
+#: sinks (their count is fixed by the plan: 0 without sinks); a paged call's block table takes the
+#: last six (``_attention.table_args``)
 CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
@@ -347,17 +359,19 @@ class PrefillPlan:
         self.args = [None] * len(CALL_SLOTS) + [
             alibi_buf, *geometry, i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]),
             i32(call.ring), *scalars, i32(0 if call.sinks is None else hq),
-            *mask_args(ctx, call)]
+            *mask_args(ctx, call)] + ([None] * 6 if call.block_table is not None else [])
 
     def enqueue(self, queue: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, tile_buf: Any,
                 seq_buf: Any, n_tiles: int, hq: int, wait_for: Any = None,
-                owner: Any = None, sinks: Any = None) -> Any:
+                owner: Any = None, sinks: Any = None, table: list | None = None) -> Any:
         """Launch over ``n_tiles`` tiles of ``hq`` heads (buffers: q, k, v, out, lse, tables,
-        the sinks when the plan's call has them); ``owner``: the repeat-call plan whose
-        launches set only the call slots."""
+        the sinks when the plan's call has them, a paged call's block-table arguments);
+        ``owner``: the repeat-call plan whose launches set only the call slots."""
         args = self.args.copy()
         # without sinks, the ALiBi buffer stands in for them (never read: their count is 0)
         args[0:8] = [q, k, v, out, lse, tile_buf, seq_buf, args[8] if sinks is None else sinks]
+        if table is not None:
+            args[-6:] = table
         kn = self.kernel
         return launch(self.key, kn.make, kn.name, queue, kn.grid(n_tiles, hq), (kn.threads, 1),
                       args, wait_for=wait_for, varying=CALL_SLOTS if owner is not None else None,
@@ -435,9 +449,12 @@ def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | No
     if n_tiles and hq:
         alibi_buf, bufs, geometry, scalars = kernel_inputs(ctx, call)
         prefill = PrefillPlan(ctx, device, plan, call, alibi_buf, geometry, scalars)
+        table = None
+        if call.block_table is not None:
+            table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
         evt = prefill.enqueue(queue, *bufs, out.base_data, lse.base_data, tile_buf, seq_buf,
                               n_tiles, hq, wait_for=wait_for,
-                              sinks=sinks_input(queue, call, out)[0])
+                              sinks=sinks_input(queue, call, out)[0], table=table)
         out.add_event(evt)
         lse.add_event(evt)
         if events is not None:
