@@ -375,19 +375,34 @@ def emulated_sm90(monkeypatch):
     _dispatch.forget_plans()
 
 
-def test_paged_mixed_batch_emulated(emulated_sm90):
-    """A paged call of a prefill chunk (36 packed rows: the portable kernel) beside decode steps
-    (4 and 8 rows): the decode sequences run the tensor-core decode kernel; every sequence's
-    rows checked against plain attention over its tokens. (Grid: the portable build it adds.)"""
+def test_paged_mixed_batch_emulated(emulated_sm90, monkeypatch):
+    """A paged call of a prefill chunk (36 packed rows: the tensor-core prefill kernel's
+    PAGE_SIZE build) beside decode steps (4 and 8 rows): with host arrays the decode sequences
+    run the tensor-core decode kernel, the chunk the prefill kernel; with device arrays the
+    whole call runs the prefill kernel. Every sequence's rows checked against plain attention
+    over its tokens. (Grid: the paged prefill build it adds.)"""
+    from attnlib.backends.opencl import _nvidia_mma
     from attnlib.testing.test_paged import Paged
 
+    prefill = []
+    real = _nvidia_mma.launch
+    monkeypatch.setattr(_nvidia_mma, "launch", lambda *a, **kw: prefill.append(1)
+                        or real(*a, **kw))
     be = attnlib.get_backend("opencl", num_splits=1)
     p = Paged(be, 40, 8, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="paged mixed")
     a, b = p.new(2)
     p.append([a, b], [30, 13])
     c = p.fork(a)
     p.attend([a, b, c], [9, 1, 2], [9, 1, 2])
-    assert len(emulated_sm90) == 1
+    assert len(emulated_sm90) == 1 and len(prefill) == 1
+    cu = np.array([0, 9, 10, 12], np.int32)
+    q = randn(p.rng, (12, 8, 64), "float16")
+    out = attnlib.attention_with_paged_kvcache(attnlib.to_device(q, backend=be), p.cache,
+                                               [a, b, c], cu_seqlens_q=cu)
+    out = attnlib.to_numpy(out)
+    assert len(emulated_sm90) == 1 and len(prefill) == 2
+    for i, s in enumerate([a, b, c]):
+        p.check_rows(s, q[cu[i]:cu[i + 1]], out[cu[i]:cu[i + 1]], None)
 
 
 def test_paged_dispatch_emulated(monkeypatch):
