@@ -283,9 +283,10 @@ def _mask(rng, name, shape):
 
 
 # head dims other than 64/128 (padded to 16 inside the kernel; D = 59 and 111 also read their
-# unaligned rows element by element, -DVEC_LOADS=0), D != Dv, and masks of several broadcast
-# shapes, with each tier's default config and options (PADDED_CONFIGS: causal D <= 64 runs
-# SOFTMAX_PIPE, past 128 KV_SPLIT_STAGES). mask: the shape of the mask before broadcasting.
+# unaligned rows element by element, -DVEC_LOADS=0), D != Dv, in 16 bits and float32, and masks
+# of several broadcast shapes, with each tier's default config and options (PADDED_CONFIGS:
+# causal D <= 64 runs SOFTMAX_PIPE, past 128 KV_SPLIT_STAGES; float32: PADDED_CONFIGS_F32).
+# mask: the shape of the mask before broadcasting.
 SHAPE_CASES = [
     # name, dtype, (b, sq, sk, hq, hkv, d, dv), mask shape or None, options
     ("f16 d80 causal gqa", "float16", (1, 21, 40, 2, 1, 80, 80), None, {"causal": True}),
@@ -306,6 +307,13 @@ SHAPE_CASES = [
     ("f32 d64 bool mask causal", "float32", (1, 45, 70, 2, 1, 64, 64), (1, 1, 45, 70),
      {"causal": True}),
     ("f32 d128 additive mask", "float32", (1, 30, 50, 2, 2, 128, 128), (1, 2, 30, 50), {}),
+    # float32 at padded head dims (PADDED_CONFIGS_F32; D = 59: element-wise loads)
+    ("f32 d96/80 causal window", "float32", (1, 45, 77, 2, 1, 96, 80), None,
+     {"causal": True, "window": (20, 5)}),
+    ("f32 d59 bool mask", "float32", (1, 20, 35, 2, 1, 59, 59), (1, 1, 20, 35), {}),
+    ("f32 d192/128 softcap alibi", "float32", (1, 40, 70, 2, 1, 192, 128), None,
+     {"softcap": 30.0, "alibi": True}),
+    ("f32 d256 causal Sq>Sk", "float32", (1, 70, 37, 2, 1, 256, 256), None, {"causal": True}),
 ]
 
 

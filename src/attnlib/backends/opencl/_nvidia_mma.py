@@ -5,16 +5,16 @@ and float32.
 ``cp.async``), built by NVIDIA's OpenCL driver. This module is self-contained: the OpenCL backend
 asks :func:`applicable` and, when it says True, calls :func:`run` instead of its portable kernel.
 
-Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16 or bfloat16 with
-any head dims D, Dv <= :data:`MAX_HEAD_DIM` (D != Dv included; the kernel pads both to 16 inside:
-zero-filled columns on load, the padding never stored), or float32 with D == Dv in
-:data:`HEAD_DIMS`: dense, varlen, streaming chunks, KV cache (ring too), any positions, causal,
-window, softcap, alibi, GQA/MQA, LSE, and bool or additive masks of any broadcast shape (read per
-tile from the unbroadcast array, ``-DMASK_KIND``). Rows that are not 16-byte aligned (e.g. D = 59
-in 16 bits) are read element by element instead of by cp.async (``-DVEC_LOADS=0``). Paged calls
-(page pools and a block table, any page size) build the load variant ``-DPAGE_SIZE``: each key
-row's address comes from the table, whose entries the kernel stages ahead of the K/V loads; on
-Hopper they run this kernel, not the warpgroup-MMA one.
+Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16, bfloat16 or
+float32 with any head dims D, Dv <= :data:`MAX_HEAD_DIM` (D != Dv included; the kernel pads both
+to 16 inside: zero-filled columns on load, the padding never stored): dense, varlen, streaming
+chunks, KV cache (ring too), any positions, causal, window, softcap, alibi, GQA/MQA, LSE, and
+bool or additive masks of any broadcast shape (read per tile from the unbroadcast array,
+``-DMASK_KIND``). Rows that are not 16-byte aligned (e.g. D = 59 in 16 bits) are read element
+by element instead of by cp.async (``-DVEC_LOADS=0``). Paged calls (page pools and a block
+table, any page size) build the load variant ``-DPAGE_SIZE``: each key row's address comes from
+the table, whose entries the kernel stages ahead of the K/V loads; on Hopper they run this
+kernel, not the warpgroup-MMA one.
 
 float16/bfloat16 run ``mma.sync.m16n8k16`` with float32 accumulators. float32 runs "3xTF32"
 (``-DIS_TF32=1``, kernels/attn_fwd_mma_tf32.h): every operand of Q K^T and P V is split as
@@ -53,9 +53,9 @@ from ._runtime import KernelBuildError, launch, program
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
            "default_config", "build_options", "kernel_options"]
 
-#: head dims (D == Dv) of the float32 (3xTF32) build and of the measured 16-bit tables below
+#: head dims (D == Dv) of the measured tables below
 HEAD_DIMS = (64, 128)
-#: the largest D and Dv of the 16-bit build (any size up to it, padded to 16 in the kernel)
+#: the largest D and Dv (any size up to it, padded to 16 in the kernel)
 MAX_HEAD_DIM = 256
 #: (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) per head dim: the fastest of the sweep on the H200
 #: (bench/RESULTS.md); 4 warps x 32 rows, 2 work-groups per SM (registers: 246-255 per thread)
@@ -77,6 +77,11 @@ PADDED_CONFIGS = (
 #: (bench/RESULTS.md); D=128 runs two m-tiles per warp. Local memory
 #: 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and 203 KiB.
 DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
+#: float32 at the other head dims, by the larger padded dim: (padded dim up to, config). Up to
+#: 64 and 128 the tables above; past 128, 64-row blocks of 32-key tiles (local memory
+#: 4 (64 (D16 + 8) + 64 (D16 + 8 + Dv16 + 4)) bytes: 197 KiB at 256, one work-group per SM).
+#: Not measured on a device.
+PADDED_CONFIGS_F32 = ((64, (128, 64, 4, 0)), (128, (256, 32, 8, 0)), (256, (64, 32, 4, 0)))
 #: grid order (kernel -DHEADS_INNER): False: (tile, head) on dimensions 0, 1, so only each
 #: head's row of the grid runs heaviest tile first; True: one dimension, tile * n_heads + head,
 #: every head of the heaviest tile first (longest-first over the whole grid: a shorter causal
@@ -185,10 +190,9 @@ def applicable(device: Any, call: AttnCall) -> bool:
         return False
     if call.dtype not in _DTYPES:
         return False
-    if call.dtype == _F32:
-        if not F32_ON or call.head_dim != call.head_dim_v or call.head_dim not in HEAD_DIMS:
-            return False
-    elif not (1 <= call.head_dim <= MAX_HEAD_DIM and 1 <= call.head_dim_v <= MAX_HEAD_DIM):
+    if call.dtype == _F32 and not F32_ON:
+        return False
+    if not (1 <= call.head_dim <= MAX_HEAD_DIM and 1 <= call.head_dim_v <= MAX_HEAD_DIM):
         return False
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
         return False
@@ -227,17 +231,20 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
     ) + (("-DHEADS_INNER=1",) if heads_inner else ())
 
 
-def _padded(head_dim: int, head_dim_v: int) -> tuple:
-    """The PADDED_CONFIGS row of a 16-bit call with head dims D, Dv."""
+def _padded(head_dim: int, head_dim_v: int, table: tuple = PADDED_CONFIGS) -> tuple:
+    """The row of ``table`` (PADDED_CONFIGS, PADDED_CONFIGS_F32) of a call with head dims D,
+    Dv."""
     dim = max(-(-head_dim // 16), -(-head_dim_v // 16)) * 16
-    return next(row for row in PADDED_CONFIGS if dim <= row[0])
+    return next(row for row in table if dim <= row[0])
 
 
 def default_config(dtype: Any, head_dim: int, head_dim_v: int | None = None) -> tuple:
     """The (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) a call of ``dtype`` and head dims runs with."""
     dv = head_dim if head_dim_v is None else head_dim_v
     if np.dtype(dtype) == _F32:
-        return DEFAULT_CONFIGS_F32[head_dim]
+        if dv == head_dim and head_dim in DEFAULT_CONFIGS_F32:
+            return DEFAULT_CONFIGS_F32[head_dim]
+        return _padded(head_dim, dv, PADDED_CONFIGS_F32)[1]
     if dv == head_dim and head_dim in DEFAULT_CONFIGS:
         return DEFAULT_CONFIGS[head_dim]
     return _padded(head_dim, dv)[1]
