@@ -175,6 +175,23 @@
 #define SCR_ARG , scr
 #endif
 
+// With a mask, key tiles it hides from every row of the block are not visited: the host's
+// range [first, last] of the key tiles in which some row of the row block sees some key
+// (_nvidia_tables.mask_tile_args; int32 pairs per sequence, head and row block, strides 0 where
+// the mask broadcasts; last < first: none) narrows the block's tiles t_first..t_last.  Exact:
+// such a tile would leave m, l and O unchanged.
+#if MASK_KIND
+#define MASK_TILE_PARAMS                                                                       \
+  , __global const int *mtiles, const long mt_s0, const long mt_s1, const long mt_s2
+#undef PREFILL_KEY_RANGE
+#define PREFILL_KEY_RANGE                                                                      \
+  PREFILL_KEY_BOUNDS                                                                           \
+  __global const int *mt_ = mtiles + s * mt_s0 + h * mt_s1 + (m0 / BLOCK_M) * mt_s2;          \
+  const int t_first = max(lo_blk / BLOCK_N, mt_[0]);                                           \
+  const int t_last = hi_blk >= lo_blk ? min(hi_blk / BLOCK_N, mt_[1]) : t_first - 1;
+#else
+#define MASK_TILE_PARAMS
+#endif
 // The mask element of row (MT, HF) and key J (mrow: with MASK_KIND only; read only then)
 #define MASK_PTR(MT, HF, J) (mask + mrow[MT][HF] + (long)(J) * m_s3)
 // Score X (in place) of this lane's row (MT, HF) and key J: score.h's transform, the keys of
@@ -247,7 +264,7 @@
   }
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
-void attn_fwd_mma(PREFILL_PARAMS PAGED_PARAMS) {
+void attn_fwd_mma(PREFILL_PARAMS MASK_TILE_PARAMS PAGED_PARAMS) {
   __local ELEM sQ[BLOCK_M * LDSQ] __attribute__((aligned(16)));
 #if KV_SPLIT_STAGES
   __local ELEM sK[BLOCK_N * LDSK] __attribute__((aligned(16)));

@@ -316,9 +316,12 @@ inline float nonfinite_value(uint b) {
   __global const long *sp = seqs + (long)s * SEQ_FIELDS;                                        \
   LOAD_SEQ(sp)                                                                                  \
   const int nrows = min(BLOCK_M, qlen - m0);
-#define PREFILL_KEY_RANGE                                                                       \
+// (PREFILL_KEY_BOUNDS: the key bounds alone, for a kernel that narrows the tiles further)
+#define PREFILL_KEY_BOUNDS                                                                      \
   const int lo_blk = row_lo(m0, base, dlo, klen), hi_blk = row_hi(m0 + nrows - 1, base, dhi, klen); \
-  const int lo_all = row_lo(m0 + nrows - 1, base, dlo, klen), hi_all = row_hi(m0, base, dhi, klen); \
+  const int lo_all = row_lo(m0 + nrows - 1, base, dlo, klen), hi_all = row_hi(m0, base, dhi, klen);
+#define PREFILL_KEY_RANGE                                                                       \
+  PREFILL_KEY_BOUNDS                                                                            \
   const int t_first = lo_blk / BLOCK_N;                                                         \
   const int t_last = hi_blk >= lo_blk ? hi_blk / BLOCK_N : t_first - 1;
 

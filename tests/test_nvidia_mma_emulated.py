@@ -392,3 +392,90 @@ def test_mma_paged_emulated(name, page, dtype, shape, opts):
     assert _nvidia_mma.page_size(paged) == page
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, paged, use_ptx=False)
     _check(q, k[:, 7:], v[:, 7:], slopes, kw, out, lse)
+
+
+def _tile_mask(name, b, hq, sq, sk):
+    """Masks that hide whole key tiles from whole row blocks (the kernel skips those tiles):
+    key padding per sequence, block diagonal, per-head key ranges with a row that sees nothing,
+    and a mask that hides every key."""
+    if "key padding" in name:  # (b, 1, 1, sk): sequence i sees its first lens[i] keys
+        lens = np.array([sk - 130, sk - 67])[:b]
+        return np.arange(sk)[None, None, None, :] < lens[:, None, None, None]
+    if "block diagonal" in name:  # (sq, sk) additive: 0 inside 50 x 50 blocks, -inf outside
+        blk = (np.arange(sq)[:, None] // 50) == (np.arange(sk)[None, :] // 50)
+        return np.where(blk, 0.0, -np.inf).astype(np.float32)
+    if "per head" in name:  # (1, hq, sq, sk): head 0 keys < 60, head 1 keys >= 130
+        j = np.arange(sk)[None, None, :]
+        m = np.concatenate([np.broadcast_to(j < 60, (1, sq, sk)),
+                            np.broadcast_to(j >= 130, (1, sq, sk))])[None]
+        m = m.copy()
+        m[0, 1, 7, :] = False  # a row that sees nothing: out 0, lse -inf
+        return m
+    return np.zeros((1, 1, 1, sk), bool)  # every key hidden
+
+
+TILE_MASK_CASES = [
+    # name, dtype, (b, sq, sk, hq, hkv, d), options
+    ("f16 d64 key padding", "float16", (2, 70, 200, 2, 1, 64), {}),
+    ("bf16 d128 block diagonal additive causal", "bfloat16", (1, 150, 150, 2, 2, 128),
+     {"causal": True}),
+    ("f32 d64 bool per head", "float32", (1, 90, 200, 2, 1, 64), {}),
+    ("f16 d64 hides every key", "float16", (1, 40, 150, 2, 1, 64), {}),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,opts", TILE_MASK_CASES,
+                         ids=[c[0] for c in TILE_MASK_CASES])
+def test_mma_mask_hidden_tiles(name, dtype, shape, opts):
+    """Key tiles a mask hides from every row of a block are skipped (the host's tile range per
+    row block, ``mask_tile_args``): the result is that of the mask read per score, NaN in k and
+    v of hidden keys included."""
+    from attnlib.backends.opencl import _nvidia_mma
+
+    be = attnlib.get_backend("opencl")
+    b, sq, sk, hq, hkv, d = shape
+    rng = rng_for("mma tile masks", name)
+    q, k, v = qkv(rng, b, sq, sk, hq, hkv, d, dtype=dtype)
+    mask = _tile_mask(name, b, hq, sq, sk)
+    hidden = np.flatnonzero(~np.broadcast_to(mask if mask.dtype == bool else mask > -np.inf,
+                                             (b, hq, sq, sk)).any(axis=(1, 2))[0])
+    if hidden.size:
+        k[0, hidden[-1], 0, 0] = np.nan
+        v[0, hidden[0], 0, 1] = np.nan
+    call, slopes, kw = kernel_call(q, k, v, {**opts, "mask": mask})
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
+    _check(q, k, v, slopes, kw, out, lse)
+
+
+def test_mask_tile_ranges():
+    """The host's key-tile range per (sequence, head, row block) of a mask (no kernel): the
+    first and last tile holding a key some row of the block sees, against a loop over the
+    broadcast mask, for bool and additive masks of several broadcast shapes (last < first
+    where a block sees nothing; a mask broadcast over keys gives all tiles or none)."""
+    from attnlib._spec._arrays import check_mask
+    from attnlib.backends.opencl._nvidia_tables import mask_tile_ranges
+
+    rng = rng_for("mask tile ranges")
+    b, hq, sq, sk, bm, bn = 2, 3, 45, 70, 16, 8
+    for shape in [(b, hq, sq, sk), (b, 1, 1, sk), (1, hq, sq, 1), (sq, sk), (b, 1, sq, sk)]:
+        for kind in ("bool", "additive"):
+            # sparse: whole tiles of whole row blocks hidden, some blocks seeing nothing
+            vis = rng.random(shape) < (0.005 if len(shape) > 2 and shape[-2] > 1 else 0.1)
+            mask = vis if kind == "bool" else np.where(vis, 0.5, -np.inf).astype(np.float16)
+            mv, got_kind = check_mask(mask, (b, hq, sq, sk))
+            assert got_kind == kind
+            got = mask_tile_ranges(mv, kind, bm, bn)
+            full = np.broadcast_to(vis, (b, hq, sq, sk))
+            for s in range(b):
+                for h in range(hq):
+                    for rb in range(-(-sq // bm)):
+                        at = tuple(0 if n == 1 else x for n, x in zip(got.shape, (s, h, rb)))
+                        lo, hi = got[at]
+                        cols = full[s, h, rb * bm:(rb + 1) * bm].any(axis=0)
+                        seen = np.flatnonzero(cols) // bn
+                        if seen.size == 0:
+                            assert hi < lo
+                        elif shape[-1] > 1:
+                            assert (lo, hi) == (seen[0], seen[-1])
+                        else:
+                            assert lo <= seen[0] and hi >= seen[-1]

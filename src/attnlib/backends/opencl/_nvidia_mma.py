@@ -10,11 +10,12 @@ float32 with any head dims D, Dv <= :data:`MAX_HEAD_DIM` (D != Dv included; the 
 to 16 inside: zero-filled columns on load, the padding never stored): dense, varlen, streaming
 chunks, KV cache (ring too), any positions, causal, window, softcap, alibi, GQA/MQA, LSE, and
 bool or additive masks of any broadcast shape (read per tile from the unbroadcast array,
-``-DMASK_KIND``). Rows that are not 16-byte aligned (e.g. D = 59 in 16 bits) are read element
-by element instead of by cp.async (``-DVEC_LOADS=0``). Paged calls (page pools and a block
-table, any page size) build the load variant ``-DPAGE_SIZE``: each key row's address comes from
-the table, whose entries the kernel stages ahead of the K/V loads; on Hopper they run this
-kernel, not the warpgroup-MMA one.
+``-DMASK_KIND``; key tiles a mask hides from every row of a block are skipped, by a range of
+tiles per row block that the host finds in the mask, ``_nvidia_tables.mask_tile_args``). Rows
+that are not 16-byte aligned (e.g. D = 59 in 16 bits) are read element by element instead of by
+cp.async (``-DVEC_LOADS=0``). Paged calls (page pools and a block table, any page size) build
+the load variant ``-DPAGE_SIZE``: each key row's address comes from the table, whose entries the
+kernel stages ahead of the K/V loads; on Hopper they run this kernel, not the warpgroup-MMA one.
 
 float16/bfloat16 run ``mma.sync.m16n8k16`` with float32 accumulators. float32 runs "3xTF32"
 (``-DIS_TF32=1``, kernels/attn_fwd_mma_tf32.h): every operand of Q K^T and P V is split as
@@ -47,7 +48,14 @@ from ..base import AttnCall
 from . import _pool
 from ._arrays import is_cl_array
 from ._attention import table_args
-from ._nvidia_tables import kernel_inputs, mask_args, results, sinks_input, tables_on_device
+from ._nvidia_tables import (
+    kernel_inputs,
+    mask_args,
+    mask_tile_args,
+    results,
+    sinks_input,
+    tables_on_device,
+)
 from ._runtime import KernelBuildError, launch, program
 
 __all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
@@ -366,7 +374,10 @@ class PrefillPlan:
         self.args = [None] * len(CALL_SLOTS) + [
             alibi_buf, *geometry, i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]),
             i32(call.ring), *scalars, i32(0 if call.sinks is None else hq),
-            *mask_args(ctx, call)] + ([None] * 6 if call.block_table is not None else [])
+            *mask_args(ctx, call)] + (
+            mask_tile_args(ctx, call, kernel.block_m, kernel.block_n)
+            if call.mask_view is not None else []) + (
+            [None] * 6 if call.block_table is not None else [])
 
     def enqueue(self, queue: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, tile_buf: Any,
                 seq_buf: Any, n_tiles: int, hq: int, wait_for: Any = None,

@@ -165,6 +165,42 @@ def mask_args(ctx: Any, call: AttnCall) -> list:
     return [_device_copy(ctx, base), i64(0), *(i64(st) for st in strides)]
 
 
+def mask_tile_args(ctx: Any, call: AttnCall, block_m: int, block_n: int) -> list:
+    """The prefill kernel's key-tile ranges of a masked call (:func:`mask_tile_ranges`) on the
+    device, with their element strides over sequence, head and row block (0 where the mask
+    broadcasts). The kernel visits no key tile outside its block's range: tiles the mask hides
+    from every row of a block are skipped."""
+    table = mask_tile_ranges(call.mask_view, call.mask_kind, block_m, block_n)
+    strides = [0 if n == 1 else st // 4 for st, n in zip(table.strides[:3], table.shape[:3])]
+    return [_device_copy(ctx, table), *(np.int64(st) for st in strides)]
+
+
+def mask_tile_ranges(mask_view: np.ndarray, kind: str, block_m: int,
+                     block_n: int) -> np.ndarray:
+    """Per (sequence, head, block of ``block_m`` query rows) of the unbroadcast mask (``kind``
+    "bool" or additive), the first and last key tile (``block_n`` keys) in which some row of the
+    block sees some key through the mask (a False or -inf hides a key), as an int32 array
+    (n_seq or 1, Hq or 1, row blocks or 1, 2); last < first where the mask hides every key from
+    the block. A side the mask broadcasts over keys is unbounded (2**30)."""
+    base = mask_view[tuple(slice(0, 1) if st == 0 else slice(None) for st in mask_view.strides)]
+    vis = base if kind == "bool" else ~np.isneginf(base.astype(np.float32))
+    n0, n1, r, nk = vis.shape
+    bm, bn = (block_m if r > 1 else 1), (block_n if nk > 1 else 1)
+    rb, kt = -(-r // bm), -(-nk // bn)
+    pad = np.zeros((n0, n1, rb * bm, kt * bn), bool)
+    pad[:, :, :r, :nk] = vis
+    seen = pad.reshape(n0, n1, rb, bm, kt, bn).any(axis=(3, 5))
+    some = seen.any(axis=3)
+    table = np.empty((n0, n1, rb, 2), np.int32)
+    if nk > 1:
+        table[..., 0] = np.where(some, seen.argmax(axis=3), 1 << 30)
+        table[..., 1] = np.where(some, kt - 1 - seen[..., ::-1].argmax(axis=3), -1)
+    else:  # every key alike: all tiles or none
+        table[..., 0] = np.where(some, 0, 1 << 30)
+        table[..., 1] = np.where(some, 1 << 30, -1)
+    return table
+
+
 def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
     """The call's (out, lse): the Arrays themselves for device inputs, else host copies."""
     import pyopencl as cl
