@@ -848,7 +848,7 @@ def test_quantized_cache_dispatch(emulated_nvidia, sq):
     portable kernel's: the prefill kernel reads K and V in the dtype only. The same float16 call
     without kv_dtype takes the tensor-core kernels. Checked against the float64 reference on the
     dequantized cache."""
-    from attnlib.backends.base import AttnCall
+    from attnlib.backends.base import AttnCall, AttnOptions
     from attnlib.backends.opencl import _dispatch
     from attnlib.testing.reference import naive_attention, reference_attention
     from attnlib.testing.tolerance import check_attention
@@ -866,7 +866,8 @@ def test_quantized_cache_dispatch(emulated_nvidia, sq):
         # the call attention_with_kvcache makes over this cache, with q on the device
         call = AttnCall(q=attnlib.to_device(q, backend=be), k=cache.k, v=cache.v, q_batch=z,
                         q_row0=z, q_len=z + sq, k_batch=z, k_row0=z, k_len=z + n,
-                        q_pos0=z + n - sq, k_pos0=z, causal_hi=z, scale=d ** -0.5,
+                        q_pos0=z + n - sq, k_pos0=z, causal_hi=z,
+                        options=AttnOptions(d ** -0.5, "bottom_right"),
                         k_scales=cache.k_scales, v_scales=cache.v_scales)
         assert _dispatch.kernel_family(be, call, sq * hq // hkv) == family
         if kv_dtype is not None:

@@ -117,7 +117,8 @@ def test_decode_sinks(name, splits, fused):
     if kw.pop("alibi", False):
         kw["alibi"] = np.linspace(0.05, 0.4, shape["hq"] * shape["b"]).reshape(shape["b"], -1)
     sinks = (rng.standard_normal(shape["hq"]) * np.resize([2.0, 25.0], shape["hq"]))
-    call = replace(decode_call(rng, dtype, **shape, **kw), sinks=sinks.astype(np.float32))
+    call = decode_call(rng, dtype, **shape, **kw)
+    call = replace(call, options=replace(call.options, sinks=sinks.astype(np.float32)))
     run_and_check(call, splits=case_splits if splits is None else splits, fused=fused)
 
 
@@ -333,7 +334,8 @@ def test_decode_paged_sinks(i):
     page, dtype, shape, splits, config, fused, opts = PAGED[i]
     rng = rng_for("decode paged sinks", i)
     sinks = (rng.standard_normal(shape["hq"]) * np.resize([2.0, 25.0], shape["hq"]))
-    call = replace(decode_call(rng, dtype, **shape, **opts), sinks=sinks.astype(np.float32))
+    call = decode_call(rng, dtype, **shape, **opts)
+    call = replace(call, options=replace(call.options, sinks=sinks.astype(np.float32)))
     run_paged_and_check(call, page, splits=splits, config=config, fused=fused, rng=rng)
 
 
@@ -489,7 +491,8 @@ def test_decode_quantized(name, fmt, dtype, shape, splits, opts):
     sinks = opts.pop("sinks", False)
     call = decode_call(rng, dtype, **shape, **opts)
     if sinks:
-        call = replace(call, sinks=rng.standard_normal(shape["hq"]).astype(np.float32))
+        sink_logits = rng.standard_normal(shape["hq"]).astype(np.float32)
+        call = replace(call, options=replace(call.options, sinks=sink_logits))
     qcall, deq = quantized(call, fmt)
     be = attnlib.get_backend("opencl")
     out, lse = _nvidia_decode.run(be, be.queue, qcall, splits=splits, use_ptx=False)

@@ -66,7 +66,7 @@ def test_mma_sinks_emulated(name):
     q, k, v = qkv(rng, b, sq, sk, hq, hkv, d, dtype=dtype)
     call, slopes, kw = kernel_call(q, k, v, opts)
     kw["sinks"] = (rng.standard_normal(hq) * np.resize([2.0, 25.0], hq)).astype(np.float32)
-    call = replace(call, sinks=kw["sinks"])
+    call = replace(call, options=replace(call.options, sinks=kw["sinks"]))
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
     _check(q, k, v, slopes, kw, out, lse)
 
@@ -387,7 +387,7 @@ def test_mma_paged_emulated(name, page, dtype, shape, opts):
     call = replace(call, k=k, v=v, k_row0=call.k_row0 + 7)
     if sinks:
         kw["sinks"] = (rng.standard_normal(hq) * np.resize([2.0, 25.0], hq)).astype(np.float32)
-        call = replace(call, sinks=kw["sinks"])
+        call = replace(call, options=replace(call.options, sinks=kw["sinks"]))
     paged = paged_twin(rng, call, page)
     assert _nvidia_mma.page_size(paged) == page
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, paged, use_ptx=False)

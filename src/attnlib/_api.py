@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from . import _spec, registry
-from .backends.base import AttnCall, Backend, RopeSpec
+from ._common import RoPE, device_contiguous, empty_lse, from_bshd, pick_backend
+from .backends.base import AttnCall, Backend
 
 __all__ = [
     "attention",
@@ -22,61 +23,6 @@ __all__ = [
     "to_device",
     "to_numpy",
 ]
-
-
-def pick_backend(backend: Any, arrays: Sequence[Any], dtype: np.dtype | None, *,
-                 queue: Any = None) -> Backend:
-    """The backend for a call. Device arrays under ``"auto"`` choose the backend that owns them;
-    an explicit choice is never changed, and a mismatch is an error, not a silent copy.
-    ``queue`` (a ``pyopencl.CommandQueue``, for the calls that take ``queue=``: KVCache,
-    PagedKVCache, to_device) is short for ``backend=get_backend("opencl", queue=queue)``;
-    beside it ``backend`` may only be the OpenCL backend on that same queue."""
-    if queue is not None:
-        backend = _queue_backend(backend, queue)
-    choice = registry.current_choice(backend)
-    device = [a for a in arrays if _spec.is_device_array(a)]
-    if choice is None and device:
-        choice = "opencl"
-    be = registry.get_backend("auto" if choice is None else choice)
-    _spec.check_backend_reads(device, be)
-    if dtype is not None:
-        _spec.check_backend_dtype(be, dtype)
-    return be
-
-
-def _queue_backend(backend: Any, queue: Any) -> Backend:
-    """The OpenCL backend on ``queue``; ArgumentError for a ``queue`` that is not a
-    ``pyopencl.CommandQueue`` or a ``backend`` that is not the OpenCL backend on it."""
-    try:
-        import pyopencl as cl
-    except ImportError:
-        cl = None
-    _spec.check_queue(queue, None if cl is None else cl.CommandQueue)
-    if backend is None:
-        return registry.get_backend("opencl", queue=queue)
-    be = registry.get_backend(backend)
-    _spec.check_queue_backend(backend, be, queue)
-    return be
-
-
-def _device_contiguous(x: Any, be: Backend) -> Any:
-    """A C-contiguous copy of a strided 4-D device view, made on the device through the
-    backend's strided ``cache_write`` copy (``buf[b, s] = src[b, s]``), never via the host."""
-    b = x.shape[0]
-    buf = be.cache_alloc(tuple(x.shape), np.dtype(x.dtype))
-    if x.size:
-        be.cache_write(buf, x, np.arange(b, dtype=np.int64), np.zeros(b, dtype=np.int64), None)
-    return buf
-
-
-def _from_bshd(x: Any, layout: str, be: Backend) -> Any:
-    """bshd -> the caller's layout, as a contiguous array (what PyTorch users expect)."""
-    if layout == "bshd":
-        return x
-    xt = x.transpose((0, 2, 1, 3))
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(xt)
-    return _device_contiguous(xt, be)
 
 
 @_spec.front_door
@@ -119,9 +65,11 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
     >>> attnlib.attention(q, k, v, causal=True, backend="numpy").shape
     (1, 2, 1, 4)
     """
+    options = dict(scale=scale, causal=causal, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks)
     key = None
-    if mask is None and alibi_slopes is None and sinks is None:
-        key = _dense_key(q, k, v, scale, causal, window, softcap, layout, return_lse, backend)
+    if mask is None:
+        key = _dense_key(q, k, v, options, layout, return_lse, backend)
         hit = _dense_entries.get(key) if key is not None else None
         if hit is not None:
             # the backend is resolved every call (use_backend / set_backend may have changed)
@@ -132,46 +80,35 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
                 be = pick_backend(backend, (q, k, v), hit.dtype)
             if be is hit.be:
                 out, lse = _run(be, hit.call(q, k, v, layout))
-                out = _from_bshd(out, layout, be)
+                out = from_bshd(out, layout, be)
                 return (out, lse) if return_lse else out
     return_lse = _spec.check_bool(return_lse, "return_lse")
-    call = _spec.dense_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
-                            softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
-                            need_lse=return_lse, sinks=sinks)
+    call = _spec.dense_call(q, k, v, mask=mask, layout=layout, need_lse=return_lse, **options)
     be = pick_backend(backend, (q, k, v), call.dtype)
     out, lse = _run(be, call)
     if key is not None:  # every check passed: repeat calls of this key may skip them
         if len(_dense_entries) >= _DENSE_MAX:
             _dense_entries.clear()
         _dense_entries[key] = _DenseEntry(be, call)
-    out = _from_bshd(out, layout, be)
+    out = from_bshd(out, layout, be)
     return (out, lse) if return_lse else out
 
 
 # ---- repeat calls of attention(): the checks of a key are done once ------------------------------
 _DENSE_MAX = 128
 _dense_entries: dict[tuple, Any] = {}
-#: option types whose checks depend only on (type, value), both in the key (True and 1 differ)
-_SIMPLE = (bool, int, float, type(None), str, np.bool_, np.float64, np.float32)
-
-
-def _dense_key(q, k, v, scale, causal, window, softcap, layout, return_lse, backend):
-    """Everything the checks of :func:`attention` read (mask and ALiBi slopes absent): the types,
-    shapes, dtypes and strides of q, k, v, and each option by type and value; None for options
-    of other types (the full path then runs every time)."""
-    for opt in (scale, causal, softcap, layout, return_lse):
-        if type(opt) not in _SIMPLE:
-            return None
+def _dense_key(q, k, v, options, layout, return_lse, backend):
+    """Everything the checks of :func:`attention` read (no mask): the types, shapes, dtypes and
+    strides of q, k, v, the options (:func:`~._spec.option_key`), layout, return_lse and the
+    backend; None when some of them are of other types (the full path then runs every time)."""
+    opts = _spec.option_key(options)
+    if opts is None or type(layout) is not str or type(return_lse) not in (bool, np.bool_):
+        return None
     if backend is not None and not isinstance(backend, (str, Backend)):
         return None
     try:
-        if window is not None:
-            if type(window) not in (tuple, list) or any(type(w) not in _SIMPLE for w in window):
-                return None
-            window = (type(window), tuple(map(type, window)), tuple(window))
         return (type(q), q.shape, q.dtype, q.strides, type(k), k.shape, k.dtype, k.strides,
-                type(v), v.shape, v.dtype, v.strides, type(scale), scale, type(causal), causal,
-                window, type(softcap), softcap, layout, type(return_lse), return_lse,
+                type(v), v.shape, v.dtype, v.strides, opts, layout, type(return_lse), return_lse,
                 type(backend), backend)
     except (AttributeError, TypeError):
         return None
@@ -190,7 +127,7 @@ def _resolves_to(backend: Any, hit: Any) -> bool:
         name = choice.strip()
     else:
         return False
-    return name not in (None, "auto") and registry._instances.get(name) is hit.be
+    return name not in (None, "auto") and registry.shared_instance(name) is hit.be
 
 
 class _DenseEntry:
@@ -226,16 +163,6 @@ def _run(be: Backend, call: AttnCall):
     return be.attention(call)
 
 
-def empty_lse(call: AttnCall, b: int, sq: int) -> np.ndarray:
-    """The LSE ``(b, Hq, sq)`` of rows that see no key: -inf, or each head's sink."""
-    acc = np.float64 if call.dtype == np.float64 else np.float32
-    hq = call.q.shape[2]
-    if call.sinks is None:
-        return np.full((b, hq, sq), -np.inf, acc)
-    return np.ascontiguousarray(np.broadcast_to(call.sinks.astype(acc)[None, :, None],
-                                                (b, hq, sq)))
-
-
 @_spec.front_door
 @_spec.keywords_checked
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
@@ -253,9 +180,9 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     Returns ``out (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``.
     """
     return_lse = _spec.check_bool(return_lse, "return_lse")
-    call = _spec.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
-                             window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                             need_lse=return_lse, sinks=sinks)
+    call = _spec.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, need_lse=return_lse,
+                             scale=scale, causal=causal, window=window, softcap=softcap,
+                             alibi_slopes=alibi_slopes, sinks=sinks)
     be = pick_backend(backend, (q, k, v), call.dtype)
     out, lse = _run(be, call)
     return (out[0], lse[0]) if return_lse else out[0]
@@ -301,37 +228,9 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, layout: str = "bsh
     outs, dt = _spec.check_states(outs, lses, layout)
     be = pick_backend(backend, list(outs) + list(lses), dt)
     if layout == "bhsd":
-        outs = [o if isinstance(o, np.ndarray) else _device_contiguous(o, be) for o in outs]
+        outs = [o if isinstance(o, np.ndarray) else device_contiguous(o, be) for o in outs]
     out, lse = be.merge_states(outs, lses)
-    return _from_bshd(out, layout, be), lse
-
-
-class RoPE:
-    """Rotary position embedding settings for ``attention_with_kvcache`` and ``rope``.
-
-    ``interleaved=False`` rotates halves (GPT-NeoX, Llama); ``True`` rotates adjacent pairs
-    (GPT-J). Only the first ``rotary_dim`` dims rotate (default: all; must be even).
-    """
-
-    def __init__(self, theta: float = 10000.0, interleaved: bool = False,
-                 rotary_dim: int | None = None) -> None:
-        self.theta = _spec.check_real(theta, "theta", positive=True)
-        self.interleaved = _spec.check_bool(interleaved, "interleaved")
-        self.rotary_dim = _spec.check_rotary_dim(rotary_dim)
-
-    def __repr__(self) -> str:
-        return (f"RoPE(theta={self.theta}, interleaved={self.interleaved}, "
-                f"rotary_dim={self.rotary_dim})")
-
-    def spec(self, head_dim: int) -> RopeSpec:
-        return RopeSpec(self.theta, self.interleaved,
-                        _spec.check_rotary_fits(self.rotary_dim, head_dim))
-
-
-def check_rope(rope_arg: Any, head_dim: int) -> RopeSpec | None:
-    """The RopeSpec of ``rope=`` (None or an attnlib.RoPE) for ``head_dim``."""
-    _spec.check_rope_type(rope_arg, RoPE)
-    return None if rope_arg is None else rope_arg.spec(head_dim)
+    return from_bshd(out, layout, be), lse
 
 
 @_spec.front_door
@@ -347,7 +246,7 @@ def rope(x: Any, positions: Any, *, theta: float = 10000.0, interleaved: bool = 
     spec = RoPE(theta, interleaved, rotary_dim).spec(xb.shape[3])
     pos = _spec.check_positions(positions, xb.shape[0], xb.shape[1])
     be = pick_backend(backend, (x,), dt)
-    return _from_bshd(be.rope(xb, pos, spec), layout, be)
+    return from_bshd(be.rope(xb, pos, spec), layout, be)
 
 
 @_spec.front_door(wrap=False)

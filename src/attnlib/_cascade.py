@@ -66,7 +66,9 @@ def attention(be: Backend, call: AttnCall):
     prefix = AttnCall(q=q_group, k=call.k, v=call.v, q_batch=zeros, q_row0=np.cumsum(n_rows)
                       - n_rows, q_len=n_rows, k_batch=zeros.copy(), k_row0=zeros.copy(),
                       k_len=n_pages * ps, q_pos0=n_pages * ps, k_pos0=zeros.copy(),
-                      causal_hi=None, scale=call.scale, softcap=call.softcap, need_lse=True,
+                      causal_hi=None, options=replace(call.options, causal=None, window_left=None,
+                                                      window_right=None, sinks=None),
+                      need_lse=True,
                       block_table=table, page_size=ps, k_scales=call.k_scales,
                       v_scales=call.v_scales)
     p_out, p_lse = be.attention(prefix)
@@ -90,7 +92,7 @@ def groups_of(call: AttnCall, min_prefix_tokens: int | None) -> list[tuple[np.nd
     pages; a member whose rows would not all see the whole prefix leaves the group."""
     table = call.block_table
     if (min_prefix_tokens is None or call.n_seq < 2 or not isinstance(table, np.ndarray)
-            or not isinstance(call.q, np.ndarray) or call.alibi is not None
+            or not isinstance(call.q, np.ndarray) or call.options.alibi is not None
             or call.mask_view is not None or call.ring or call.page_size < 1
             or call.dtype not in (np.float32, np.float64)):
         return []
@@ -123,8 +125,8 @@ def _sees_prefix(call: AttnCall, s: np.ndarray, n_keys: int) -> np.ndarray:
     ok = np.ones(s.size, bool)
     if call.causal_hi is not None:
         ok &= last_k - first_q <= call.causal_hi[s]
-    if call.window_left is not None:
-        ok &= first_k - last_q >= -call.window_left
-    if call.window_right is not None:
-        ok &= last_k - first_q <= call.window_right
+    if call.options.window_left is not None:
+        ok &= first_k - last_q >= -call.options.window_left
+    if call.options.window_right is not None:
+        ok &= last_k - first_q <= call.options.window_right
     return ok

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from . import _spec
-from ._api import _from_bshd, pick_backend
+from ._common import from_bshd, pick_backend
 from .backends.base import AttnCall, Backend
 
 
@@ -37,11 +38,12 @@ class OnlineAttention:
         _spec.check_array(q, "q", ndim=4)
         self._dtype = _spec.check_float_dtype(q, "q")
         self._q = _spec.to_bshd(q, self._layout)
-        self._scale = _spec.check_scale(scale, self._q.shape[3])
-        self._softcap = _spec.check_softcap(softcap)
-        self._causal = _spec.check_causal(causal)
-        self._total = _spec.check_total_keys(total_keys, self._causal)
-        self._sinks = _spec.check_sinks(sinks, self._q.shape[2])
+        b, _, hq, d = self._q.shape
+        self._options = _spec.attn_options(d, hq, b, scale=scale, causal=causal, softcap=softcap,
+                                           sinks=sinks)
+        # the sinks join the first chunk's state only
+        self._later = replace(self._options, sinks=None)
+        self._total = _spec.check_total_keys(total_keys, self._options.causal)
         self._backend = pick_backend(backend, (q,), self._dtype)
         self._seen = 0
         self._state = None  # (out float32/64 bshd, lse)
@@ -70,9 +72,8 @@ class OnlineAttention:
             q_batch=idx, q_row0=0 * ones, q_len=sq * ones,
             k_batch=idx, k_row0=0 * ones, k_len=n * ones,
             q_pos0=off * ones, k_pos0=self._seen * ones,
-            causal_hi=None if self._causal is None else 0 * ones,
-            scale=self._scale, softcap=self._softcap, need_lse=True,
-            sinks=self._sinks if self._state is None else None,
+            causal_hi=_spec.causal_bound(self._options.causal, off * ones),
+            options=self._options if self._state is None else self._later, need_lse=True,
         )
         out, lse = be.attention(call)
         acc = np.float64 if self._dtype == np.float64 else np.float32
@@ -93,12 +94,12 @@ class OnlineAttention:
             acc = np.float64 if self._dtype == np.float64 else np.float32
             out = np.zeros((b, sq, hq, self._q.shape[3]), dtype=self._dtype)
             lse = np.full((b, hq, sq), -np.inf, dtype=acc)
-            if self._sinks is not None:
-                lse[:] = self._sinks.astype(acc)[None, :, None]
+            if self._options.sinks is not None:
+                lse[:] = self._options.sinks.astype(acc)[None, :, None]
             if _spec.is_device_array(self._q):
                 out, lse = self._backend.to_device(out), self._backend.to_device(lse)
         else:
             out, lse = self._state
             out = out.astype(self._dtype)
-        out = _from_bshd(out, self._layout, self._backend)
+        out = from_bshd(out, self._layout, self._backend)
         return (out, lse) if return_lse else out

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _quant, _spec, registry
-from ._api import RoPE, check_rope, empty_lse, pick_backend
+from ._common import RoPE, check_rope, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -172,10 +172,11 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
     rows. ``sinks`` (float32 ``(Hq,)``): attention sinks, as in ``attention``. Every check runs
     before the cache is touched: a failing call leaves it unchanged.
     """
+    options = dict(scale=scale, causal=causal, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes, sinks=sinks)
     fast_key = None
-    if type(cache) is KVCache and backend is None and alibi_slopes is None:
-        fast_key = _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse,
-                             start_pos, batch_idx, sinks)
+    if type(cache) is KVCache and backend is None:
+        fast_key = _fast_key(q, k, v, rope, options, return_lse, start_pos, batch_idx)
         entry = cache._fast.get(fast_key) if fast_key is not None else None
         if entry is not None:
             res = entry.run(cache, q, k, v, start_pos, batch_idx, sinks)
@@ -188,8 +189,7 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
     return_lse = _spec.check_bool(return_lse, "return_lse")
     b, sq, hq, d = _spec.check_cache_query(q, cache.dtype, cache.head_dim, cache.n_kv_heads,
                                            cache.max_batch_size, batch_idx is not None)
-    causal = _spec.check_causal(causal, allow_top_left=False)
-    left, right = _spec.check_window(window)
+    options = _spec.attn_options(d, hq, b, top_left=False, **options)
     rope_spec = check_rope(rope, d)
     _spec.check_kv_given(k, v, start_pos)
     if k is None:
@@ -205,11 +205,9 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
         q_len=np.full(b, sq, dtype=np.int64),
         k_batch=rows.copy(), k_row0=lo % cache.max_seq_len, k_len=new_len - lo,
         q_pos0=new_len - sq, k_pos0=lo.copy(),
-        causal_hi=None if causal is None else np.zeros(b, dtype=np.int64),
-        scale=_spec.check_scale(scale, d), window_left=left, window_right=right,
-        softcap=_spec.check_softcap(softcap), alibi=_spec.check_alibi(alibi_slopes, b, hq),
-        ring=cache.max_seq_len if cache.ring else 0, need_lse=return_lse,
-        sinks=_spec.check_sinks(sinks, hq), k_scales=cache.k_scales, v_scales=cache.v_scales,
+        causal_hi=None if options.causal is None else np.zeros(b, dtype=np.int64),
+        options=options, ring=cache.max_seq_len if cache.ring else 0, need_lse=return_lse,
+        k_scales=cache.k_scales, v_scales=cache.v_scales,
     )
     # the cache's backend was chosen, and its dtype checked, at construction: only q's array kind
     # is left to check (the decode hot path skips the full backend resolution)
@@ -236,33 +234,26 @@ def attention_with_kvcache(q: Any, cache: KVCache, k: Any = None, v: Any = None,
 
 # ---- repeat calls ------------------------------------------------------------------------------
 _FAST_MAX = 64
-_NONE = type(None)
-#: per-call values whose checks depend only on (type, value): the key holds both, so True and 1
-#: (equal and of one hash) never share an entry
-_SIMPLE = (bool, int, float, _NONE, str, np.bool_, np.float64, np.float32)
 
 
-def _fast_key(q, k, v, rope, causal, scale, window, softcap, return_lse, start_pos=None,
-              batch_idx=None, sinks=None) -> tuple | None:
+def _fast_key(q, k, v, rope, options, return_lse, start_pos=None,
+              batch_idx=None) -> tuple | None:
     """Everything the checks of :func:`attention_with_kvcache` read besides the cache's state
     (lengths) and the values of ``start_pos`` / ``batch_idx`` (checked per call, see
-    ``_FastEntry._mapped``): q's (and the new k, v's) type, shape, dtype and strides, every
-    option by type and value, the types of start_pos and batch_idx. None (no repeat entry) for
-    options of other types."""
-    tc, ts, tf, tl = type(causal), type(scale), type(softcap), type(return_lse)
-    if tc not in _SIMPLE or ts not in _SIMPLE or tf not in _SIMPLE or tl not in _SIMPLE:
+    ``_FastEntry._mapped``) and of ``sinks`` (checked per call): q's (and the new k, v's) type,
+    shape, dtype and strides, RoPE's settings, the options
+    (:func:`~._spec.option_key`), return_lse, the types of start_pos and batch_idx. None
+    (no repeat entry) for options of other types."""
+    opts = _spec.option_key(options, per_call=("sinks",))
+    if opts is None or type(return_lse) not in (bool, np.bool_):
         return None
     try:
         kv = None if k is None and v is None else (
             type(k), k.shape, k.dtype, k.strides, type(v), v.shape, v.dtype, v.strides)
-        if window is not None:
-            if type(window) not in (tuple, list) or any(type(w) not in _SIMPLE for w in window):
-                return None
-            window = (type(window), tuple(map(type, window)), tuple(window))
         if rope is not None:
             rope = (type(rope), rope.theta, rope.interleaved, rope.rotary_dim)
-        return (type(q), q.shape, q.dtype, q.strides, kv, rope, tc, causal, ts, scale, window,
-                tf, softcap, tl, return_lse, type(start_pos), type(batch_idx), sinks is None)
+        return (type(q), q.shape, q.dtype, q.strides, kv, rope, opts, return_lse,
+                type(start_pos), type(batch_idx))
     except (AttributeError, TypeError):
         return None
 
@@ -276,9 +267,8 @@ def _frozen_fields_ok() -> bool:
 
 
 _CALL_FIELDS = ("q", "k", "v", "q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len",
-                "q_pos0", "k_pos0", "causal_hi", "scale", "window_left", "window_right",
-                "softcap", "alibi", "mask_view", "mask_kind", "ring", "dense", "need_lse",
-                "block_table", "page_size", "sinks", "k_scales", "v_scales")
+                "q_pos0", "k_pos0", "causal_hi", "options", "mask_view", "ring", "dense",
+                "need_lse", "block_table", "page_size", "k_scales", "v_scales")
 
 
 _COPY_CALL = _frozen_fields_ok()
@@ -293,7 +283,7 @@ class _FastEntry:
     on backends that fuse it)."""
 
     __slots__ = ("be", "b", "sq", "n_new", "rope", "need_lse", "fields", "consts", "rows",
-                 "fused", "hq")
+                 "fused", "hq", "sinks")
 
     def __init__(self, cache: KVCache, call: AttnCall, b: int, sq: int, k, rope, need_lse,
                  hq: int):
@@ -305,8 +295,9 @@ class _FastEntry:
         self.fused = (self.be.cache_append if self.n_new and (rope is None or self.n_new == sq)
                       else None)
         self.fields = {f: getattr(call, f) for f in (
-            "scale", "window_left", "window_right", "softcap", "alibi", "mask_view",
-            "mask_kind", "ring", "dense", "need_lse")}
+            "options", "mask_view", "ring", "dense", "need_lse")}
+        sinks = call.options.sinks
+        self.sinks = None if sinks is None else sinks.tobytes()
         self.rows = np.arange(b, dtype=np.int64)
         # q_batch, q_row0, q_len, k_batch, causal_hi: fixed by the key
         self.consts = (self.rows, np.zeros(b, np.int64), np.full(b, sq, np.int64),
@@ -316,7 +307,11 @@ class _FastEntry:
             batch_idx: Any = None, sinks: Any = None) -> Any:
         b, sq, cap, n_new = self.b, self.sq, cache.max_seq_len, self.n_new
         # the key fixes only whether sinks are given: their values are checked every call
-        sinks = None if sinks is None else _spec.check_sinks(sinks, self.hq)
+        options = self.fields["options"]
+        if sinks is not None:
+            sinks = _spec.check_sinks(sinks, self.hq)
+            if sinks.tobytes() != self.sinks:
+                options = replace(options, sinks=sinks)
         rows = self.rows
         if start_pos is not None or batch_idx is not None:
             rows, start, new_len, lo_arr = self._mapped(cache, start_pos, batch_idx)
@@ -357,7 +352,7 @@ class _FastEntry:
         values = dict(self.fields, q=q, k=cache.k, v=cache.v, q_batch=q_batch.copy(),
                       q_row0=q_row0.copy(), q_len=q_len.copy(), k_batch=rows.copy(),
                       k_row0=k_row0, k_len=k_len, q_pos0=q_pos0, k_pos0=k_pos0,
-                      causal_hi=None if chi is None else chi.copy(), sinks=sinks,
+                      causal_hi=None if chi is None else chi.copy(), options=options,
                       k_scales=cache.k_scales, v_scales=cache.v_scales)
         if q_rot is not None:
             values["q"] = q_rot

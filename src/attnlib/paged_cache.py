@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import _cascade, _quant, _spec, registry
-from ._api import _device_contiguous, check_rope, empty_lse, pick_backend
+from ._common import check_rope, device_contiguous, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
 __all__ = ["PagedKVCache", "attention_with_paged_kvcache", "paged_attention"]
@@ -256,7 +256,7 @@ class PagedKVCache:
             return x
         b, s, h, d = x.shape
         if not isinstance(x, np.ndarray) and not x.flags.c_contiguous:
-            x = _device_contiguous(x, self.backend)
+            x = device_contiguous(x, self.backend)
         return x.reshape((b * s, h, d))
 
     def _commit(self, w: _Append, rope: RopeSpec | None) -> None:
@@ -284,14 +284,12 @@ def _cat(parts: list) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def _options(d: int, hq: int, n_seq: int, causal, scale, window, softcap, alibi_slopes, sinks):
-    causal = _spec.check_causal(causal, allow_top_left=False)
-    left, right = _spec.check_window(window)
-    return dict(causal_hi=None if causal is None else np.zeros(n_seq, np.int64),
-                scale=_spec.check_scale(scale, d), window_left=left, window_right=right,
-                softcap=_spec.check_softcap(softcap),
-                alibi=_spec.check_alibi(alibi_slopes, n_seq, hq),
-                sinks=_spec.check_sinks(sinks, hq))
+def _options(d: int, hq: int, n_seq: int, **options):
+    """The call's checked options (``options``: its option keywords) and its causal bound (0:
+    bottom-right, keys up to the row)."""
+    options = _spec.attn_options(d, hq, n_seq, top_left=False, **options)
+    return dict(options=options,
+                causal_hi=None if options.causal is None else np.zeros(n_seq, np.int64))
 
 
 def _finish(be: Backend, call: AttnCall, packed: bool, return_lse: bool):
@@ -341,7 +339,8 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     _spec.check_cache_query_kind(q4, cache.dtype, cache.head_dim, cache.n_kv_heads)
     hq, d = q4.shape[2], q4.shape[3]
     _spec.check_readable(q, "q", be)
-    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes, sinks)
+    opts = _options(d, hq, n_seq, scale=scale, causal=causal, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks)
     rope_spec = check_rope(rope, d)
     _spec.check_kv_given(k, v, None)
     write = None
@@ -417,7 +416,8 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     table, lens = _spec.check_page_table(block_table, seq_lens, n_seq, num_pages, page_size)
     _spec.check_query_rows(q_len, lens, "sequence")
     hq, d = q4.shape[2], q4.shape[3]
-    opts = _options(d, hq, n_seq, causal, scale, window, softcap, alibi_slopes, sinks)
+    opts = _options(d, hq, n_seq, scale=scale, causal=causal, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks)
     arrays = (q, k_pages, v_pages, table) + (() if k_scales is None else (k_scales, v_scales))
     be = pick_backend(backend, arrays, dtype)
     zeros = np.zeros(n_seq, np.int64)

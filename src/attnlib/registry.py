@@ -203,6 +203,12 @@ def use_backend(name: str | Backend) -> Iterator[None]:
         _context_choice.reset(token)
 
 
+def shared_instance(name: str) -> Backend | None:
+    """The shared default instance of backend ``name`` if :func:`get_backend` has made it, else
+    None (never makes one)."""
+    return _instances.get(name)
+
+
 def current_choice(backend: str | Backend | None = None) -> str | Backend | None:
     """The explicit choice in force (argument > use_backend > set_backend > env), or None."""
     for choice in (backend, _context_choice.get(), _global_choice):

@@ -106,6 +106,7 @@ from ._distributed import (
     check_sharding,
 )
 from ._foreign import check_layer_call, front_door
+from ._options import attn_options, causal_bound, option_key
 
 __all__ = [
     "check_layer_call",
@@ -115,6 +116,8 @@ __all__ = [
     "LAYOUTS",
     "SHARDINGS",
     "add_batch_dim",
+    "attn_options",
+    "causal_bound",
     "backend_origin",
     "check_alibi",
     "check_any_array",
@@ -192,6 +195,7 @@ __all__ = [
     "check_unscaled_pools",
     "check_window",
     "keywords_checked",
+    "option_key",
     "dense_call",
     "host",
     "is_array",

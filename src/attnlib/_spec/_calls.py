@@ -10,33 +10,21 @@ import numpy as np
 from ..backends.base import AttnCall
 from ..errors import ArgumentError, DTypeError, ShapeError
 from ._arrays import (
-    check_alibi,
     check_array,
-    check_causal,
     check_float_dtype,
     check_int,
     check_layout,
     check_mask,
-    check_scale,
     check_seqlens,
-    check_sinks,
-    check_softcap,
-    check_window,
     host,
     is_device_array,
     same_dtype,
     to_bshd,
 )
+from ._options import attn_options, causal_bound
 
 
 # ---- the normalised attention calls -------------------------------------------------------------
-def _causal_hi(causal: str | None, off: np.ndarray) -> np.ndarray | None:
-    """Upper bound on kpos - qpos: 0 bottom-right; top-left j <= i is kpos - qpos <= -off."""
-    if causal is None:
-        return None
-    return np.zeros_like(off) if causal == "bottom_right" else -off
-
-
 def check_qkv(q: Any, k: Any, v: Any, ndim: int) -> np.dtype:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(x, name, ndim=ndim)
@@ -69,8 +57,9 @@ def check_heads(q_shape, k_shape, v_shape, names=("q", "k", "v")) -> None:
         )
 
 
-def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, layout,
-               need_lse: bool, sinks: Any = None) -> AttnCall:
+def dense_call(q, k, v, *, mask, layout, need_lse: bool, **options: Any) -> AttnCall:
+    """The AttnCall of ``attention``; ``options``: its option keywords
+    (:func:`~._options.attn_options`)."""
     layout = check_layout(layout)
     check_qkv(q, k, v, ndim=4)
     q, k, v = (to_bshd(x, layout) for x in (q, k, v))
@@ -79,9 +68,8 @@ def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, l
     check_heads(q.shape, k.shape, v.shape)
     if k.shape[0] != b:
         raise ShapeError(f"k has batch {k.shape[0]} but q has {b}; they must match")
-    causal = check_causal(causal)
-    left, right = check_window(window)
     mask_view, mask_kind = check_mask(mask, (b, hq, sq, sk))
+    options = attn_options(d, hq, b, mask_kind=mask_kind, **options)
     idx = np.arange(b, dtype=np.int64)
     zeros = np.zeros(b, dtype=np.int64)
     off = np.full(b, sk - sq, dtype=np.int64)
@@ -89,16 +77,13 @@ def dense_call(q, k, v, *, scale, causal, window, mask, softcap, alibi_slopes, l
         q=q, k=k, v=v,
         q_batch=idx, q_row0=zeros, q_len=np.full(b, sq, dtype=np.int64),
         k_batch=idx, k_row0=zeros, k_len=np.full(b, sk, dtype=np.int64),
-        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(causal, off),
-        scale=check_scale(scale, d), window_left=left, window_right=right,
-        softcap=check_softcap(softcap), alibi=check_alibi(alibi_slopes, b, hq),
-        mask_view=mask_view, mask_kind=mask_kind, dense=True, need_lse=need_lse,
-        sinks=check_sinks(sinks, hq),
+        q_pos0=off, k_pos0=zeros, causal_hi=causal_bound(options.causal, off), options=options,
+        mask_view=mask_view, dense=True, need_lse=need_lse,
     )
 
 
-def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_slopes,
-                need_lse: bool, sinks: Any = None) -> AttnCall:
+def varlen_call(q, k, v, cu_q, cu_k, *, need_lse: bool, **options: Any) -> AttnCall:
+    """The AttnCall of ``attention_varlen``; ``options``: its option keywords."""
     check_qkv(q, k, v, ndim=3)
     check_heads(q.shape, k.shape, v.shape)
     cq = check_seqlens(cu_q, "cu_seqlens_q", q.shape[0])
@@ -110,17 +95,14 @@ def varlen_call(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap, alibi_sl
     n = cq.shape[0] - 1
     q_len, k_len = np.diff(cq), np.diff(ck)
     off = k_len - q_len
-    causal = check_causal(causal)
-    left, right = check_window(window)
+    options = attn_options(q.shape[-1], q.shape[1], n, **options)
     zeros = np.zeros(n, dtype=np.int64)
     return AttnCall(
         q=add_batch_dim(q), k=add_batch_dim(k), v=add_batch_dim(v),
         q_batch=zeros, q_row0=cq[:-1].copy(), q_len=q_len,
         k_batch=zeros, k_row0=ck[:-1].copy(), k_len=k_len,
-        q_pos0=off, k_pos0=zeros, causal_hi=_causal_hi(causal, off),
-        scale=check_scale(scale, q.shape[-1]), window_left=left, window_right=right,
-        softcap=check_softcap(softcap), alibi=check_alibi(alibi_slopes, n, q.shape[1]),
-        need_lse=need_lse, sinks=check_sinks(sinks, q.shape[1]),
+        q_pos0=off, k_pos0=zeros, causal_hi=causal_bound(options.causal, off), options=options,
+        need_lse=need_lse,
     )
 
 

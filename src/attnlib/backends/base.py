@@ -21,6 +21,12 @@ to row ``i`` iff all of
 * ``d <= window_right``            (``window_right`` None = unbounded),
 * the mask allows it (bool: True; additive: a finite or +inf value, -inf excludes).
 
+Every option of the call (``scale``, ``window_left``, ``window_right``, ``softcap``, ``alibi``,
+``mask_kind``, ``sinks``, and the causal alignment the front door turned into ``causal_hi``) is a
+field of :class:`AttnOptions`, read as ``call.options.<name>``: one frozen, hashable value that
+the front door builds and checks once (``attnlib._spec.attn_options``), so plan keys take it
+whole and a new option is one new field.
+
 The score is ``s = scale * dot(q_i, k_j)``, then ``softcap * tanh(s / softcap)`` when softcap is
 set, then ``- alibi[s, h] * |qpos - kpos|`` when alibi is set, then ``+ mask`` for an additive
 mask. Softmax over visible keys, ``out = sum p v``, ``lse = log sum exp(s)`` (natural log).
@@ -73,7 +79,8 @@ the cache).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -82,6 +89,7 @@ from .. import _quant
 
 __all__ = [
     "AttnCall",
+    "AttnOptions",
     "RopeSpec",
     "Backend",
     "HostPages",
@@ -95,6 +103,63 @@ class RopeSpec:
     theta: float
     interleaved: bool
     rotary_dim: int
+
+
+@dataclass(frozen=True, eq=False)
+class AttnOptions:
+    """The options of one attention call (see the module docstring), checked and normalised by
+    the front door. Frozen and hashable: equal options hash equal, array-valued fields by their
+    values (read-only copies). A backend reads every option from here; an option it does not
+    know yet is a field it never reads. ``plan_key`` (a tuple) is what a launch plan depends
+    on: every scalar option, and for each array-valued option (ALiBi slopes, sinks) whether it
+    is given (a plan takes their values per call)."""
+
+    scale: float
+    causal: str | None = None  # "bottom_right" | "top_left"; the bound itself is causal_hi
+    window_left: int | None = None  # >= 0, None: unbounded
+    window_right: int | None = None
+    softcap: float | None = None  # > 0
+    alibi: np.ndarray | None = None  # float32 (n_seq, Hq): one slope per sequence and head
+    mask_kind: str | None = None  # "bool" | "additive" (the mask itself: AttnCall.mask_view)
+    sinks: np.ndarray | None = None  # float32 (Hq,): one softmax sink logit per query head
+
+    def __post_init__(self) -> None:
+        for name in _ARRAY_OPTIONS:
+            a = getattr(self, name)
+            if a is not None and a.flags.writeable:
+                a = np.array(a)
+                a.flags.writeable = False
+                object.__setattr__(self, name, a)
+        key = _option_values(self)
+        if any(key[i] is not None for i in _ARRAY_INDEX):
+            key = tuple(v is None if i in _ARRAY_INDEX else v for i, v in enumerate(key))
+        object.__setattr__(self, "plan_key", key)
+
+    def _key(self) -> tuple:
+        key = self.__dict__.get("_key_")
+        if key is None:
+            key = tuple((v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v
+                        for v in _option_values(self))
+            object.__setattr__(self, "_key_", key)
+        return key
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (type(other) is AttnOptions and self._key() == other._key())
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def for_sequences(self, idx: np.ndarray) -> AttnOptions:
+        """The options of the sub-call of sequences ``idx`` (the per-sequence ALiBi slopes)."""
+        if self.alibi is None:
+            return self
+        return replace(self, alibi=self.alibi[idx])
+
+
+_OPTION_NAMES = tuple(f.name for f in fields(AttnOptions))
+_ARRAY_OPTIONS = tuple(f.name for f in fields(AttnOptions) if "ndarray" in str(f.type))
+_ARRAY_INDEX = frozenset(_OPTION_NAMES.index(n) for n in _ARRAY_OPTIONS)
+_option_values = attrgetter(*_OPTION_NAMES)
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,20 +178,14 @@ class AttnCall:
     k_len: np.ndarray
     q_pos0: np.ndarray
     k_pos0: np.ndarray
-    causal_hi: np.ndarray | None
-    scale: float
-    window_left: int | None = None
-    window_right: int | None = None
-    softcap: float | None = None
-    alibi: np.ndarray | None = None  # float32 (n_seq, Hq)
+    causal_hi: np.ndarray | None  # None iff options.causal is None
+    options: AttnOptions
     mask_view: np.ndarray | None = None  # broadcast (n_seq, Hq, Sq_arr, Sk) view
-    mask_kind: str | None = None  # "bool" | "additive"
     ring: int = 0
     dense: bool = False  # q_batch == k_batch == arange(n_seq), rows start at 0, no ring
     need_lse: bool = True
     block_table: Any = None  # (n_seq, max_pages) int32/int64: paged k, v (see the docstring)
     page_size: int = 0
-    sinks: np.ndarray | None = None  # float32 (Hq,): one softmax sink logit per query head
     k_scales: Any = None  # float32 k.shape[:3]: k, v hold 8-bit codes (see the docstring)
     v_scales: Any = None
 

@@ -60,11 +60,11 @@ class NumpyBackend(HostPages, Backend):
                 continue
             if n_k:  # else out = 0, lse = -inf already
                 self._sequence(call, s, out, lse)
-            if call.sinks is not None:  # each head's sink, folded in once all keys are in
+            if call.options.sinks is not None:  # each head's sink, folded in once all keys are in
                 qb, rows_q = int(call.q_batch[s]), slice(int(call.q_row0[s]),
                                                          int(call.q_row0[s]) + n_q)
                 out[qb, rows_q], lse[qb, :, rows_q] = fold_sinks(
-                    out[qb, rows_q], lse[qb, :, rows_q], call.sinks)
+                    out[qb, rows_q], lse[qb, :, rows_q], call.options.sinks)
         return out.astype(call.dtype), lse.astype(_acc_dtype(call.dtype))
 
     def _sequence(self, call: AttnCall, s: int, out: np.ndarray, lse: np.ndarray) -> None:
@@ -104,19 +104,19 @@ class NumpyBackend(HostPages, Backend):
         vis = np.ones(d.shape, dtype=bool)
         if call.causal_hi is not None:
             vis &= d <= int(call.causal_hi[s])
-        if call.window_left is not None:
-            vis &= d >= -call.window_left
-        if call.window_right is not None:
-            vis &= d <= call.window_right
+        if call.options.window_left is not None:
+            vis &= d >= -call.options.window_left
+        if call.options.window_right is not None:
+            vis &= d <= call.options.window_right
         with np.errstate(all="ignore"):
-            sc = (qs @ ks.T) * call.scale
-            if call.softcap is not None:
-                sc = call.softcap * np.tanh(sc / call.softcap)
-            if call.alibi is not None:
-                sc = sc - float(call.alibi[s, h]) * np.abs(d)
+            sc = (qs @ ks.T) * call.options.scale
+            if call.options.softcap is not None:
+                sc = call.options.softcap * np.tanh(sc / call.options.softcap)
+            if call.options.alibi is not None:
+                sc = sc - float(call.options.alibi[s, h]) * np.abs(d)
             if call.mask_view is not None:
                 m = np.asarray(call.mask_view[s, h, i0:i0 + len(qpos), :])
-                if call.mask_kind == "bool":
+                if call.options.mask_kind == "bool":
                     vis &= m
                 else:
                     mf = m.astype(np.float64)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import _config, _spec, registry
-from .._api import _device_contiguous, pick_backend
+from .._common import device_contiguous, pick_backend
 from ..backends.base import Backend
 from ._comm import _mpi, check_comm
 
@@ -92,7 +92,7 @@ def _gpus() -> list[Any]:
 def wants_rank_device(be: Backend, device: bool) -> bool:
     """Whether a call with host arrays (``device`` False) runs on the rank's device: its backend
     resolved to the shared opencl instance (a name or auto), not an instance the caller made."""
-    return be.name == "opencl" and not device and registry._instances.get("opencl") is be
+    return be.name == "opencl" and not device and registry.shared_instance("opencl") is be
 
 
 def transfer_queue(queue: Any) -> Any:
@@ -108,10 +108,10 @@ def transfer_queue(queue: Any) -> Any:
 def staging(queue: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
     """Host byte arrays of ``sizes`` in page-locked memory of ``queue``'s context (mapped
     ``ALLOC_HOST_PTR`` buffers, which drivers pin: copies to and from the device run at the
-    bus's rate; from the device they ran faster than into fresh numpy arrays on PoCL,
-    bench/RESULTS.md), kept for the
-    next call of the same sizes on this queue (one set per queue). MPI reads and writes them as
-    any host memory. The caller waits for every copy that used them before it returns."""
+    bus's rate; from the device they run faster than into fresh numpy arrays on PoCL, see
+    bench/RESULTS.md), kept for the next call of the same sizes on this queue (one set per
+    queue). MPI reads and writes them as any host memory. The caller waits for every copy that
+    used them before it returns."""
     import pyopencl as cl
 
     held = _staging.get(queue.int_ptr)
@@ -131,7 +131,7 @@ def staging(queue: Any, sizes: tuple[int, ...]) -> list[np.ndarray]:
 
 def contiguous(x: Any, be: Backend) -> Any:
     """``x`` as a C-contiguous device array (a strided 4-D view is copied on the device)."""
-    return x if x.flags.c_contiguous else _device_contiguous(x, be)
+    return x if x.flags.c_contiguous else device_contiguous(x, be)
 
 
 def marker(queue: Any) -> Any:

@@ -9,6 +9,7 @@ from .. import _spec, registry
 from ..backends.base import AttnCall
 from ..kv_cache import KVCache
 from ._comm import check_comm, collective_check
+from ._options import options_of
 from ._ring import merge_across
 
 
@@ -54,11 +55,10 @@ def attention_with_sharded_kvcache(q, cache, comm, k=None, v=None, *, start_pos=
         need_lse = _spec.check_bool(return_lse, "return_lse")
         b, sq, hq, d = _spec.check_cache_query(q, cache.dtype, cache.head_dim, cache.n_kv_heads,
                                                cache.max_batch_size, batch_idx is not None)
-        is_causal = _spec.check_causal(causal, allow_top_left=False) is not None
-        left, right = _spec.check_window(window)
-        scl, cap = _spec.check_scale(scale, d), _spec.check_softcap(softcap)
-        alibi = _spec.check_alibi(alibi_slopes, b, hq)
-        sink = _spec.check_sinks(sinks, hq)
+        opts = options_of(_spec.attn_options(d, hq, b, scale=scale, causal=causal,
+                                             window=window, softcap=softcap,
+                                             alibi_slopes=alibi_slopes, sinks=sinks,
+                                             top_left=False))
         _spec.check_kv_given(k, v, start_pos)
         if k is None:
             rows = cache._rows(batch_idx, "batch_idx", b)
@@ -71,15 +71,12 @@ def attention_with_sharded_kvcache(q, cache, comm, k=None, v=None, *, start_pos=
                 ("dtype", "DTypeError", str(cache.dtype)),
                 ("cache heads and head dims", "ShapeError",
                  (cache.n_kv_heads, cache.head_dim, cache.head_dim_v)),
-                ("causal", "ArgumentError", is_causal), ("scale", "ArgumentError", scl),
-                ("window", "ArgumentError", (left, right)), ("softcap", "ArgumentError", cap),
-                ("alibi_slopes", "ArgumentError", None if alibi is None else alibi.tolist()),
-                ("sinks", "ArgumentError", None if sink is None else sink.tolist()),
+                *opts.describe(),
                 ("return_lse", "ArgumentError", need_lse)]
-        fields = dict(causal_hi=np.zeros(b, np.int64) if is_causal else None, scale=scl,
-                      window_left=left, window_right=right, softcap=cap, alibi=alibi,
-                      ring=cache.max_seq_len if cache.ring else 0, need_lse=True,
-                      sinks=sink if comm.Get_rank() == 0 else None)
+        # the sinks join rank 0's state only, so the merge counts them once
+        fields = dict(causal_hi=np.zeros(b, np.int64) if opts.causal else None,
+                      options=opts.block_options(comm.Get_rank() == 0),
+                      ring=cache.max_seq_len if cache.ring else 0, need_lse=True)
         return desc, (be, write, rows, np.asarray(new_len, np.int64),
                       np.asarray(lo, np.int64), fields)
 

@@ -1,75 +1,88 @@
 """One rank's checked context-parallel call: arrays, options, backend (ring and Ulysses alike).
 
-Per-head options (ALiBi slopes) are checked once into arrays whose last axis is the query head,
-kept by name in ``Options.per_head``; :data:`PER_HEAD` says how each is checked, which
-:class:`AttnCall` field it fills, and whether it acts on every key (ALiBi: every block of the
-ring gets it) or once per query row (a term of the softmax's denominator, such as an attention
-sink: only the first block the ring computes for a query chunk gets it). Ulysses slices every
-per-head option to its head group along the last axis. A new per-head option is one entry here
-and one keyword of ``ring_attention`` and ``ulysses_attention``, passed on in ``per_head``.
+The options are one :class:`AttnOptions` (``attnlib._spec.attn_options``) over the local batch.
+Two kinds of option need more than handing it on: :data:`ONCE_PER_ROW` options act once per
+query row (a term of the softmax's denominator, such as an attention sink), so only the first
+block the ring computes for a query chunk gets them; :data:`PER_HEAD` options have the query
+head as their last axis, and Ulysses slices them to its head group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
 from .. import _spec
-from ..backends.base import Backend
+from ..backends.base import AttnOptions, Backend
 from ._comm import Description, check_comm
 from ._device import pick, wants_rank_device
 
-#: keyword -> (check(value, B, Hq) -> array with Hq last or None, AttnCall field, once per row)
-PER_HEAD: dict[str, tuple[Callable[[Any, int, int], np.ndarray | None], str, bool]] = {
-    "alibi_slopes": (_spec.check_alibi, "alibi", False),
-    "sinks": (lambda value, b, hq: _spec.check_sinks(value, hq), "sinks", True),
-}
+#: options that act once per query row: only the first block of a query chunk gets them
+ONCE_PER_ROW = ("sinks",)
+#: options whose last axis is the query head
+PER_HEAD = ("alibi", "sinks")
+#: the keyword of ``attention`` an option comes from, where the names differ
+_KEYWORD = {"alibi": "alibi_slopes"}
 
 
 @dataclass(frozen=True)
 class Options:
     """The options of ``attention`` a context-parallel call takes (Sq = Sk, so ``causal=True``
-    and ``"top_left"`` agree), checked."""
+    and ``"top_left"`` agree), checked: ``every`` for a query chunk's first block, ``rest``
+    (without the once-per-row options) for its others."""
 
-    causal: bool
-    scale: float
-    window: tuple[int | None, int | None]
-    softcap: float | None
-    per_head: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (..., Hq)
+    every: AttnOptions
+    rest: AttnOptions
+
+    @property
+    def causal(self) -> bool:
+        return self.every.causal is not None
+
+    @property
+    def window(self) -> tuple[int | None, int | None]:
+        return self.every.window_left, self.every.window_right
 
     def describe(self) -> Description:
         """What the ranks compare of the options."""
-        return [("causal", "ArgumentError", self.causal), ("scale", "ArgumentError", self.scale),
-                ("window", "ArgumentError", self.window),
-                ("softcap", "ArgumentError", self.softcap)] + [
-            (name, "ArgumentError", self.per_head[name].tolist() if name in self.per_head
-             else None) for name in PER_HEAD]
+        desc = [("causal", "ArgumentError", self.causal)]
+        for f in fields(AttnOptions):
+            if f.name in ("causal", "window_right", "mask_kind"):
+                continue
+            value = getattr(self.every, f.name)
+            if f.name == "window_left":
+                desc.append(("window", "ArgumentError", self.window))
+            else:
+                desc.append((_KEYWORD.get(f.name, f.name), "ArgumentError",
+                             value.tolist() if isinstance(value, np.ndarray) else value))
+        return desc
 
-    def call_fields(self, first: bool) -> dict[str, Any]:
-        """The AttnCall fields of the per-head options for one ring block (whole: a block has
-        every head); the once-per-row options only for the ``first`` block of a query chunk."""
-        return {PER_HEAD[n][1]: a for n, a in self.per_head.items() if first or not PER_HEAD[n][2]}
+    def block_options(self, first: bool) -> AttnOptions:
+        """The options of one ring block (whole: a block has every head); the once-per-row
+        options only for the ``first`` block of a query chunk."""
+        return self.every if first else self.rest
 
     def attention_kwargs(self, heads: slice) -> dict[str, Any]:
         """Keywords of ``attnlib.attention`` for the query heads ``heads`` over the whole
         sequence (Ulysses' head group): per-head options sliced along their last axis."""
-        return dict(causal=self.causal, scale=self.scale, window=self.window,
-                    softcap=self.softcap,
-                    **{n: np.ascontiguousarray(a[..., heads]) for n, a in self.per_head.items()})
+        kw: dict[str, Any] = dict(causal=self.causal, window=self.window)
+        for f in fields(AttnOptions):
+            if f.name in ("causal", "window_left", "window_right", "mask_kind"):
+                continue
+            value = getattr(self.every, f.name)
+            if f.name in PER_HEAD and value is not None:
+                value = np.ascontiguousarray(value[..., heads])
+            kw[_KEYWORD.get(f.name, f.name)] = value
+        return kw
 
 
-def check_options(b: int, hq: int, d: int, *, causal: Any, scale: Any, window: Any,
-                  softcap: Any, per_head: dict[str, Any]) -> Options:
-    checked = {}
-    for name, value in per_head.items():
-        a = PER_HEAD[name][0](value, b, hq)
-        if a is not None:
-            checked[name] = a
-    return Options(_spec.check_causal(causal) is not None, _spec.check_scale(scale, d),
-                   _spec.check_window(window), _spec.check_softcap(softcap), checked)
+def options_of(every: AttnOptions) -> Options:
+    return Options(every, replace(every, **{n: None for n in ONCE_PER_ROW}))
+
+
+def check_options(b: int, hq: int, d: int, **options: Any) -> Options:
+    return options_of(_spec.attn_options(d, hq, b, **options))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from .. import _spec
-from .._api import _from_bshd, merge_states
+from .._api import merge_states
+from .._common import from_bshd
 from ..backends.base import AttnCall
 from ..errors import ShapeError
 from ._comm import TAG_K, TAG_V, Ring, allgather_array, check_comm, collective_check
@@ -74,9 +75,8 @@ class BlockPlan:
             q_batch=idx, q_row0=0 * ones, q_len=qlen * ones,
             k_batch=idx.copy(), k_row0=krow * ones, k_len=klen * ones,
             q_pos0=qpos * ones, k_pos0=kpos * ones,
-            causal_hi=0 * ones if opts.causal else None, scale=opts.scale,
-            window_left=opts.window[0], window_right=opts.window[1], softcap=opts.softcap,
-            need_lse=True, **opts.call_fields(first),
+            causal_hi=0 * ones if opts.causal else None, options=opts.block_options(first),
+            need_lse=True,
         )
         return self.be.attention(call)
 
@@ -182,10 +182,10 @@ def ring_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=None
     lc = checked(comm, "ring_attention", lambda: check_local(
         q_l, k_l, v_l, comm, sharding=sharding, layout=layout, return_lse=return_lse,
         backend=backend, heads_split=False, causal=causal, scale=scale, window=window,
-        softcap=softcap, per_head={"alibi_slopes": alibi_slopes, "sinks": sinks}))
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks))
     plan = BlockPlan(lc)
     out, lse = (_ring_device if lc.device else _ring_host)(plan, comm)
-    out = _from_bshd(out, lc.layout, plan.be)
+    out = from_bshd(out, lc.layout, plan.be)
     return (out, lse) if lc.return_lse else out
 
 
@@ -315,4 +315,4 @@ def merge_across(o_l, lse_l, comm, *, layout="bshd", backend=None):
         outs = list(allgather_array(comm, o))
         lses = list(allgather_array(comm, lse_l.astype(acc, copy=False)))
     out, lse = merge_states(outs, lses, backend=be)
-    return _from_bshd(out, lay, be), lse
+    return from_bshd(out, lay, be), lse

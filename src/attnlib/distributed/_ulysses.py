@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from .. import _spec
-from .._api import _from_bshd, attention
+from .._api import attention
+from .._common import from_bshd
 from ._comm import _bytes, _mpi
 from ._device import contiguous, download, to_device
 from ._options import LocalCall, check_local
@@ -43,14 +44,14 @@ def ulysses_attention(q_l, k_l, v_l, comm, *, causal=False, scale=None, window=N
     lc = checked(comm, "ulysses_attention", lambda: check_local(
         q_l, k_l, v_l, comm, sharding=sharding, layout=layout, return_lse=return_lse,
         backend=backend, heads_split=True, causal=causal, scale=scale, window=window,
-        softcap=softcap, per_head={"alibi_slopes": alibi_slopes, "sinks": sinks}))
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks))
     mover = _Mover(lc, comm)
     q, k, v = mover.to_heads([lc.q, lc.k, lc.v])
     g, hq = lc.rank, lc.q.shape[2] // lc.size
     out, lse = attention(q, k, v, return_lse=True, backend=lc.be,
                          **lc.opts.attention_kwargs(slice(g * hq, (g + 1) * hq)))
     out_l, lse_l = mover.to_sequence(out, lse)
-    out_l = _from_bshd(out_l, lc.layout, lc.be)
+    out_l = from_bshd(out_l, lc.layout, lc.be)
     return (out_l, lse_l) if lc.return_lse else out_l
 
 

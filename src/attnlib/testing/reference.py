@@ -123,18 +123,20 @@ def seq_call(q, k, v, *, q_batch, q_row0, q_len, k_batch, k_row0, k_len, q_pos0,
     """A backend-level AttnCall from per-sequence lists (for driving kernels below the API):
     bottom-right causal (``causal_hi`` 0), ``window`` as (left, right) key offsets or None,
     ``alibi`` (n_seq, Hq) slopes, ``ring`` the ring-buffer length (0: none)."""
-    from attnlib.backends.base import AttnCall
+    from attnlib.backends.base import AttnCall, AttnOptions
 
     i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
     n = len(q_len)
+    options = AttnOptions(
+        scale=float(scale if scale is not None else 1.0 / np.sqrt(q.shape[3])),
+        causal="bottom_right" if causal else None, window_left=window[0],
+        window_right=window[1], softcap=softcap,
+        alibi=None if alibi is None else np.asarray(alibi, np.float32))
     return AttnCall(
         q=q, k=k, v=v, q_batch=i64(q_batch), q_row0=i64(q_row0), q_len=i64(q_len),
         k_batch=i64(k_batch), k_row0=i64(k_row0), k_len=i64(k_len), q_pos0=i64(q_pos0),
         k_pos0=i64(k_pos0), causal_hi=np.zeros(n, np.int64) if causal else None,
-        scale=float(scale if scale is not None else 1.0 / np.sqrt(q.shape[3])),
-        window_left=window[0], window_right=window[1], softcap=softcap,
-        alibi=None if alibi is None else np.asarray(alibi, np.float32), ring=ring,
-        need_lse=need_lse)
+        options=options, ring=ring, need_lse=need_lse)
 
 
 def reference_call(call, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
@@ -158,14 +160,14 @@ def reference_call(call, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
         vis = np.ones((ql, kl), bool)
         if call.causal_hi is not None:
             vis &= dd <= call.causal_hi[s]
-        if call.window_left is not None:
-            vis &= -call.window_left <= dd
-        if call.window_right is not None:
-            vis &= dd <= call.window_right
+        if call.options.window_left is not None:
+            vis &= -call.options.window_left <= dd
+        if call.options.window_right is not None:
+            vis &= dd <= call.options.window_right
         o, ls = attend(q[qb, qr:qr + ql], k[kb, rows], v[kb, rows], qpos, kpos, vis,
-                       scale=call.scale, softcap=call.softcap,
-                       alibi=None if call.alibi is None else call.alibi[s],
-                       sinks=getattr(call, "sinks", None), dtype=dtype)
+                       scale=call.options.scale, softcap=call.options.softcap,
+                       alibi=None if call.options.alibi is None else call.options.alibi[s],
+                       sinks=call.options.sinks, dtype=dtype)
         out[qb, qr:qr + ql] = o
         lse[qb, :, qr:qr + ql] = ls
     return out, lse

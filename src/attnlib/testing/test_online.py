@@ -197,6 +197,18 @@ def test_streaming_equals_one_shot(attnlib_backend, dtype, causal):
     assert out.shape == one.shape and out.dtype == one.dtype
 
 
+def test_streaming_top_left(attnlib_backend):
+    """``causal="top_left"`` streams with its own alignment (key j visible iff j <= i)."""
+    from attnlib.testing.reference import reference_attention
+
+    rng = rng_for("stream top_left")
+    q, k, v = qkv(rng, 1, 7, 19, 2, 1, 16)
+    acc = _stream(attnlib_backend, q, k, v, [0, 5, 19], causal="top_left", total_keys=19)
+    out, lse = acc.result(return_lse=True)
+    ref, ref_lse = reference_attention(q, k, v, causal="top_left")
+    check_attention(out, lse, ref, None, ref_lse, None)
+
+
 def test_streaming_bhsd_and_result_forms(attnlib_backend):
     import attnlib
 

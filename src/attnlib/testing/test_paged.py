@@ -524,7 +524,7 @@ def test_backends_clamp_page_indices(attnlib_backend):
     the pool. Through the backend primitive, garbage entries give finite outputs of the right
     shape and leave the pool unchanged."""
     import attnlib
-    from attnlib.backends.base import AttnCall
+    from attnlib.backends.base import AttnCall, AttnOptions
 
     p = Paged(attnlib_backend, 6, 4)
     (a,) = p.new(1)
@@ -538,7 +538,8 @@ def test_backends_clamp_page_indices(attnlib_backend):
     call = AttnCall(q=be.to_device(q) if be.owns(p.cache.k_pages) else q, k=p.cache.k_pages,
                     v=p.cache.v_pages, q_batch=np.arange(2), q_row0=zeros, q_len=np.full(2, 2),
                     k_batch=zeros, k_row0=zeros, k_len=n, q_pos0=n - 2, k_pos0=zeros,
-                    causal_hi=zeros, scale=0.25, block_table=table, page_size=4)
+                    causal_hi=zeros, options=AttnOptions(0.25, "bottom_right"),
+                    block_table=table, page_size=4)
     out, lse = be.attention(call)
     assert np.isfinite(as_f64(out)).all() and np.isfinite(as_f64(lse)).all()
     assert p.state() == before

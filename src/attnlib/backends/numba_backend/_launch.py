@@ -246,7 +246,7 @@ def _compact_mask(call: AttnCall, cdt: np.dtype) -> np.ndarray:
     idx = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
                 for st, n in zip(mv.strides, mv.shape))
     small = mv[idx]
-    if call.mask_kind == "bool":
+    if call.options.mask_kind == "bool":
         small = np.where(small, 0.0, -np.inf).astype(cdt)
     else:
         small = np.ascontiguousarray(small, dtype=cdt)
@@ -259,13 +259,13 @@ def _key_range(call: AttnCall, tasks: np.ndarray, g: int) -> tuple[np.ndarray, n
     qpos_lo = call.q_pos0[s] + tasks[:, 2] // g
     qpos_hi = call.q_pos0[s] + (tasks[:, 2] + tasks[:, 3] - 1) // g
     lo, hi = tasks[:, 4].copy(), tasks[:, 5].copy()
-    if call.window_left is not None and call.window_left >= 0:
-        lo = np.maximum(lo, qpos_lo - call.window_left - call.k_pos0[s])
+    if call.options.window_left is not None and call.options.window_left >= 0:
+        lo = np.maximum(lo, qpos_lo - call.options.window_left - call.k_pos0[s])
     bound = []
     if call.causal_hi is not None:
         bound.append(call.causal_hi[s])
-    if call.window_right is not None and call.window_right >= 0:
-        bound.append(np.full(len(s), call.window_right))
+    if call.options.window_right is not None and call.options.window_right >= 0:
+        bound.append(np.full(len(s), call.options.window_right))
     if bound:
         hi = np.minimum(hi, qpos_hi + np.minimum.reduce(bound) - call.k_pos0[s] + 1)
     return lo, np.maximum(hi, lo)
@@ -321,8 +321,8 @@ def _blocks(call: AttnCall) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) for a call: 256 x 256 tiles keep BLAS efficient (its packing of the
     operands is amortised over more work); short causal / window calls take 128 x 128 tiles so
     the tiles cut by the diagonal waste less (S = 512: 10 tiles for 8 of work, not 3 for 2)."""
-    masked = call.causal_hi is not None or call.window_left is not None or \
-        call.window_right is not None
+    masked = call.causal_hi is not None or call.options.window_left is not None or \
+        call.options.window_right is not None
     rows = int(call.q_len.max(initial=0)) * (call.n_heads // call.n_kv_heads)
     if masked and rows <= SHORT_ROWS:
         return BLOCK_M_SHORT, BLOCK_N_SHORT
@@ -370,8 +370,8 @@ def _plan(call: AttnCall, seq: np.ndarray, n_threads: int, wl: int, wr: int, cdt
     arrays."""
     from . import _blas, _flash
 
-    masked = call.causal_hi is not None or call.window_left is not None or \
-        call.window_right is not None
+    masked = call.causal_hi is not None or call.options.window_left is not None or \
+        call.options.window_right is not None
     key = (seq.tobytes(), call.n_heads, call.n_kv_heads, wl, wr, n_threads, masked,
            np.dtype(cdt).str, d_qk, d_v, k_ld, v_ld)
     hit = _plans.get(key)
@@ -423,15 +423,16 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
                              call.k_row0, call.k_len, call.q_pos0, call.k_pos0)):
         seq[:, c] = col
     seq[:, 8] = big if call.causal_hi is None else call.causal_hi
-    wl = big if call.window_left is None or call.window_left < 0 else int(call.window_left)
-    wr = big if call.window_right is None or call.window_right < 0 else int(call.window_right)
-    softcap = float(call.softcap) if call.softcap is not None else 0.0
-    if call.alibi is not None:
-        alibi = np.ascontiguousarray(call.alibi, dtype=cdt).reshape(call.n_seq, hq)
+    opts = call.options
+    wl = big if opts.window_left is None or opts.window_left < 0 else int(opts.window_left)
+    wr = big if opts.window_right is None or opts.window_right < 0 else int(opts.window_right)
+    softcap = float(opts.softcap) if opts.softcap is not None else 0.0
+    if opts.alibi is not None:
+        alibi = np.ascontiguousarray(opts.alibi, dtype=cdt).reshape(call.n_seq, hq)
     else:
         alibi = _empty(cdt, 2)
     mask = _compact_mask(call, cdt)
-    sinks = _empty(cdt, 1) if call.sinks is None else call.sinks.astype(cdt)
+    sinks = _empty(cdt, 1) if call.options.sinks is None else call.options.sinks.astype(cdt)
     # a dense call writes every output row (each row is one task's), so no zero fill
     covered = call.dense and bool((call.q_len == sq_arr).all())
     out = (np.empty if covered else np.zeros)((bq, sq_arr, hq, d_v), cdt)
@@ -449,7 +450,7 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
         part_o = part_ml = _empty(cdt, 3)
     if tasks.shape[0]:
         with _launch_lock, (_blas_single_thread() if limit else contextlib.nullcontext()):
-            pre = (qf, kf, vf, qst, kst, vst, seq, dealt, g, float(call.scale), wl, wr,
+            pre = (qf, kf, vf, qst, kst, vst, seq, dealt, g, float(call.options.scale), wl, wr,
                    softcap, alibi, mask, int(call.ring), sinks, block_m, block_n)
             post = (out, lse, part_o, part_ml, gemm_fn, jit) + _paging(call, k) + \
                 kv_stored + q_stored

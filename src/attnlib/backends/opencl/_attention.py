@@ -318,9 +318,8 @@ REPEAT_VARYING = (ARG_Q, ARG_K, ARG_V, ARG_DST, ARG_DST + 1, ARG_SINKS)
 def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
               mask_kind: int) -> tuple:
     return (id(be), queue.int_ptr, call.dtype, call.q.shape, call.n_kv_heads,
-            call.head_dim_v, max_rows, call.n_seq, call.ring, call.scale, call.softcap,
-            call.window_left, call.window_right, call.alibi is None, mask_kind, call.page_size,
-            call.sinks is None, kv_format(call), *((vw.offset, vw.strides) for vw in views))
+            call.head_dim_v, max_rows, call.n_seq, call.ring, call.options.plan_key, mask_kind,
+            call.page_size, kv_format(call), *((vw.offset, vw.strides) for vw in views))
 
 
 def kv_format(call: AttnCall) -> int:
@@ -352,23 +351,23 @@ def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
         THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
         STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
-        MASK_KIND=mask_kind, HAS_ALIBI=call.alibi is not None,
-        HAS_SOFTCAP=call.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
+        MASK_KIND=mask_kind, HAS_ALIBI=call.options.alibi is not None,
+        HAS_SOFTCAP=call.options.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
         CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
         CPU_VEC=0 if fmt else cpu_vec(be.facts, tiles, d, dv, dtype),
         PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0, **extra)
         for split in (False, True))
-    wl = _UNBOUNDED if call.window_left is None else int(call.window_left)
-    wr = _UNBOUNDED if call.window_right is None else int(call.window_right)
+    wl = _UNBOUNDED if call.options.window_left is None else int(call.options.window_left)
+    wr = _UNBOUNDED if call.options.window_right is None else int(call.options.window_right)
     i64, i32, f = np.int64, np.int32, acc.type
     n_out_rows = bq * sq_arr * hq
     args: list[Any] = []
     for view in views:  # slots ARG_Q, ARG_K, ARG_V: buffer, offset, then the four strides
         args += [None, i64(view.offset), *(i64(s) for s in view.strides)]
-    args += [None, i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.scale),
-             f(call.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
+    args += [None, i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.options.scale),
+             f(call.options.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
     args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
-    args += [None, i32(0 if call.sinks is None else hq)]  # slots ARG_SINKS, ARG_SINKS + 1
+    args += [None, i32(0 if call.options.sinks is None else hq)]  # slots ARG_SINKS, ARG_SINKS + 1
     assert len(args) == ARG_TABLE
     if call.block_table is not None:  # slots ARG_TABLE..: the block table, set per call
         args += [None] * 6
@@ -402,7 +401,7 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
     if out.size == 0 or n_seq == 0:
         return (out.get(), lse.get()) if host else (out, lse)
 
-    mask_kind = 0 if call.mask_view is None else (1 if call.mask_kind == "bool" else 2)
+    mask_kind = 0 if call.mask_view is None else (1 if call.options.mask_kind == "bool" else 2)
     views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
     key = plan_key(be, queue, call, views, max_rows, mask_kind)
     plan = plans.get(key)
@@ -423,8 +422,9 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
         args[slot] = view.buf
     args[ARG_DESC] = _pool.upload(queue, desc, out)
     args[ARG_ALIBI] = dummy_buffer(ctx)
-    if call.alibi is not None:
-        args[ARG_ALIBI] = _pool.upload(queue, np.ascontiguousarray(call.alibi, np.float32), out)
+    if call.options.alibi is not None:
+        args[ARG_ALIBI] = _pool.upload(queue, np.ascontiguousarray(call.options.alibi, np.float32),
+                                       out)
     args[ARG_MASK] = dummy_buffer(ctx)
     if mask_kind:
         mv = call.mask_view
@@ -442,8 +442,8 @@ def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
             sv = device_view(ctx, scl)
             args[first + 5 * i:first + 5 * i + 5] = [sv.buf, *(np.int64(a) for a in (
                 sv.offset, *sv.strides))]
-    args[ARG_SINKS] = dummy_buffer(ctx) if call.sinks is None else \
-        _pool.upload(queue, call.sinks, out)
+    args[ARG_SINKS] = dummy_buffer(ctx) if call.options.sinks is None else \
+        _pool.upload(queue, call.options.sinks, out)
     plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)
     if host:
         return out.get(), lse.get()

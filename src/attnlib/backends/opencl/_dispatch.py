@@ -84,6 +84,7 @@ def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray
         idx = np.flatnonzero(keep)
         parts.append(replace(call, **{f: getattr(call, f)[idx] for f in _PER_SEQ
                                       if getattr(call, f) is not None},
+                             options=call.options.for_sequences(idx),
                              block_table=call.block_table[idx], need_lse=True))
     dec, rest = parts
     if not _nvidia_decode.applicable(be.device, dec):
@@ -102,7 +103,7 @@ def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray
 
 #: the per-sequence fields of an AttnCall (numpy arrays of length n_seq)
 _PER_SEQ = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0", "k_pos0",
-            "causal_hi", "alibi")
+            "causal_hi")
 
 
 def forget_plans() -> None:

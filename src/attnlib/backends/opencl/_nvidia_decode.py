@@ -133,8 +133,8 @@ def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
     d = call.head_dim
     fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
         d, config, splits)
-    opts = build_options(d, call.dtype, config, softcap=call.softcap is not None,
-                         alibi=call.alibi is not None, scale_pos=call.scale > 0,
+    opts = build_options(d, call.dtype, config, softcap=call.options.softcap is not None,
+                         alibi=call.options.alibi is not None, scale_pos=call.options.scale > 0,
                          split=splits > 1, use_ptx=use_ptx, fused=fused,
                          page_size=page_size(call), kv_format=kv_format(call))
     return opts, fused
@@ -250,7 +250,7 @@ class DecodePlan:
         self.args = [None] * len(CALL_SLOTS) + [
             tile_buf, seq_buf, alibi_buf, counter_buf, *geometry, i32(sq_arr), i32(hq),
             i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars,
-            i32(0 if call.sinks is None else hq)]
+            i32(0 if call.options.sinks is None else hq)]
         self.varying = CALL_SLOTS
         self.scale_slot = None
         if call.k_scales is not None:  # quantized K/V: the scales' eight arguments, per call
@@ -344,7 +344,8 @@ def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
         table = None
         if call.block_table is not None:
             table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
-        sinks = None if call.sinks is None else _nvidia_tables.sinks_input(queue, call, out)[0]
+        sinks = None if call.options.sinks is None else \
+            _nvidia_tables.sinks_input(queue, call, out)[0]
         scales = None if call.k_scales is None else scale_args(ctx, call)
         evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data, table=table,
                             sinks=sinks, scales=scales)

@@ -212,7 +212,7 @@ def mask_kind(call: AttnCall) -> int:
     (read in place of float32: exact), 2 float32 (every other float dtype, converted)."""
     if call.mask_view is None:
         return 0
-    if call.mask_kind == "bool":
+    if call.options.mask_kind == "bool":
         return 1
     return {np.dtype(np.float16): 3, BF16: 4}.get(call.mask_view.dtype, 2)
 
@@ -287,8 +287,8 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
         heads_inner = HEADS_INNER or scheduled
     if scheduled and not any("WARP_SKIP" in o for o in extra_options):
         extra_options = ("-DWARP_SKIP=1", *extra_options)
-    opts = build_options(d, dtype, config, softcap=call.softcap is not None,
-                         alibi=call.alibi is not None, scale_pos=call.scale > 0,
+    opts = build_options(d, dtype, config, softcap=call.options.softcap is not None,
+                         alibi=call.options.alibi is not None, scale_pos=call.options.scale > 0,
                          use_ptx=use_ptx, heads_inner=heads_inner, head_dim_v=call.head_dim_v,
                          vec=vec_loads(call), mask=mask_kind(call),
                          page_size=page_size(call)) + tuple(extra_options)
@@ -373,7 +373,7 @@ class PrefillPlan:
         self.kernel, self.key = kernel, kernel.key(ctx, device)
         self.args = [None] * len(CALL_SLOTS) + [
             alibi_buf, *geometry, i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]),
-            i32(call.ring), *scalars, i32(0 if call.sinks is None else hq),
+            i32(call.ring), *scalars, i32(0 if call.options.sinks is None else hq),
             *mask_args(ctx, call)] + (
             mask_tile_args(ctx, call, kernel.block_m, kernel.block_n)
             if call.mask_view is not None else []) + (
@@ -399,8 +399,10 @@ class PrefillPlan:
 def wgmma_options(call: AttnCall, wgs: int, block_n: int,
                   heads_inner: bool) -> tuple[str, ...]:
     return (f"-DHEAD_DIM={call.head_dim}", f"-DWGS={wgs}", f"-DBLOCK_N={block_n}",
-            f"-DIS_BF16={int(call.dtype == BF16)}", f"-DSOFTCAP={int(call.softcap is not None)}",
-            f"-DALIBI={int(call.alibi is not None)}", f"-DSCALE_POS={int(call.scale > 0)}",
+            f"-DIS_BF16={int(call.dtype == BF16)}",
+            f"-DSOFTCAP={int(call.options.softcap is not None)}",
+            f"-DALIBI={int(call.options.alibi is not None)}",
+            f"-DSCALE_POS={int(call.options.scale > 0)}",
             f"-DHEADS_INNER={int(heads_inner)}")
 
 

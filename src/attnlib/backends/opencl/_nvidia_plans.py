@@ -65,7 +65,7 @@ class _DecodeStep:
         with launch_lock:
             common.seq_table.put(queue, self.seqs)
             common.tile_table.put(queue, self.tiles)
-            sinks = None if call.sinks is None else nt.sinks_input(queue, call, out)[0]
+            sinks = None if call.options.sinks is None else nt.sinks_input(queue, call, out)[0]
             evts = sub.enqueue(fp.be, queue, call, q.base_data, call.k.base_data,
                                call.v.base_data, out.base_data, lse_buf, owner=sub, table=table,
                                sinks=sinks)
@@ -91,9 +91,9 @@ def decode_step(fp: Any, call: AttnCall, vals: np.ndarray,
         hi = nt.BIG
         if len(col) == 9:
             hi = min(hi, col[8])
-        if call.window_right is not None:
-            hi = min(hi, call.window_right)
-        lo = -call.window_left if call.window_left is not None else -nt.BIG
+        if call.options.window_right is not None:
+            hi = min(hi, call.options.window_right)
+        lo = -call.options.window_left if call.options.window_left is not None else -nt.BIG
         seqs = np.array([[qb, qr0, ql, kb, kr0, kl, qp0 - kp0, lo, hi]], np.int64)
         n_cols = -(-ql // nd.MAX_ROWS)
         tiles = np.zeros((n_cols, 2), np.int32)
@@ -154,7 +154,7 @@ class _MmaStep:
             lse_buf = lse.base_data
         else:
             lse, lse_buf = None, _pool.scratch(queue, bq * sq_arr * hq * 4)
-        sinks = None if call.sinks is None else nt.sinks_input(queue, call, out)[0]
+        sinks = None if call.options.sinks is None else nt.sinks_input(queue, call, out)[0]
         evt = common.plan.enqueue(queue, q.base_data, call.k.base_data, call.v.base_data,
                                   out.base_data, lse_buf, self.tile_buf, self.seq_buf,
                                   self.n_tiles, hq, owner=common, sinks=sinks)

@@ -56,7 +56,8 @@ def tables_on_device(ctx: Any, call: AttnCall, block_m: int,
     are made, so calls and queues of the context share them."""
     fields = (call.q_batch, call.q_row0, call.q_len, call.k_batch, call.k_row0, call.k_len,
               call.q_pos0, call.k_pos0, call.causal_hi)
-    key = ("tables", ctx.int_ptr, block_m, block_n, call.window_left, call.window_right,
+    key = ("tables", ctx.int_ptr, block_m, block_n, call.options.window_left,
+           call.options.window_right,
            *(None if f is None else np.asarray(f, np.int64).tobytes() for f in fields))
 
     def make() -> tuple[Any, Any, int]:
@@ -74,12 +75,12 @@ def tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.n
     seqs[:, 0], seqs[:, 1], seqs[:, 2] = call.q_batch, call.q_row0, call.q_len
     seqs[:, 3], seqs[:, 4], seqs[:, 5] = call.k_batch, call.k_row0, call.k_len
     seqs[:, 6] = np.asarray(call.q_pos0, np.int64) - np.asarray(call.k_pos0, np.int64)
-    seqs[:, 7] = -call.window_left if call.window_left is not None else -BIG
+    seqs[:, 7] = -call.options.window_left if call.options.window_left is not None else -BIG
     hi = np.full(n, BIG, np.int64)
     if call.causal_hi is not None:
         hi = np.minimum(hi, np.asarray(call.causal_hi, np.int64))
-    if call.window_right is not None:
-        hi = np.minimum(hi, call.window_right)
+    if call.options.window_right is not None:
+        hi = np.minimum(hi, call.options.window_right)
     seqs[:, 8] = hi
     q_len = np.asarray(call.q_len, np.int64)
     counts = (q_len + block_m - 1) // block_m
@@ -120,27 +121,27 @@ def kernel_inputs(ctx: Any, call: AttnCall) -> tuple[Any, list, list, list]:
     log2(e) on the device (memoised), the q, k, v buffers, their (offset, 3 strides) as int64
     arguments, and (qk_scale, cap) as float32: the scale (over softcap when there is one) and
     the softcap folded with log2(e) for the exp2-domain softmax."""
-    slopes = (np.asarray(call.alibi, np.float32) * np.float32(_LOG2E)
-              if call.alibi is not None else np.zeros(1, np.float32))
+    slopes = (np.asarray(call.options.alibi, np.float32) * np.float32(_LOG2E)
+              if call.options.alibi is not None else np.zeros(1, np.float32))
     alibi_buf = _memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
                           lambda: _device_copy(ctx, slopes))
     views = [_view(ctx, x) for x in (call.q, call.k, call.v)]
     geometry = [np.int64(n) for _, off, strides, _keep in views for n in (off, *strides)]
-    if call.softcap is not None:
-        qk_scale, cap = call.scale / call.softcap, call.softcap * _LOG2E
+    if call.options.softcap is not None:
+        qk_scale, cap = call.options.scale / call.options.softcap, call.options.softcap * _LOG2E
     else:
-        qk_scale, cap = call.scale * _LOG2E, 0.0
+        qk_scale, cap = call.options.scale * _LOG2E, 0.0
     return alibi_buf, [v[0] for v in views], geometry, [np.float32(qk_scale), np.float32(cap)]
 
 
 def sinks_input(queue: Any, call: AttnCall, keep: Any) -> tuple[Any, int]:
     """The call's sinks for both tensor-core kernels: (a device copy, enqueued on ``queue`` and
     kept alive by ``keep``, the call's output Array; Hq) or (a stand-in buffer, 0)."""
-    if call.sinks is None:
+    if call.options.sinks is None:
         return dummy_buffer(queue.context), 0
     from . import _pool
 
-    return _pool.upload(queue, call.sinks, keep), int(call.sinks.shape[0])
+    return _pool.upload(queue, call.options.sinks, keep), int(call.options.sinks.shape[0])
 
 
 def mask_args(ctx: Any, call: AttnCall) -> list:
@@ -155,7 +156,7 @@ def mask_args(ctx: Any, call: AttnCall) -> list:
         buf = _memoised(("no mask", ctx.int_ptr), lambda: _device_copy(ctx, np.zeros(1, np.uint8)))
         return [buf, i64(0), i64(0), i64(0), i64(0), i64(0)]
     base = mv[tuple(slice(0, 1) if st == 0 else slice(None) for st in mv.strides)]
-    if call.mask_kind == "bool":
+    if call.options.mask_kind == "bool":
         base = np.ascontiguousarray(base).view(np.uint8)  # (no copy of a contiguous mask)
     elif base.dtype.itemsize == 2 and base.dtype.kind in "fV":  # float16, bfloat16
         base = np.ascontiguousarray(base).view(np.uint16)  # the bits: a plain buffer's dtype
@@ -170,7 +171,7 @@ def mask_tile_args(ctx: Any, call: AttnCall, block_m: int, block_n: int) -> list
     device, with their element strides over sequence, head and row block (0 where the mask
     broadcasts). The kernel visits no key tile outside its block's range: tiles the mask hides
     from every row of a block are skipped."""
-    table = mask_tile_ranges(call.mask_view, call.mask_kind, block_m, block_n)
+    table = mask_tile_ranges(call.mask_view, call.options.mask_kind, block_m, block_n)
     strides = [0 if n == 1 else st // 4 for st, n in zip(table.strides[:3], table.shape[:3])]
     return [_device_copy(ctx, table), *(np.int64(st) for st in strides)]
 

@@ -75,7 +75,7 @@ def run(be: Any, call: Any, family: Any) -> tuple[Any, Any] | None:
     arr = _ARRAY[0]
     q, k, v = call.q, call.k, call.v
     if (type(q) is not arr or type(k) is not arr or type(v) is not arr
-            or call.mask_view is not None or call.alibi is not None or q.queue is None
+            or call.mask_view is not None or call.options.alibi is not None or q.queue is None
             or call.k_scales is not None):
         return None
     chi = call.causal_hi
@@ -85,8 +85,7 @@ def run(be: Any, call: Any, family: Any) -> tuple[Any, Any] | None:
     paged = None if table is None else (call.page_size, type(table), table.shape, table.dtype)
     key = (id(be), id(be.facts), be.tiles, be.num_splits, be.use_mma, queue.int_ptr, q.dtype,
            q.shape, q.strides, q.offset, k.shape, k.strides, k.offset, v.shape, v.strides,
-           v.offset, n, call.ring, call.scale, call.softcap, call.window_left,
-           call.window_right, chi is None, call.need_lse, paged, call.sinks is None)
+           v.offset, n, call.ring, call.options.plan_key, chi is None, call.need_lse, paged)
     fp = plans.get(key)
     if fp is None:
         fp = _new_plan(be, call, queue)
@@ -202,8 +201,8 @@ class _Portable:
         args = sub.args.copy()
         args[A.ARG_Q], args[A.ARG_K] = q.base_data, call.k.base_data
         args[A.ARG_V] = call.v.base_data
-        if call.sinks is not None:
-            args[A.ARG_SINKS] = _pool.upload(queue, call.sinks, out)
+        if call.options.sinks is not None:
+            args[A.ARG_SINKS] = _pool.upload(queue, call.options.sinks, out)
         with launch_lock:
             sub.table.put(queue, self.desc)
             sub.plan.enqueue(fp.be, queue, args, out.base_data, lse_buf, self.n_groups,
