@@ -370,6 +370,26 @@ PAGED_CASES = [
 @pytest.mark.parametrize("name,page,dtype,shape,opts", PAGED_CASES,
                          ids=[c[0] for c in PAGED_CASES])
 def test_mma_paged_emulated(name, page, dtype, shape, opts):
+    _paged_case(name, page, dtype, shape, opts, use_ptx=False)
+
+
+def _native() -> bool:
+    from attnlib.backends.opencl import _nvidia_mma
+
+    cc = _nvidia_mma.compute_capability(attnlib.get_backend("opencl").device)
+    return cc is not None and cc[0] >= 8
+
+
+@pytest.mark.skipif(not _native(), reason="needs an NVIDIA sm_80+ device (the emulated twin "
+                    "test_mma_paged_emulated runs everywhere)")
+@pytest.mark.parametrize("name,page,dtype,shape,opts", PAGED_CASES,
+                         ids=[c[0] for c in PAGED_CASES])
+def test_mma_paged_native(name, page, dtype, shape, opts):
+    """The same paged builds in the device's own PTX."""
+    _paged_case(name, page, dtype, shape, opts, use_ptx=None)
+
+
+def _paged_case(name, page, dtype, shape, opts, use_ptx):
     from dataclasses import replace
 
     from attnlib.backends.opencl import _nvidia_mma
@@ -390,7 +410,7 @@ def test_mma_paged_emulated(name, page, dtype, shape, opts):
         call = replace(call, options=replace(call.options, sinks=kw["sinks"]))
     paged = paged_twin(rng, call, page)
     assert _nvidia_mma.page_size(paged) == page
-    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, paged, use_ptx=False)
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, paged, use_ptx=use_ptx)
     _check(q, k[:, 7:], v[:, 7:], slopes, kw, out, lse)
 
 
@@ -430,6 +450,19 @@ def test_mma_mask_hidden_tiles(name, dtype, shape, opts):
     """Key tiles a mask hides from every row of a block are skipped (the host's tile range per
     row block, ``mask_tile_args``): the result is that of the mask read per score, NaN in k and
     v of hidden keys included."""
+    _tile_mask_case(name, dtype, shape, opts, use_ptx=False)
+
+
+@pytest.mark.skipif(not _native(), reason="needs an NVIDIA sm_80+ device (the emulated twin "
+                    "test_mma_mask_hidden_tiles runs everywhere)")
+@pytest.mark.parametrize("name,dtype,shape,opts", TILE_MASK_CASES,
+                         ids=[c[0] for c in TILE_MASK_CASES])
+def test_mma_mask_hidden_tiles_native(name, dtype, shape, opts):
+    """The same masked builds in the device's own PTX."""
+    _tile_mask_case(name, dtype, shape, opts, use_ptx=None)
+
+
+def _tile_mask_case(name, dtype, shape, opts, use_ptx):
     from attnlib.backends.opencl import _nvidia_mma
 
     be = attnlib.get_backend("opencl")
@@ -443,7 +476,7 @@ def test_mma_mask_hidden_tiles(name, dtype, shape, opts):
         k[0, hidden[-1], 0, 0] = np.nan
         v[0, hidden[0], 0, 1] = np.nan
     call, slopes, kw = kernel_call(q, k, v, {**opts, "mask": mask})
-    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=use_ptx)
     _check(q, k, v, slopes, kw, out, lse)
 
 
