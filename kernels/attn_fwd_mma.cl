@@ -177,9 +177,10 @@
 
 // With a mask, key tiles it hides from every row of the block are not visited: the host's
 // range [first, last] of the key tiles in which some row of the row block sees some key
-// (_nvidia_tables.mask_tile_args; int32 pairs per sequence, head and row block, strides 0 where
-// the mask broadcasts; last < first: none) narrows the block's tiles t_first..t_last.  Exact:
-// such a tile would leave m, l and O unchanged.
+// (_nvidia_tables.mask_tile_args: bool masks; additive ones pass one unbounded range; int32
+// pairs per sequence, head and row block, strides 0 where the mask broadcasts; last < first:
+// none) narrows the block's tiles t_first..t_last.  Exact: such a tile would leave m, l and O
+// unchanged.
 #if MASK_KIND
 #define MASK_TILE_PARAMS                                                                       \
   , __global const int *mtiles, const long mt_s0, const long mt_s1, const long mt_s2

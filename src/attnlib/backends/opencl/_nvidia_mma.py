@@ -10,8 +10,8 @@ float32 with any head dims D, Dv <= :data:`MAX_HEAD_DIM` (D != Dv included; the 
 to 16 inside: zero-filled columns on load, the padding never stored): dense, varlen, streaming
 chunks, KV cache (ring too), any positions, causal, window, softcap, alibi, GQA/MQA, LSE, and
 bool or additive masks of any broadcast shape (read per tile from the unbroadcast array,
-``-DMASK_KIND``; key tiles a mask hides from every row of a block are skipped, by a range of
-tiles per row block that the host finds in the mask, ``_nvidia_tables.mask_tile_args``). Rows
+``-DMASK_KIND``; key tiles a bool mask hides from every row of a block are skipped, by a range
+of tiles per row block that the host finds in the mask, ``_nvidia_tables.mask_tile_args``). Rows
 that are not 16-byte aligned (e.g. D = 59 in 16 bits) are read element by element instead of by
 cp.async (``-DVEC_LOADS=0``). Paged calls (page pools and a block table, any page size) build
 the load variant ``-DPAGE_SIZE``: each key row's address comes from the table, whose entries the
