@@ -74,3 +74,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _in_grid(item):
             item.add_marker(pytest.mark.emulation_grid)
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """The names of the OpenCL kernels launched while the test runs (every kernel family and
+    primitive launches through ``_runtime.launch``)."""
+    from attnlib.backends.opencl import _runtime
+
+    names = []
+    real = _runtime.launch
+
+    def record(key, make, name, *args, **kw):
+        names.append(name)
+        return real(key, make, name, *args, **kw)
+
+    monkeypatch.setattr(_runtime, "launch", record)
+    return names
+
+
+@pytest.fixture
+def emulated_nvidia(monkeypatch):
+    """The dispatch sees an sm_90 device; the tensor-core kernels are built emulated (USE_PTX=0).
+    The prefill plans are the mma.sync kernel's: the warpgroup-MMA program needs NVIDIA's
+    compiler (a build here would fail and put this device on the fallback list for the whole
+    session). The patched compute capability is no switch of the plan keys: the plans are
+    forgotten before and after."""
+    import attnlib
+    from attnlib.backends.opencl import _nvidia_mma, _switches
+
+    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_switches, "WGMMA_ON", False)
+    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
+    monkeypatch.setattr(_switches, "EMULATE_PTX", True)
+    attnlib.forget_plans()
+    yield
+    attnlib.forget_plans()

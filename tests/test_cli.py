@@ -18,7 +18,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_info_lists_backends_devices_and_default():
-    res = _run("info")
+    res = _run("info", "--why")
     assert res.returncode == 0, res.stderr
     text = res.stdout
     assert f"attnlib {attnlib.__version__}" in text
@@ -26,6 +26,12 @@ def test_info_lists_backends_devices_and_default():
         assert f"  {name}" in text
     assert "default here:" in text
     assert "OpenCL devices:" in text
+    # --why: each typical call names the kernel family that runs it and why the others did not
+    families = _section(text, "OpenCL kernel families for typical calls")
+    if "opencl" in attnlib.available_backends():
+        runs = [line for line in families if line.strip().endswith("runs it")]
+        assert len(runs) == 4 and all("skipped: " in line for line in families
+                                      if line.startswith("    ") and line not in runs)
 
 
 def test_check_runs_the_suite_and_fails_for_unknown_backends():

@@ -1,5 +1,5 @@
 """The repeat-call (decode) host path of the OpenCL backend: KVCache repeat entries
-(kv_cache._FastEntry), the plan cache (backends/opencl/_plan_cache), in-place device tables and
+(kv_cache._FastEntry), the plan cache (backends/opencl/_dispatch), in-place device tables and
 kernel arguments set only when they changed (_runtime.KernelSlot).
 
 A cached plan must never serve a call whose geometry, strides, dtypes, options, lengths or
@@ -98,10 +98,7 @@ def _counting_setup(be, seed):
     """The counting tests' cache (float32, 9 of 40 rows filled; no plan or table of another
     test's geometry left over, which could already hold this test's table bytes and save a
     rewrite) and one decode step's q, k, v on the device."""
-    from attnlib.backends.opencl import _dispatch, _ops
-
-    _dispatch.forget_plans()
-    _ops._append_plans.clear()
+    attnlib.forget_plans()
     rng = rng_for(seed)
     b, cap, hq, hkv, d = 1, 40, 4, 2, 16
     t = Twin(be, b, cap, hkv, d, "float32")
@@ -263,23 +260,6 @@ def test_threads_share_plans(be, rope):
     assert not errors, errors
 
 
-@pytest.fixture
-def emulated_nvidia(monkeypatch):
-    """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0). The
-    prefill plans are the mma.sync kernel's: the warpgroup-MMA program needs NVIDIA's compiler
-    (a build here would fail and put this device on the fallback list for the whole session)."""
-    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
-
-    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
-    monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
-    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
-    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
-    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
-    _dispatch.forget_plans()
-    yield _nvidia_decode
-    _dispatch.forget_plans()
-
-
 def _native_tensor_cores() -> bool:
     from attnlib.backends.opencl import _nvidia_mma
 
@@ -290,24 +270,20 @@ def _native_tensor_cores() -> bool:
 @pytest.mark.skipif(not _native_tensor_cores(),
                     reason="needs an NVIDIA sm_80+ device (the emulated tests run everywhere)")
 @pytest.mark.parametrize("hq,hkv,d,dtype", [(32, 8, 128, "float16"), (8, 2, 64, "bfloat16")])
-def test_native_tensor_core_decode_steps(monkeypatch, hq, hkv, d, dtype):
+def test_native_tensor_core_decode_steps(kernel_launches, hq, hkv, d, dtype):
     """The same steps on the device's own PTX kernels (the H200)."""
     for opts in ({}, {"num_splits": 3}):
-        _decode_steps(attnlib.get_backend("opencl", **opts), monkeypatch, hq, hkv, d, dtype)
+        _decode_steps(attnlib.get_backend("opencl", **opts), kernel_launches, hq, hkv, d, dtype)
 
 
 @pytest.mark.parametrize("hq,hkv,d,dtype", [(8, 2, 64, "float16"), (4, 4, 128, "bfloat16")])
-def test_emulated_tensor_core_decode_steps(emulated_nvidia, monkeypatch, hq, hkv, d, dtype):
-    _decode_steps(attnlib.get_backend("opencl", num_splits=3), monkeypatch, hq, hkv, d, dtype)
+def test_emulated_tensor_core_decode_steps(emulated_nvidia, kernel_launches, hq, hkv, d,
+                                           dtype):
+    _decode_steps(attnlib.get_backend("opencl", num_splits=3), kernel_launches, hq, hkv, d,
+                  dtype)
 
 
-def _decode_steps(be, monkeypatch, hq, hkv, d, dtype):
-    from attnlib.backends.opencl import _nvidia_decode
-
-    launches = []
-    real = _nvidia_decode.launch
-    monkeypatch.setattr(_nvidia_decode, "launch", lambda *a, **kw: launches.append(1)
-                        or real(*a, **kw))
+def _decode_steps(be, launches, hq, hkv, d, dtype):
     rng = rng_for("host path decode", d, dtype)
     b, cap = 1, 70
     if dtype == "bfloat16":
@@ -316,7 +292,7 @@ def _decode_steps(be, monkeypatch, hq, hkv, d, dtype):
     _fill(t, rng, b, 20, hkv, d, dtype)
     q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
     t.step(q, k, v)
-    assert launches, "the tensor-core decode kernel did not run"
+    assert "attn_decode_mma" in launches, "the tensor-core decode kernel did not run"
     for _ in range(3):
         q, k, v = _qkv_step(rng, b, 1, hq, hkv, d, dtype)
         t.step(q, k, v)
@@ -422,33 +398,36 @@ def test_emulated_tensor_core_prefill_repeat_calls(emulated_nvidia):
         np.testing.assert_allclose(attnlib.to_numpy(got).astype(np.float64), want, atol=2e-3)
 
 
-def _recorded_launches(monkeypatch, module):
-    """Replace ``module.launch`` by a recorder of (options, grid, local size, scalar args)."""
+def _recorded_launches(monkeypatch, kernel):
+    """Replace ``_runtime.launch`` by a recorder of ``kernel``'s launches (options, grid, local
+    size, scalar args); other kernels' launches are dropped."""
+    from attnlib.backends.opencl import _runtime
+
     seen = []
 
     def record(key, make, name, queue, gsize, lsize, args, **kw):
-        seen.append((key[-1], tuple(gsize), tuple(lsize),
-                     [a if isinstance(a, np.generic) else None for a in args]))
+        if name == kernel:
+            seen.append((key[-1], tuple(gsize), tuple(lsize),
+                         [a if isinstance(a, np.generic) else None for a in args]))
 
-    monkeypatch.setattr(module, "launch", record)
+    monkeypatch.setattr(_runtime, "launch", record)
     return seen
 
 
 @pytest.mark.parametrize("kind,splits", [("decode", None), ("decode", 3), ("prefill", None)])
 @pytest.mark.parametrize("causal,softcap", [(True, None), (False, 2.0)])
-def test_cached_plans_choose_what_run_chooses(emulated_nvidia, monkeypatch, kind, splits, causal,
-                                              softcap):
-    """The plan cache chooses the tensor-core kernels' configuration, PTX or emulation and
-    splits itself (the launch is the families' own plan): the options, grid and scalar
-    arguments must equal what ``_nvidia_decode.run`` / ``_nvidia_mma.run`` launch with their
-    defaults for the same call (a default changed in run and not here fails this)."""
-    from attnlib.backends.opencl import _nvidia_decode, _nvidia_mma
+def test_dispatch_chooses_what_run_chooses(emulated_nvidia, monkeypatch, kind, splits, causal,
+                                           softcap):
+    """The dispatch's plans of the tensor-core families (first call and repeat) launch with
+    the options, grid and scalar arguments ``_nvidia_decode.run`` / ``_nvidia_mma.run`` launch
+    with their defaults for the same call (a default changed in run and not in the family
+    fails this)."""
+    from attnlib.backends.opencl import _nvidia_decode, _nvidia_mma, _switches
     from attnlib.testing.reference import seq_call
 
-    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", False)
-    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", False)
-    module = _nvidia_decode if kind == "decode" else _nvidia_mma
-    seen = _recorded_launches(monkeypatch, module)
+    monkeypatch.setattr(_switches, "EMULATE_PTX", False)
+    seen = _recorded_launches(monkeypatch,
+                              "attn_decode_mma" if kind == "decode" else "attn_fwd_mma")
     be = attnlib.get_backend("opencl", **({} if splits is None else {"num_splits": splits}))
     rng = rng_for("host path same launch", kind, causal)
     sq, hq, hkv, d, n_k = (1, 8, 2, 128, 300) if kind == "decode" else (40, 4, 2, 64, 90)
@@ -460,7 +439,7 @@ def test_cached_plans_choose_what_run_chooses(emulated_nvidia, monkeypatch, kind
     call = seq_call(q, k, v, q_batch=ar, q_row0=0 * ar, q_len=ar * 0 + sq, k_batch=ar,
                     k_row0=0 * ar, k_len=kl, q_pos0=kl - sq, k_pos0=0 * ar, causal=causal,
                     softcap=softcap)
-    be.attention(call)  # the dispatch: a cached plan
+    be.attention(call)  # the dispatch: a plan
     be.attention(call)  # its repeat
     if kind == "decode":
         _nvidia_decode.run(be, be.queue, call)
@@ -474,10 +453,10 @@ def test_decode_grid_fixed_while_the_cache_grows(emulated_nvidia, monkeypatch):
     """The tensor-core decode kernel's split count comes from the cache's capacity, not its
     length: steps from 40 to 2000 cached tokens (1 to 16 key tiles) launch one grid, planned for
     the 16 key tiles of 2048 rows (a recorded launch replays correctly)."""
-    from attnlib.backends.opencl import _nvidia_decode
+    from attnlib.backends.opencl import _nvidia_decode, _switches
 
-    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", False)
-    seen = _recorded_launches(monkeypatch, _nvidia_decode)
+    monkeypatch.setattr(_switches, "EMULATE_PTX", False)
+    seen = _recorded_launches(monkeypatch, "attn_decode_mma")
     planned = []
     real = _nvidia_decode.choose_splits
     monkeypatch.setattr(_nvidia_decode, "choose_splits", lambda cu, pairs, tiles, *a:
@@ -495,26 +474,55 @@ def test_decode_grid_fixed_while_the_cache_grows(emulated_nvidia, monkeypatch):
     assert planned and set(planned) == {2048 // 128}
 
 
-def test_wrapped_run_is_called(emulated_nvidia, monkeypatch):
-    """A bench that wraps ``_nvidia_mma.run`` / ``_nvidia_decode.run`` (probe.py records kernel
-    events that way) still sees every dispatched call, cached plans or not."""
-    from attnlib.backends.opencl import _nvidia_decode, _nvidia_mma
+def test_switches_are_in_the_plan_keys(be, monkeypatch):
+    """A switch changed between two calls of one description takes effect at once (the plan
+    keys hold every switch: no stale plan); ``forget_plans`` empties every plan cache."""
+    from attnlib.backends.opencl import _runtime, _switches
 
-    be = attnlib.get_backend("opencl")
-    rng = rng_for("host path wrapped run")
-    calls = []
-    for module, sq in ((_nvidia_mma, 24), (_nvidia_decode, 1)):
-        q = attnlib.to_device(randn(rng, (1, sq, 4, 64), "float16"), backend=be)
-        k = attnlib.to_device(randn(rng, (1, 30, 2, 64), "float16"), backend=be)
-        attnlib.attention(q, k, k, causal=True)  # a cached plan first
-        real = module.run
-        monkeypatch.setattr(module, "run", lambda *a, _r=real, **kw: calls.append(1)
-                            or _r(*a, **kw, use_ptx=False))
-        want = attnlib.attention(attnlib.to_numpy(q), attnlib.to_numpy(k), attnlib.to_numpy(k),
-                                 causal=True, backend="numpy")
-        got = attnlib.attention(q, k, k, causal=True)
-        np.testing.assert_allclose(attnlib.to_numpy(got).astype(np.float64), want, atol=2e-3)
-        assert len(calls) == (1 if module is _nvidia_mma else 2)
+    built = []
+    real = _runtime.launch
+
+    def record(key, make, name, *args, **kw):
+        built.append(key[-1])
+        return real(key, make, name, *args, **kw)
+
+    monkeypatch.setattr(_runtime, "launch", record)
+    rng = rng_for("host path switches")
+    q, k = (attnlib.to_device(randn(rng, s), backend=be) for s in ((1, 9, 4, 16),
+                                                                    (1, 40, 2, 16)))
+    attnlib.attention(q, k, k)
+    monkeypatch.setattr(_switches, "CP_ASYNC_FORCE", True)
+    attnlib.attention(q, k, k)
+    assert len(built) == 2
+    assert "-DCP_ASYNC=1" not in built[0] and "-DCP_ASYNC=1" in built[1]
+    assert any(len(t) for t in attnlib._plans.tables())
+    attnlib.forget_plans()
+    assert not any(len(t) for t in attnlib._plans.tables())
+
+
+def test_why_lists_the_families_tried(be):
+    """``why`` names each family the dispatch tried before the one that runs a call, with its
+    reason, and checks its arguments as ``attention`` does."""
+    from attnlib.backends.opencl import _nvidia_mma, why
+
+    rng = rng_for("host path why")
+    q, k = randn(rng, (1, 13, 4, 16), "float16"), randn(rng, (1, 40, 2, 16), "float16")
+    tried = why(q, k, k, causal=True, backend=be)
+    names = [name for name, _ in tried]
+    assert names[-1] == "portable" and tried[-1][1] is None
+    assert all(reason for _, reason in tried[:-1])
+    if _nvidia_mma.compute_capability(be.device) is None:
+        assert names[:4] == ["nvidia wgmma", "nvidia decode + prefill", "nvidia mma.sync",
+                             "nvidia decode"]
+        assert tried[1][1] == "not a paged call"
+        assert "not an NVIDIA device" in tried[2][1]
+    off = why(q, k, k, backend=attnlib.get_backend("opencl", use_mma=False))
+    assert [name for name, _ in off] == names
+    assert off[2][1] == "the backend's use_mma=False"
+    with pytest.raises(attnlib.ArgumentError):
+        why(q, k, k, is_causal=True)
+    with pytest.raises(attnlib.ShapeError):
+        why(q, k[..., :8], k)
 
 
 def test_batched_steps_with_large_tables(be):
@@ -704,7 +712,7 @@ def test_rope_append_touches_the_queue_twice(be, monkeypatch):
     tally = _count_queue_work(monkeypatch)
     for _ in range(3):
         attnlib.attention_with_kvcache(dq, t.dev, dk, dv, rope=rope)
-    fills = 6 if _pool.DeviceTable(be.context, 8, not be.facts.simulator).fill else 0
+    fills = 6 if _pool.DeviceTable(be.queue, 8, not be.facts.simulator).fill else 0
     assert tally == {"enqueue": 6, "fill": fills, "write": 6 - fills}
 
 
@@ -859,8 +867,8 @@ def test_quantized_cache_dispatch(emulated_nvidia, sq):
     k, v = (rng.standard_normal((1, n, hkv, d)).astype(np.float16) for _ in range(2))
     q = rng.standard_normal((1, sq, hq, d)).astype(np.float16)
     z = np.zeros(1, np.int64)
-    for kv_dtype, family in (("float8_e4m3fn", "decode" if sq == 1 else "portable"),
-                             (None, "decode" if sq == 1 else "mma")):
+    for kv_dtype, family in (("float8_e4m3fn", "nvidia decode" if sq == 1 else "portable"),
+                             (None, "nvidia decode" if sq == 1 else "nvidia mma.sync")):
         cache = attnlib.KVCache(1, 32, hkv, d, dtype="float16", kv_dtype=kv_dtype, backend=be)
         cache.update(k, v, 0)
         # the call attention_with_kvcache makes over this cache, with q on the device
@@ -869,7 +877,7 @@ def test_quantized_cache_dispatch(emulated_nvidia, sq):
                         q_pos0=z + n - sq, k_pos0=z, causal_hi=z,
                         options=AttnOptions(d ** -0.5, "bottom_right"),
                         k_scales=cache.k_scales, v_scales=cache.v_scales)
-        assert _dispatch.kernel_family(be, call, sq * hq // hkv) == family
+        assert _dispatch.why(be, call)[-1][0] == family
         if kv_dtype is not None:
             out = attnlib.attention_with_kvcache(q, cache)
             kd, vd = (x[:, :n] for x in cache.dequantized())

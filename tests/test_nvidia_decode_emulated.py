@@ -208,7 +208,7 @@ def test_not_applicable_here():
     rng = rng_for("decode dispatch")
     call = decode_call(rng, "float16", b=1, q_len=1, klens=[10], hq=4, hkv=1, d=64)
     cc = _nvidia_decode._nvidia_mma.compute_capability(be.device)
-    assert _nvidia_decode.applicable(be.device, call) is (cc is not None and cc[0] >= 8)
+    assert (_nvidia_decode.reason(be.device, call) is None) is (cc is not None and cc[0] >= 8)
 
 
 def test_choose_splits():
@@ -358,97 +358,68 @@ def test_decode_paged_row_offsets_and_hidden_nan():
 
 
 @pytest.fixture
-def emulated_sm90(monkeypatch):
-    """The dispatch sees an sm_90 device; the decode kernel is built emulated (USE_PTX=0); the
-    decode kernel's launches are counted (the fixture's list)."""
-    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
-
-    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
-    monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
-    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
-    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
-    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
-    launches = []
-    real = _nvidia_decode.launch
-    monkeypatch.setattr(_nvidia_decode, "launch", lambda *a, **kw: launches.append(1)
-                        or real(*a, **kw))
-    _dispatch.forget_plans()
-    yield launches
-    _dispatch.forget_plans()
+def emulated_sm90(emulated_nvidia, kernel_launches):
+    """The dispatch sees an sm_90 device, the tensor-core kernels built emulated (USE_PTX=0);
+    the names of the kernels launched (the fixture's list)."""
+    return kernel_launches
 
 
-def test_paged_mixed_batch_emulated(emulated_sm90, monkeypatch):
+def test_paged_mixed_batch_emulated(emulated_sm90):
     """A paged call of a prefill chunk (36 packed rows: the tensor-core prefill kernel's
     PAGE_SIZE build) beside decode steps (4 and 8 rows): with host arrays the decode sequences
     run the tensor-core decode kernel, the chunk the prefill kernel; with device arrays the
     whole call runs the prefill kernel. Every sequence's rows checked against plain attention
     over its tokens. (Grid: the paged prefill build it adds.)"""
-    from attnlib.backends.opencl import _nvidia_mma
     from attnlib.testing.test_paged import Paged
 
-    prefill = []
-    real = _nvidia_mma.launch
-    monkeypatch.setattr(_nvidia_mma, "launch", lambda *a, **kw: prefill.append(1)
-                        or real(*a, **kw))
     be = attnlib.get_backend("opencl", num_splits=1)
     p = Paged(be, 40, 8, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="paged mixed")
     a, b = p.new(2)
     p.append([a, b], [30, 13])
     c = p.fork(a)
     p.attend([a, b, c], [9, 1, 2], [9, 1, 2])
-    assert len(emulated_sm90) == 1 and len(prefill) == 1
+    assert emulated_sm90.count("attn_decode_mma") == 1
+    assert emulated_sm90.count("attn_fwd_mma") == 1
     cu = np.array([0, 9, 10, 12], np.int32)
     q = randn(p.rng, (12, 8, 64), "float16")
     out = attnlib.attention_with_paged_kvcache(attnlib.to_device(q, backend=be), p.cache,
                                                [a, b, c], cu_seqlens_q=cu)
     out = attnlib.to_numpy(out)
-    assert len(emulated_sm90) == 1 and len(prefill) == 2
+    assert emulated_sm90.count("attn_decode_mma") == 1
+    assert emulated_sm90.count("attn_fwd_mma") == 2
     for i, s in enumerate([a, b, c]):
         p.check_rows(s, q[cu[i]:cu[i + 1]], out[cu[i]:cu[i + 1]], None)
 
 
-def test_paged_dispatch_emulated(monkeypatch):
+def test_paged_dispatch_emulated(emulated_sm90):
     """Through the front door: on an (emulated) sm_90 device, paged decode steps of a
     PagedKVCache (scattered pages, packed appends, a fork, a truncate, two query rows; host
     queries, then device queries through the repeat-call plans with a new block table per call)
     run the tensor-core decode kernel, checked against plain attention over each sequence's
     tokens."""
-    from attnlib.backends.opencl import _dispatch, _nvidia_decode, _nvidia_mma
     from attnlib.testing.test_paged import Paged
 
-    monkeypatch.setattr(_nvidia_mma, "compute_capability", lambda device: (9, 0))
-    monkeypatch.setattr(_nvidia_mma, "WGMMA_ON", False)
-    monkeypatch.setattr(_nvidia_mma, "_wgmma_failed", set())
-    monkeypatch.setattr(_nvidia_decode, "EMULATE_PTX", True)
-    monkeypatch.setattr(_nvidia_mma, "EMULATE_PTX", True)
-    launches = []
-    real = _nvidia_decode.launch
-    monkeypatch.setattr(_nvidia_decode, "launch", lambda *a, **kw: launches.append(1)
-                        or real(*a, **kw))
-    _dispatch.forget_plans()
-    try:
-        be = attnlib.get_backend("opencl", num_splits=1)
-        p = Paged(be, 40, 8, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="paged dispatch")
-        a, b = p.new(2)
-        p.append([a, b], [37, 13])
-        c = p.fork(a)
-        p.attend([a, b, c], [1, 1, 1], [1, 1, 1])
-        assert len(launches) == 1, "the tensor-core decode kernel did not run"
-        p.truncate(c, 20)
-        p.attend([c, a], [2, 1], [2, 1])
-        p.attend([b, c], [1, 1], packed=False)
-        assert len(launches) == 3
-        # device queries: the repeat-call plans, the block table set per call
-        for sids in ([a, c], [c, a], [b, a], [b, a]):
-            q = randn(p.rng, (2, 1, 8, 64), "float16")
-            out = attnlib.attention_with_paged_kvcache(attnlib.to_device(q, backend=be),
-                                                       p.cache, sids)
-            out = attnlib.to_numpy(out)
-            for i, s in enumerate(sids):
-                p.check_rows(s, q[i], out[i], None)
-        assert len(launches) == 7
-    finally:
-        _dispatch.forget_plans()
+    launches = emulated_sm90
+    be = attnlib.get_backend("opencl", num_splits=1)
+    p = Paged(be, 40, 8, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="paged dispatch")
+    a, b = p.new(2)
+    p.append([a, b], [37, 13])
+    c = p.fork(a)
+    p.attend([a, b, c], [1, 1, 1], [1, 1, 1])
+    assert launches.count("attn_decode_mma") == 1, "the tensor-core decode kernel did not run"
+    p.truncate(c, 20)
+    p.attend([c, a], [2, 1], [2, 1])
+    p.attend([b, c], [1, 1], packed=False)
+    assert launches.count("attn_decode_mma") == 3
+    # device queries: the repeat-call plans, the block table set per call
+    for sids in ([a, c], [c, a], [b, a], [b, a]):
+        q = randn(p.rng, (2, 1, 8, 64), "float16")
+        out = attnlib.attention_with_paged_kvcache(attnlib.to_device(q, backend=be),
+                                                   p.cache, sids)
+        out = attnlib.to_numpy(out)
+        for i, s in enumerate(sids):
+            p.check_rows(s, q[i], out[i], None)
+    assert launches.count("attn_decode_mma") == 7
 
 
 # ---- quantized K/V (the KV_FORMAT load variant): 8-bit codes and per-(row, kv head) scales -----
@@ -521,7 +492,7 @@ def test_quantized_paged_dispatch_emulated(emulated_sm90):
     q = randn(rng, (2, 1, hq, d), "float16")
     sinks = rng.standard_normal(hq).astype(np.float32)
     out = attnlib.attention_with_paged_kvcache(q, cache, sids, sinks=sinks)
-    assert len(emulated_sm90) == 1, "the tensor-core decode kernel did not run"
+    assert emulated_sm90.count("attn_decode_mma") == 1, "the tensor-core decode kernel did not run"
     k, v = cache.dequantized(sids)
     ends = np.cumsum(cache.lengths(sids))
     for i, (lo, hi) in enumerate(zip(np.r_[0, ends[:-1]], ends)):

@@ -71,12 +71,13 @@ def test_dispatch_takes_wgmma_only_on_hopper_when_on(monkeypatch):
     import attnlib
     from attnlib import _spec
     from attnlib.backends.opencl import _nvidia_mma as nv
+    from attnlib.backends.opencl import _switches
 
     be = attnlib.get_backend("opencl")
     x = [attnlib.to_device(np.ones((1, 70, 2, 128), np.float16), backend=be) for _ in range(3)]
     call = _spec.dense_call(*x, scale=None, mask=None, layout="bshd", need_lse=False,
                             alibi_slopes=None, causal=True, window=None, softcap=None)
-    monkeypatch.setattr(nv, "WGMMA_ON", True)
+    monkeypatch.setattr(_switches, "WGMMA_ON", True)
     monkeypatch.setattr(nv, "_wgmma_failed", set())  # no earlier test's fallback
     monkeypatch.setattr(nv, "compute_capability", lambda dev: None)
     assert not nv.use_wgmma(be.device, call)  # not an NVIDIA device
@@ -91,7 +92,7 @@ def test_dispatch_takes_wgmma_only_on_hopper_when_on(monkeypatch):
     monkeypatch.setattr(nv, "compute_capability", lambda dev: (8, 0))
     assert not nv.use_wgmma(be.device, call)
     monkeypatch.setattr(nv, "compute_capability", lambda dev: (9, 0))
-    monkeypatch.setattr(nv, "WGMMA_ON", False)
+    monkeypatch.setattr(_switches, "WGMMA_ON", False)
     assert nv.plan_launch(be.context, be.device, call).name == "attn_fwd_mma"
 
 
@@ -151,13 +152,13 @@ def test_wgmma_build_failure_falls_back_to_mma_sync(monkeypatch):
     import attnlib
     from attnlib import _spec
     from attnlib.backends.opencl import _nvidia_mma as nv
-    from attnlib.backends.opencl import _nvidia_wgmma
+    from attnlib.backends.opencl import _nvidia_wgmma, _switches
     from attnlib.backends.opencl._runtime import KernelBuildError
     from attnlib.testing._helpers import qkv, rng_for
     from attnlib.testing.reference import reference_attention
 
     be = attnlib.get_backend("opencl")
-    monkeypatch.setattr(nv, "WGMMA_ON", True)
+    monkeypatch.setattr(_switches, "WGMMA_ON", True)
     monkeypatch.setattr(nv, "compute_capability", lambda dev: (9, 0))
     monkeypatch.setattr(nv, "_wgmma_failed", set())
     tried = []

@@ -28,25 +28,22 @@ CASES = [
 
 
 @pytest.fixture
-def forced_cp_async():
-    from attnlib.backends.opencl import _attention, _dispatch
+def forced_cp_async(monkeypatch):
+    from attnlib.backends.opencl import _switches
 
-    _attention.CP_ASYNC_FORCE = True
-    _dispatch.forget_plans()  # plans hold the staging chosen when they were made
-    yield
-    _attention.CP_ASYNC_FORCE = None
-    _dispatch.forget_plans()
+    monkeypatch.setattr(_switches, "CP_ASYNC_FORCE", True)
+    attnlib.forget_plans()  # only this test's plans below
 
 
 @pytest.mark.parametrize("name,dtype,shape,be_opts,opts", CASES, ids=[c[0] for c in CASES])
 def test_cp_async_staging(forced_cp_async, name, dtype, shape, be_opts, opts):
-    from attnlib.backends.opencl import _attention
+    from attnlib.backends.opencl import _attention, _dispatch
 
     b, sq, sk, hq, hkv, d, dv = shape
     q, k, v = qkv(rng_for("cp.async", name), b, sq, sk, hq, hkv, d, dv, dtype)
     be = attnlib.get_backend("opencl", use_mma=False, **be_opts)
     check_dense(be, q, k, v, **opts)
-    modes = {(cfg.CP_ASYNC, cfg.CP_ASYNC_EMULATE) for plan in _attention.plans.values()
-             for cfg in plan.cfgs}
+    modes = {(cfg.CP_ASYNC, cfg.CP_ASYNC_EMULATE) for entry in _dispatch.plans.values()
+             for plan in entry.plans.values() for cfg in plan.cfgs}
     emulated = not _attention._has_cp_async(be)  # the real cp.async on NVIDIA sm_80+
     assert modes == {(True, emulated)}, f"kernel built with (CP_ASYNC, CP_ASYNC_EMULATE) {modes}"

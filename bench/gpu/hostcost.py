@@ -29,16 +29,17 @@ the ``decode`` case's tokens, ``paged_cache_decode`` ``attention_with_paged_kvca
 sequence of a ``PagedKVCache`` (page 16).
 
 ``--emulate-nvidia`` (any OpenCL device, e.g. PoCL): the dispatch sees an sm_90 device
-(``_nvidia_mma.compute_capability`` patched to (9, 0)) and every launch is stubbed, so the
-NVIDIA-only Python paths (``_nvidia_decode``, ``_nvidia_mma``) run without building PTX.
+(``_nvidia_mma.compute_capability`` patched to (9, 0), the warpgroup-MMA family off) and every
+launch is stubbed, so the NVIDIA-only Python paths (``_nvidia_decode``, ``_nvidia_mma``) run
+without building PTX.
 
 ``--count``: instead of times, what 16 real calls of each case (after two warm ones) do per call
 on the queue:
 ``enqueues`` (kernel launches), ``fills`` / ``writes`` (device-table rewrites: fills of at most
 128 bytes, host-to-device copies), ``args_set`` (kernel arguments set: changed scalars and
 pooled buffers, and the non-pooled buffers, which are set on every launch). With
-``--emulate-nvidia`` the tensor-core decode kernel is built emulated (USE_PTX=0) and the prefill
-case is left out (its kernel has no emulated build on this path).
+``--emulate-nvidia`` the tensor-core kernels are built emulated (``_switches.EMULATE_PTX``) and
+the prefill case is left out (its emulated kernel is slow to build and run on a CPU).
 
     python bench/gpu/hostcost.py                       # on the GPU host
     python bench/gpu/hostcost.py --emulate-nvidia      # the NVIDIA paths' host cost, anywhere
@@ -56,7 +57,7 @@ import time
 import numpy as np
 
 import attnlib
-from attnlib.backends.opencl import OpenCLBackend, _pool
+from attnlib.backends.opencl import _pool
 
 HQ, HKV, D, CTX = 32, 8, 128, 8192
 
@@ -83,30 +84,25 @@ def pipelined_us(fn, queue, n):
 
 
 def _stub_launches():
-    """Replace every kernel launch (portable, tensor-core prefill and decode paths) by a no-op;
-    returns a function that restores them."""
-    from attnlib.backends.opencl import _nvidia_decode, _nvidia_mma
+    """Replace every kernel launch (every family and primitive launches through
+    ``_runtime.launch``) by a no-op; returns a function that restores it."""
+    from attnlib.backends.opencl import _runtime
 
-    saved = [(OpenCLBackend, "launch", OpenCLBackend.launch),
-             (_nvidia_decode, "launch", _nvidia_decode.launch),
-             (_nvidia_mma, "launch", _nvidia_mma.launch)]
-    OpenCLBackend.launch = lambda self, *a, **k: None
-    _nvidia_decode.launch = _nvidia_mma.launch = lambda *a, **k: None
+    real = _runtime.launch
+    _runtime.launch = lambda *a, **k: None
 
     def restore():
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
+        _runtime.launch = real
     return restore
 
 
 def _emulate_nvidia():
-    from attnlib.backends.opencl import _dispatch, _nvidia_mma
+    from attnlib.backends.opencl import _nvidia_mma, _switches
 
     _nvidia_mma.compute_capability = lambda device: (9, 0)
     # the warpgroup-MMA program needs NVIDIA's compiler (the dispatch would warn and fall back):
     # the emulated prefill case plans the mma.sync kernel
-    _nvidia_mma.WGMMA_ON = False
-    _dispatch.forget_plans()
+    _switches.WGMMA_ON = False
 
 
 def _dev(rng, shape, be):
@@ -276,9 +272,9 @@ def main(argv=None) -> dict:
     if args.emulate_nvidia:
         _emulate_nvidia()
         if args.count:
-            from attnlib.backends.opencl import _nvidia_decode
+            from attnlib.backends.opencl import _switches
 
-            _nvidia_decode.EMULATE_PTX = True
+            _switches.EMULATE_PTX = True
     stub_only = args.stub_only or args.emulate_nvidia
     want = args.cases.split(",")
     res, every = {}, {}

@@ -17,6 +17,7 @@ from ._api import (
     to_numpy,
 )
 from ._online import OnlineAttention
+from ._plans import forget_plans
 from .errors import (
     ArgumentError,
     AttnlibError,
@@ -60,6 +61,7 @@ __all__ = [
     "register_backend",
     "set_backend",
     "use_backend",
+    "forget_plans",
     "AttnlibError",
     "ShapeError",
     "DTypeError",

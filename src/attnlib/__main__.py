@@ -129,7 +129,40 @@ def cmd_info(_args) -> int:
     shown = shown_variables(("ATTNLIB_BACKEND", "PYOPENCL_CTX"))
     if shown:
         print("environment: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    if getattr(_args, "why", False):
+        _print_why()
     return 0
+
+
+#: the typical calls ``attnlib info --why`` explains: (label, dtype, B, Sq, Sk, Hq, Hkv, D, causal)
+_WHY_CALLS = (
+    ("prefill float16 S=2048 D=128 causal", "float16", 1, 2048, 2048, 32, 8, 128, True),
+    ("prefill float32 S=2048 D=128 causal", "float32", 1, 2048, 2048, 32, 8, 128, True),
+    ("decode float16 1 row, 8192 keys", "float16", 1, 1, 8192, 32, 8, 128, True),
+    ("prefill float16 D=80", "float16", 1, 512, 512, 16, 16, 80, False),
+)
+
+
+def _print_why() -> None:
+    """Which kernel family of the OpenCL backend runs each typical call, and why each family
+    tried before it did not (attnlib.backends.opencl.why); nothing runs."""
+    import numpy as np
+
+    print("OpenCL kernel families for typical calls (first that takes the call runs it):")
+    try:
+        from attnlib.backends.opencl import why
+        from attnlib.registry import get_backend
+
+        be = get_backend("opencl")
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        print(f"  (the opencl backend is not usable here: {type(exc).__name__}: {exc})")
+        return
+    for label, dtype, b, sq, sk, hq, hkv, d, causal in _WHY_CALLS:
+        q = np.zeros((b, sq, hq, d), dtype)
+        k = np.zeros((b, sk, hkv, d), dtype)
+        print(f"  {label}:")
+        for name, reason in why(q, k, k, causal=causal, backend=be):
+            print(f"    {name:26s} {'runs it' if reason is None else 'skipped: ' + reason}")
 
 
 def cmd_check(args) -> int:
@@ -159,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="attnlib", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="backends, OpenCL platforms and devices, versions, the default")
+    info = sub.add_parser("info", help="backends, OpenCL platforms and devices, versions, the "
+                          "default")
+    info.add_argument("--why", action="store_true",
+                      help="also which OpenCL kernel family runs typical calls, and why each "
+                           "faster one was skipped")
     chk = sub.add_parser("check", help="quick conformance run on every available backend")
     chk.add_argument("--backend", help="comma-separated backends (default: all available)")
     sub.add_parser("bench", help="backends side by side (see `attnlib bench --help`)")

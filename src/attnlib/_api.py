@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _spec, registry
+from . import _plans, _spec, registry
 from ._common import RoPE, device_contiguous, empty_lse, from_bshd, pick_backend
 from .backends.base import AttnCall, Backend
 
@@ -96,7 +96,9 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None,
 
 # ---- repeat calls of attention(): the checks of a key are done once ------------------------------
 _DENSE_MAX = 128
-_dense_entries: dict[tuple, Any] = {}
+_dense_entries = _plans.table()
+
+
 def _dense_key(q, k, v, options, layout, return_lse, backend):
     """Everything the checks of :func:`attention` read (no mask): the types, shapes, dtypes and
     strides of q, k, v, the options (:func:`~._spec.option_key`), layout, return_lse and the

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _quant, _spec, registry
+from . import _plans, _quant, _spec, registry
 from ._common import RoPE, check_rope, empty_lse, pick_backend
 from .backends.base import AttnCall, Backend, RopeSpec
 
@@ -75,7 +75,7 @@ class KVCache:
         self._len = np.zeros(self.max_batch_size, dtype=np.int64)
         self._lo = np.zeros(self.max_batch_size, dtype=np.int64)
         #: repeat-call entries of attention_with_kvcache (see _fast_key)
-        self._fast: dict = {}
+        self._fast = _plans.table(owner=self)
 
     def __repr__(self) -> str:
         return (f"KVCache(max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "

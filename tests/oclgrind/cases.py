@@ -95,11 +95,10 @@ def split_kv_decode(be):
 @case
 def cp_async_tile_walks(be):
     # the cp.async staging (NVIDIA only) built with plain copies in cp.async's place
-    from attnlib.backends.opencl import _attention, _dispatch
+    from attnlib.backends.opencl import _switches
 
     rng = rng_for("og cp.async")
-    _attention.CP_ASYNC_FORCE = True
-    _dispatch.forget_plans()
+    _switches.CP_ASYNC_FORCE = True  # a switch of every plan key: no plan to forget
     try:
         split = attnlib.get_backend("opencl", num_splits=3, tiles=(4, 16, 4, 4))
         q, k, v = qkv(rng, 2, 1, 37, 4, 1, 8)
@@ -107,8 +106,7 @@ def cp_async_tile_walks(be):
         q, k, v = qkv(rng, 1, 7, 23, 2, 2, 12, 8, "float16")
         check_dense(be, q, k, v, causal=True)
     finally:
-        _attention.CP_ASYNC_FORCE = None
-        _dispatch.forget_plans()
+        _switches.CP_ASYNC_FORCE = None
 
 
 @case

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import _plans as _attnlib_plans
 from ..base import AttnCall
 
 BLOCK_M = 256  # packed query rows per task
@@ -356,7 +357,7 @@ def _jit_kernels(cdt: np.dtype, block_m: int, block_n: int, d_qk: int, d_v: int,
     return jit
 
 
-_plans: dict[tuple, tuple] = {}
+_plans = _attnlib_plans.table()
 MAX_PLANS = 64  # calls of a model repeat a few shapes
 
 

@@ -24,31 +24,35 @@ kernel fails to compile (the message holds the options and the build log).
 How a call runs (one path for the first call and every repeat)::
 
     OpenCLBackend.attention -> _dispatch.attention
-        -> _plan_cache.run        device arrays, no mask / ALiBi: the plan for the call's key
-                                  (made on its first call, reused after), then its launch
-        -> otherwise the family's run (_attention.run, _nvidia_mma.run, _nvidia_decode.run)
-    every launch: the family's plan .enqueue -> _runtime.launch (one kernel-object cache,
-    programs from _runtime.program, the one program cache)
+        -> the entry of the call's description (_dispatch.plan_key: shapes, strides, options,
+           the backend's options, the _switches) in the one plan cache
+        -> per largest packed row count: the first family of _dispatch.FAMILIES whose
+           applicable(be, call, max_rows) is None, and its plan (Family.plan)
+        -> per per-sequence values: the plan's step (tables, work-group counts, splits)
+        -> Plan.run: pooled outputs, Plan.enqueue (the call's buffers bound to named argument
+           slots, _family.ArgList) -> _runtime.launch (one kernel-object cache, programs from
+           _runtime.program, the one program cache)
 
-Modules: ``_dispatch`` (:func:`~._dispatch.kernel_family`, the only place that chooses the
-kernel family), ``_plan_cache`` (the repeat-call plans, the portable family's included),
-``_attention`` (portable forward kernel and merge.cl: ``PortablePlan``), ``_nvidia_mma``
-(tensor-core prefill, mma.sync and the choice of wgmma: ``PrefillPlan``), ``_nvidia_wgmma``
-(the wgmma program, built through its PTX), ``_nvidia_decode`` (tensor-core decode:
-``DecodePlan``), ``_nvidia_tables`` (what both take of a call: device tables, buffers,
-scalars), ``_nvidia_plans`` (the tensor-core families' repeat-call plans), ``_ops``
-(softmax, merge_states, rope, the KV-cache writes and ``cache_append``), ``_runtime`` (devices,
-kernel sources, the program and kernel-object caches, launches), ``_pool`` (pooled outputs and
-scratch, device tables), ``_arrays`` (array views and dtype kinds).
+:func:`why` shows the families the dispatch tried for a call and why each faster one did not
+take it. Every plan cache of the library (these and the front door's) empties with
+``attnlib.forget_plans()``.
 
-Adding a kernel family (e.g. a paged KV cache's attention): a module ``_<family>.py`` with its
-``applicable(device, call)``, a plan class (everything the call's geometry, dtype, options and
-device fix: kernel options, key of the kernel object, grid, the constant arguments) with an
-``enqueue`` method that sets the per-call arguments and calls ``_runtime.launch``, and
-``run(...)`` that makes the plan and enqueues it; then one branch in
-``_dispatch.kernel_family`` and ``_dispatch.attention``, and, for repeat calls without
-per-call planning, a step in ``_plan_cache._derive`` (as ``_nvidia_plans`` does) that keeps the
-plan and launches through the same ``enqueue``.
+Modules: ``_family`` (the kernel-family interface: ``Family``, ``Plan``, ``ArgList``),
+``_dispatch`` (the ordered family list, the plan cache, :func:`why`), ``_attention`` (the
+portable family, attn_fwd.cl and merge.cl), ``_nvidia_mma`` (the tensor-core prefill families,
+mma.sync and wgmma), ``_nvidia_wgmma`` (the wgmma program, built through its PTX),
+``_nvidia_decode`` (the tensor-core decode family), ``_nvidia_tables`` (what the tensor-core
+families take of a call: device tables, buffers, scalars), ``_switches`` (process-wide
+switches, part of every plan key), ``_ops`` (softmax, merge_states, rope, the KV-cache writes
+and ``cache_append``), ``_runtime`` (devices, kernel sources, the program and kernel-object
+caches, launches), ``_pool`` (pooled outputs and scratch, device tables), ``_arrays`` (array
+views and dtype kinds).
+
+Adding a kernel family (e.g. a paged KV cache's attention): a ``Family`` subclass with its
+``applicable`` (None or the reason it cannot run a call) and ``plan``, a ``Plan`` subclass
+(everything the call's description fixes: kernel options, the key of the kernel object, the
+named argument list) with ``step`` (what the per-sequence values fix) and ``enqueue`` (the
+call's buffers set, ``_runtime.launch``), and its place in ``_dispatch.FAMILIES``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ... import _spec, registry
 from ..base import AttnCall, Backend, RopeSpec
 from . import _dispatch, _ops, _runtime
 from ._arrays import is_cl_array
@@ -70,7 +75,7 @@ from ._runtime import (
     is_simulator,
 )
 
-__all__ = ["OpenCLBackend"]
+__all__ = ["OpenCLBackend", "why"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ _OOM_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_
 
 class device_errors:
     """Device allocation failures become MemoryError (contract §6), never a raw driver error.
-    (A class, not a generator context manager: it wraps every call, ~1 us less each.)"""
+    (A class, not a generator context manager: it wraps every call, and a class costs less.)"""
 
     __slots__ = ("what",)
 
@@ -140,6 +145,28 @@ class device_errors:
                                           or any(c in str(exc) for c in _OOM_CODES)):
             raise MemoryError(f"opencl: {self.what} does not fit the device: {exc}") from exc
         return False
+
+
+@_spec.keywords_checked
+def why(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool | str = False,
+        window: Any = None, mask: Any = None, softcap: float | None = None,
+        alibi_slopes: Any = None, sinks: Any = None, layout: str = "bshd",
+        backend: Any = None) -> list[tuple[str, str | None]]:
+    """The kernel families the OpenCL backend tries for ``attnlib.attention(q, k, v, ...)``
+    with these options, in its order, each with the reason it does not run the call, up to the
+    one that does (reason None): a debug aid, as PyTorch's SDPA reports why it skipped a
+    backend. The arguments are checked as ``attention`` checks them; nothing runs.
+    ``backend``: an OpenCL backend (instance or name; default ``get_backend("opencl")``).
+
+    Returns a list of ``(family name, reason or None)``.
+    """
+    be = registry.get_backend("opencl" if backend is None else backend)
+    call = _spec.dense_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                            softcap=softcap, alibi_slopes=alibi_slopes, layout=layout,
+                            need_lse=False, sinks=sinks)
+    if not isinstance(be, OpenCLBackend):
+        return [(be.name, "not the OpenCL backend (it has no kernel families)")]
+    return _dispatch.why(be, call)
 
 
 class OpenCLBackend(Backend):

@@ -63,6 +63,11 @@ def _host_span(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
     return x.reshape(-1), np.empty(x.shape, np.uint8).strides
 
 
+def host_strides(x: np.ndarray) -> tuple[int, ...]:
+    """The element strides :func:`upload` gives ``x`` (without uploading it)."""
+    return _host_span(x)[1]
+
+
 def upload(ctx: Any, x: np.ndarray) -> DevView:
     """Copy a numpy array to a new read-only device buffer (its exact element span)."""
     import pyopencl as cl

@@ -17,12 +17,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import _config
 from ...errors import UnsupportedError
-from . import _pool
-from ._arrays import acc_dtype, device_view, dummy_buffer, is_cl_array, store_kind, upload
+from . import _pool, _runtime, _switches
+from ._arrays import (
+    DevView,
+    acc_dtype,
+    device_view,
+    dummy_buffer,
+    host_strides,
+    is_cl_array,
+    store_kind,
+    upload,
+)
+from ._family import ArgList, Family, Plan
 from ._nvidia_tables import _device_copy, _memoised
-from ._runtime import KernelConfig
+from ._runtime import KernelConfig, launch_lock, program
 
 if TYPE_CHECKING:
     from ..base import AttnCall
@@ -210,11 +219,6 @@ def choose_splits(facts: Any, n_groups: int, key_tiles: int, override: int | Non
     return max(1, min(-(-target // n_groups), key_tiles // 2))
 
 
-#: ATTNLIB_OPENCL_CP_ASYNC=0/1 forces the K/V staging (A/B runs, tests): on devices without
-#: cp.async, 1 builds with CP_ASYNC_EMULATE (plain copies, the same tile walk)
-CP_ASYNC_FORCE: bool | None = _config.opencl_cp_async()
-
-
 def cp_async_mode(be: OpenCLBackend, views: list, vec_staging: bool,
                   dtype: np.dtype) -> tuple[bool, bool]:
     """(CP_ASYNC, CP_ASYNC_EMULATE): whether K/V tiles are staged with NVIDIA's cp.async (sm_80+,
@@ -223,13 +227,14 @@ def cp_async_mode(be: OpenCLBackend, views: list, vec_staging: bool,
     caches (bench/RESULTS.md)."""
     if not vec_staging or dtype == np.float64:
         return False, False
-    if CP_ASYNC_FORCE is not None and not _has_cp_async(be):
-        return CP_ASYNC_FORCE, CP_ASYNC_FORCE
+    force = _switches.CP_ASYNC_FORCE
+    if force is not None and not _has_cp_async(be):
+        return force, force
     if not _has_cp_async(be) or not all(
             vw.offset % 4 == 0 and all(st % 4 == 0 for st in vw.strides[:3])
             for vw in views[1:]):
         return False, False
-    return CP_ASYNC_FORCE is not False, False
+    return force is not False, False
 
 
 def _has_cp_async(be: OpenCLBackend) -> bool:
@@ -244,7 +249,7 @@ def _has_cp_async(be: OpenCLBackend) -> bool:
 def descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, int]:
     """The kernel's int32 table: 9 fields per sequence, then (sequence, first packed row) per
     work-group column; and the number of those columns. Small tables (every decode step) are
-    built from Python ints, which costs ~3 us where numpy's operations on tiny arrays cost ~15."""
+    built from Python ints, cheaper than numpy's operations on tiny arrays."""
     n_seq = call.n_seq
     n_blocks = -(-rows // bm)
     n_groups = int(n_blocks.sum())
@@ -264,62 +269,188 @@ def descriptor(call: AttnCall, rows: np.ndarray, bm: int) -> tuple[np.ndarray, i
     return desc, n_groups
 
 
-@dataclass
-class PortablePlan:
-    """What a call's geometry fixes: tiling, kernel configs (no split / split) and the kernel's
-    argument list with the per-call slots (q, k, v buffers, descriptor, mask, alibi, outputs)
-    left to fill. Decode steps repeat one geometry; the plan is made once for it."""
+class Portable(Family):
+    """kernels/attn_fwd.cl on any OpenCL device: every call (paged pools, quantized K/V, masks,
+    ALiBi included); the last family the dispatch tries."""
 
-    tiles: tuple[int, int, int, int]
-    cfgs: tuple[Any, Any]
-    args: list
-    opts: tuple[tuple[str, ...], tuple[str, ...]]  # the build options of cfgs
-    #: what a launch reads of the geometry: (kv heads, Dv, query rows of the array, heads,
-    #: output rows, work-items per group, partial-state bytes per output value, the merge's
-    #: store kinds (in, out) and accumulator kind)
-    geom: tuple
+    name = "portable"
 
-    def enqueue(self, be: OpenCLBackend, queue: Any, args: list, out: Any, lse: Any,
-                n_groups: int, splits: int, owner: Any = None) -> None:
-        """Launch over ``n_groups`` work-group columns with ``splits`` key splits: ``args`` is a
-        copy of :attr:`args` with the call's slots (q, k, v, descriptor, ALiBi, mask) set, and
-        ``out`` / ``lse`` the destination buffers; split partial states go to pooled scratch
-        and merge.cl. ``owner``: the repeat-call plan (one object per split mode) whose launches
-        set only :data:`REPEAT_VARYING`. :func:`run` and the plan cache both launch here."""
-        hkv, dv, sq_arr, hq, n_out_rows, nt, item, in_kind, out_kind, acc_kind = self.geom
+    def plan_rows(self, max_rows: int) -> int:
+        return max_rows  # the tiling follows the packed rows (decode tiles up to DECODE_ROWS)
+
+    def applicable(self, be: OpenCLBackend, call: AttnCall, max_rows: int) -> str | None:
+        return None
+
+    def plan(self, be: OpenCLBackend, queue: Any, call: AttnCall, max_rows: int) -> Plan:
+        return PortablePlan(be, queue, call, max_rows)
+
+
+def geometry(x: Any) -> DevView:
+    """The element offset and strides the kernel reads ``x`` with (no buffer): in place for a
+    device array, as :func:`~._arrays.upload` lays out a host array."""
+    if x.size == 0 or (is_cl_array(x) and x.base_data is None):
+        return DevView(None, 0, (0,) * x.ndim)
+    if is_cl_array(x):
+        item = x.dtype.itemsize
+        return DevView(None, x.offset // item, tuple(s // item for s in x.strides))
+    return DevView(None, 0, host_strides(x))
+
+
+class PortablePlan(Plan):
+    """What a call description and its largest packed row count fix on attn_fwd.cl: tiling,
+    build options (no split / split), the argument list (:class:`~._family.ArgList`) with the
+    per-call slots left to fill, and the descriptor's device table."""
+
+    def __init__(self, be: OpenCLBackend, queue: Any, call: AttnCall, max_rows: int) -> None:
+        self.ctx = ctx = queue.context
+        self.be, self.queue = be, queue
+        dtype = call.dtype
+        acc = acc_dtype(dtype)
+        self.lse_dtype = acc
+        bq, sq_arr, hq, d = call.q.shape
+        hkv, dv = call.n_kv_heads, call.head_dim_v
+        views = [geometry(x) for x in (call.q, call.k, call.v)]
+        fmt = kv_format(call)  # 8-bit K/V: staged dequantized, as acc_t, by scalar loads
+        kv_bytes = 2 if dtype.itemsize == 2 and not fmt else acc.itemsize
+        bm, bn, tmh, tnh = tiles = choose_tiles(be.facts, max_rows, d, dv, acc.itemsize,
+                                                kv_bytes, be.tiles)
+        d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
+        load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0 and not fmt
+                    and all(vw.strides[3] == 1 for vw in views))
+        cp_mode, cp_emulate = cp_async_mode(be, views, load_vec, dtype)
+        self.mask_kind = (0 if call.mask_view is None
+                          else 1 if call.options.mask_kind == "bool" else 2)
+        config = QuantFwdConfig if fmt else FwdConfig
+        extra = {"KV_FORMAT": fmt} if fmt else {}
+        self.cfgs = tuple(config(
+            HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
+            THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
+            STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
+            MASK_KIND=self.mask_kind, HAS_ALIBI=call.options.alibi is not None,
+            HAS_SOFTCAP=call.options.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
+            CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
+            CPU_VEC=0 if fmt else cpu_vec(be.facts, tiles, d, dv, dtype),
+            PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0, **extra)
+            for split in (False, True))
+        self.tiles = tiles
+        opts = [c.options() for c in self.cfgs]
+        self.keys = [(ctx.int_ptr, "attn_fwd.cl", "attn_fwd", o) for o in opts]
+        self.makes = [functools.partial(program, ctx, "attn_fwd.cl", o) for o in opts]
+        wl = _UNBOUNDED if call.options.window_left is None else int(call.options.window_left)
+        wr = _UNBOUNDED if call.options.window_right is None else int(call.options.window_right)
+        i64, i32, f = np.int64, np.int32, acc.type
+        self.n_out_rows = n_out_rows = bq * sq_arr * hq
+        dummy = dummy_buffer(ctx)
+        a = ArgList()  # attn_fwd's parameters, in order
+        for name, view in zip("qkv", views):
+            a.add(name, None)
+            a.add(name + "_geometry", i64(view.offset), *(i64(s) for s in view.strides))
+        a.add("desc", None)
+        a.add("options", i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.options.scale),
+              f(call.options.softcap or 1.0))
+        a.add("alibi", dummy)
+        a.add("mask", dummy, *(i64(0) for _ in range(5)))
+        a.add("out", None)
+        a.add("lse", None)
+        a.add("shape", i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv))
+        a.add("sinks", dummy)
+        a.add("n_sinks", i32(0 if call.options.sinks is None else hq))
+        if call.block_table is not None:  # PAGED_ARGS
+            a.add("block_table", *[None] * 6)
+        if fmt:  # KV_ARGS: the scales of k and v (buffer, offset, 3 strides each)
+            a.add("k_scales", *[None] * 5)
+            a.add("v_scales", *[None] * 5)
+        self.args = a.values
+        self.i_q, self.i_k, self.i_v = a.at("q"), a.at("k"), a.at("v")
+        self.i_out, self.i_lse, self.i_sinks = a.at("out"), a.at("lse"), a.at("sinks")
+        self.i_alibi, self.s_mask = a.at("alibi"), a.span("mask")
+        self.s_table = a.span("block_table") if a.has("block_table") else None
+        self.s_scales = (a.span("k_scales"), a.span("v_scales")) if fmt else None
+        #: the slots a launch sets (a launch of the same plan compares only these; the
+        #: stand-ins of absent options stay as the plan's first launch set them)
+        self.varying = a.indices("q", "k", "v", "out", "lse", "sinks", "block_table",
+                                 "k_scales", "v_scales",
+                                 *(["alibi"] if call.options.alibi is not None else []),
+                                 *(["mask"] if self.mask_kind else []))
+        self.owners = (object(), object())  # the KernelSlot owner of each split mode
+        self.group = hq // hkv
+        self.grid_y = hkv
+        self.nt = tmh * tnh
+        n = call.n_seq
+        self.table = _pool.DeviceTable(queue, 4 * (9 * n + 2 * n * -(-max_rows // bm)),
+                                       not be.facts.simulator)
+        self.args[a.at("desc")] = self.table.buf
+        self.merge_kinds = (store_kind(acc), store_kind(dtype), int(acc == np.float64))
+        self.geom = (sq_arr, hq, dv, acc.itemsize)
+
+    def step(self, call: AttnCall, vals: np.ndarray, col: list | None) -> Any:
+        bm, bn = self.tiles[0], self.tiles[1]
+        if col is not None:  # one sequence: the descriptor from Python ints
+            rows = col[2] * self.group
+            head = col if len(col) == 9 else col + [INT_MAX]
+            nb = -(-rows // bm)
+            desc = np.array(head + [x for g in range(nb) for x in (0, g * bm)], np.int32)
+            n_groups, max_k = nb, col[5]
+        else:
+            desc, n_groups = descriptor(call, vals[2] * self.group, bm)
+            max_k = int(vals[5].max())
+        if n_groups == 0:
+            return None
+        splits = choose_splits(self.be.facts, n_groups * self.grid_y, -(-max_k // bn),
+                               self.be.num_splits)
+        return desc.tobytes(), n_groups, splits
+
+    def enqueue(self, step: Any, call: AttnCall, out: Any, lse: Any, keep: Any) -> list:
+        desc, n_groups, splits = step
+        queue, ctx = self.queue, self.ctx
+        args = self.args.copy()
+        q, k, v = call.q, call.k, call.v
+        if (isinstance(q, np.ndarray) or isinstance(k, np.ndarray) or q.base_data is None
+                or k.base_data is None or v.base_data is None):  # host or empty arrays
+            args[self.i_q], args[self.i_k], args[self.i_v] = (device_view(ctx, x).buf
+                                                              for x in (q, k, v))
+        else:
+            args[self.i_q], args[self.i_k], args[self.i_v] = q.base_data, k.base_data, v.base_data
+        if call.options.alibi is not None:
+            args[self.i_alibi] = _pool.upload(queue, np.ascontiguousarray(call.options.alibi,
+                                                                          np.float32), keep)
+        if self.mask_kind:
+            mv = call.mask_view
+            base = mv[tuple(slice(0, 1) if s == 0 else slice(None) for s in mv.strides)]
+            base = base.astype(np.uint8 if self.mask_kind == 1 else self.lse_dtype)
+            mdev = upload(ctx, base)
+            strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
+            args[self.s_mask] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
+        if self.s_table is not None:
+            args[self.s_table] = table_args(queue, call.block_table, int(call.k.shape[0]), keep)
+        if self.s_scales is not None:
+            for span, scl in zip(self.s_scales, (call.k_scales, call.v_scales)):
+                sv = device_view(ctx, scl)
+                args[span] = [sv.buf, *(np.int64(a) for a in (sv.offset, *sv.strides))]
+        if call.options.sinks is not None:
+            args[self.i_sinks] = _pool.upload(queue, call.options.sinks, keep)
         split = splits > 1
-        sinks = args[ARG_SINKS] if args[ARG_SINKS + 1] else None
+        sq_arr, hq, dv, item = self.geom
+        n_out_rows = self.n_out_rows
         if split:
             part_o = _pool.scratch(queue, splits * n_out_rows * dv * item)
             part_l = _pool.scratch(queue, splits * n_out_rows * item)
-            args[ARG_DST], args[ARG_DST + 1] = part_o, part_l
+            args[self.i_out], args[self.i_lse] = part_o, part_l
         else:
-            args[ARG_DST], args[ARG_DST + 1] = out, lse
-        be.launch(queue.context, queue, "attn_fwd.cl", self.opts[split], "attn_fwd",
-                  (n_groups * nt, hkv, splits), (nt, 1, 1), args, varying=REPEAT_VARYING,
-                  owner=None if owner is None else owner[split])
-        if split:
-            launch_merge(be, queue, part_o, n_out_rows * dv, part_l,
-                         (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv, n_out_rows,
-                         out, lse, in_kind, out_kind, acc_kind, sinks)
-
-
-#: the plans by geometry (``_dispatch.forget_plans`` empties this and the repeat-call cache)
-plans: dict[tuple, PortablePlan] = {}
-PLANS_MAX = 512
-# argument slots the call fills (see make_plan's argument order)
-ARG_Q, ARG_K, ARG_V, ARG_DESC, ARG_ALIBI, ARG_MASK, ARG_DST = 0, 6, 12, 18, 25, 26, 32
-ARG_SINKS = ARG_DST + 6  # the sinks buffer (a dummy without), then their count (0: none)
-ARG_TABLE = ARG_SINKS + 2  # paged calls only: table buffer, offset, 2 strides, width, pages
-#: the slots a repeat call's launch changes (the plan cache holds the rest fixed)
-REPEAT_VARYING = (ARG_Q, ARG_K, ARG_V, ARG_DST, ARG_DST + 1, ARG_SINKS)
-
-
-def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall, views: list, max_rows: int,
-              mask_kind: int) -> tuple:
-    return (id(be), queue.int_ptr, call.dtype, call.q.shape, call.n_kv_heads,
-            call.head_dim_v, max_rows, call.n_seq, call.ring, call.options.plan_key, mask_kind,
-            call.page_size, kv_format(call), *((vw.offset, vw.strides) for vw in views))
+            args[self.i_out], args[self.i_lse] = out, lse
+        nt = self.nt
+        with launch_lock:
+            self.table.put(queue, desc)
+            evt = _runtime.launch(self.keys[split], self.makes[split], "attn_fwd", queue,
+                                  (n_groups * nt, self.grid_y, splits), (nt, 1, 1), args,
+                                  varying=self.varying, owner=self.owners[split])
+        if not split:
+            return [evt]
+        in_kind, out_kind, acc_kind = self.merge_kinds
+        return [evt, launch_merge(self.be, queue, part_o, n_out_rows * dv, part_l,
+                                  (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, dv,
+                                  n_out_rows, out, lse, in_kind, out_kind, acc_kind,
+                                  args[self.i_sinks] if call.options.sinks is not None else None)]
 
 
 def kv_format(call: AttnCall) -> int:
@@ -329,125 +460,6 @@ def kv_format(call: AttnCall) -> int:
     from ... import _quant
 
     return _quant.format_of(call.k.dtype).code
-
-
-def make_plan(be: OpenCLBackend, call: AttnCall, views: list, max_rows: int,
-               mask_kind: int) -> PortablePlan:
-    dtype = call.dtype
-    acc = acc_dtype(dtype)
-    bq, sq_arr, hq, d = call.q.shape
-    hkv, dv = call.n_kv_heads, call.head_dim_v
-    fmt = kv_format(call)  # 8-bit K/V: staged dequantized, as acc_t, by scalar loads
-    kv_bytes = 2 if dtype.itemsize == 2 and not fmt else acc.itemsize
-    bm, bn, tmh, tnh = tiles = choose_tiles(be.facts, max_rows, d, dv, acc.itemsize, kv_bytes,
-                                            be.tiles)
-    d_vec, v_vec, dv_pad = vec_widths(d, dv, tnh)
-    load_vec = (d_vec == 4 and dv % 4 == 0 and dv_pad % 4 == 0 and not fmt
-                and all(vw.strides[3] == 1 for vw in views))
-    cp_mode, cp_emulate = cp_async_mode(be, views, load_vec, dtype)
-    config = QuantFwdConfig if fmt else FwdConfig
-    extra = {"KV_FORMAT": fmt} if fmt else {}
-    cfgs = tuple(config(
-        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn, THREADS_M=tmh,
-        THREADS_N=tnh, D_VEC=d_vec, V_VEC=v_vec, LOAD_VEC=load_vec,
-        STORE_KIND=store_kind(dtype), ACC_KIND=int(acc == np.float64),
-        MASK_KIND=mask_kind, HAS_ALIBI=call.options.alibi is not None,
-        HAS_SOFTCAP=call.options.softcap is not None, SPLIT=split, TREE_MAX=tnh >= 32,
-        CP_ASYNC=cp_mode, CP_ASYNC_EMULATE=cp_emulate,
-        CPU_VEC=0 if fmt else cpu_vec(be.facts, tiles, d, dv, dtype),
-        PAGE_SIZE=int(call.page_size or 0) if call.block_table is not None else 0, **extra)
-        for split in (False, True))
-    wl = _UNBOUNDED if call.options.window_left is None else int(call.options.window_left)
-    wr = _UNBOUNDED if call.options.window_right is None else int(call.options.window_right)
-    i64, i32, f = np.int64, np.int32, acc.type
-    n_out_rows = bq * sq_arr * hq
-    args: list[Any] = []
-    for view in views:  # slots ARG_Q, ARG_K, ARG_V: buffer, offset, then the four strides
-        args += [None, i64(view.offset), *(i64(s) for s in view.strides)]
-    args += [None, i32(call.n_seq), i32(call.ring), i64(wl), i64(wr), f(call.options.scale),
-             f(call.options.softcap or 1.0), None, None, *(i64(0) for _ in range(5))]
-    args += [None, None, i32(sq_arr), i32(hq), i64(n_out_rows), i32(hq // hkv)]
-    args += [None, i32(0 if call.options.sinks is None else hq)]  # slots ARG_SINKS, ARG_SINKS + 1
-    assert len(args) == ARG_TABLE
-    if call.block_table is not None:  # slots ARG_TABLE..: the block table, set per call
-        args += [None] * 6
-    if fmt:  # then the scales of k and v (buffer, offset, 3 strides each), set per call
-        args += [None] * 10
-    geom = (hkv, dv, sq_arr, hq, n_out_rows, tmh * tnh, acc.itemsize, store_kind(acc),
-            store_kind(dtype), int(acc == np.float64))
-    return PortablePlan(tiles, cfgs, args, tuple(c.options() for c in cfgs), geom)
-
-
-def run(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
-        max_rows: int) -> tuple[Any, Any]:
-    """``call`` on the portable kernel (``rows``: packed query rows per sequence, ``max_rows``
-    their maximum); numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out."""
-    ctx = queue.context
-    dtype = call.dtype
-    acc = acc_dtype(dtype)
-    bq, sq_arr, hq, d = call.q.shape
-    hkv, dv = call.n_kv_heads, call.head_dim_v
-    n_seq = call.n_seq
-    out = _pool.empty(queue, (bq, sq_arr, hq, dv), dtype)
-    host = not is_cl_array(call.q)
-    # the LSE is written either way; without need_lse it goes to pooled scratch and the call
-    # returns None for it (one pyopencl Array less per decode step)
-    n_out_rows = bq * sq_arr * hq
-    if call.need_lse or host:
-        lse = _pool.empty(queue, (bq, hq, sq_arr), acc)
-        lse_buf = lse.data if lse.size else None
-    else:
-        lse, lse_buf = None, _pool.scratch(queue, n_out_rows * acc.itemsize)
-    if out.size == 0 or n_seq == 0:
-        return (out.get(), lse.get()) if host else (out, lse)
-
-    mask_kind = 0 if call.mask_view is None else (1 if call.options.mask_kind == "bool" else 2)
-    views = [device_view(ctx, x) for x in (call.q, call.k, call.v)]
-    key = plan_key(be, queue, call, views, max_rows, mask_kind)
-    plan = plans.get(key)
-    if plan is None:
-        plan = make_plan(be, call, views, max_rows, mask_kind)
-        if len(plans) >= PLANS_MAX:
-            plans.clear()
-        plans[key] = plan
-    bm, bn = plan.tiles[0], plan.tiles[1]
-    desc, n_groups = descriptor(call, rows, bm)
-    if n_groups == 0:
-        return (out.get(), lse.get()) if host else (out, lse)
-    key_tiles = -(-int(call.k_len.max()) // bn)
-    splits = choose_splits(be.facts, n_groups * hkv, key_tiles, be.num_splits)
-
-    args = plan.args.copy()
-    for slot, view in zip((ARG_Q, ARG_K, ARG_V), views):
-        args[slot] = view.buf
-    args[ARG_DESC] = _pool.upload(queue, desc, out)
-    args[ARG_ALIBI] = dummy_buffer(ctx)
-    if call.options.alibi is not None:
-        args[ARG_ALIBI] = _pool.upload(queue, np.ascontiguousarray(call.options.alibi, np.float32),
-                                       out)
-    args[ARG_MASK] = dummy_buffer(ctx)
-    if mask_kind:
-        mv = call.mask_view
-        base = mv[tuple(slice(0, 1) if s == 0 else slice(None) for s in mv.strides)]
-        base = base.astype(np.uint8 if mask_kind == 1 else acc)
-        mdev = upload(ctx, base)
-        strides = [0 if n == 1 else s for s, n in zip(mdev.strides, base.shape)]
-        args[ARG_MASK:ARG_MASK + 6] = [mdev.buf, *(np.int64(a) for a in (mdev.offset, *strides))]
-    if call.block_table is not None:
-        args[ARG_TABLE:ARG_TABLE + 6] = table_args(queue, call.block_table, int(call.k.shape[0]),
-                                                   out)
-    if call.k_scales is not None:
-        first = ARG_TABLE + (6 if call.block_table is not None else 0)
-        for i, scl in enumerate((call.k_scales, call.v_scales)):
-            sv = device_view(ctx, scl)
-            args[first + 5 * i:first + 5 * i + 5] = [sv.buf, *(np.int64(a) for a in (
-                sv.offset, *sv.strides))]
-    args[ARG_SINKS] = dummy_buffer(ctx) if call.options.sinks is None else \
-        _pool.upload(queue, call.options.sinks, out)
-    plan.enqueue(be, queue, args, out.data, lse_buf, n_groups, splits)
-    if host:
-        return out.get(), lse.get()
-    return out, lse
 
 
 #: host block tables up to this size are kept on the device by value (the tables memo of

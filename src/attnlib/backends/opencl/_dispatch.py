@@ -1,21 +1,28 @@
-"""Which kernel family runs an attention call, and the one entry that runs it.
+"""Which kernel family runs an attention call, and the one path every call takes.
 
-:func:`kernel_family` is the only place that chooses; :func:`attention` asks the plan cache
-(``_plan_cache``: device-array calls, repeated geometries) and otherwise the chosen family's
-``run``:
+:data:`FAMILIES` is the ordered list of kernel families (``_family.Family``), fastest first;
+a call runs on the first whose ``applicable`` says None, and :func:`why` lists the reasons the
+ones before it gave (``attnlib.backends.opencl.why``, ``attnlib info --why``):
 
-* ``"mma"``: NVIDIA tensor cores, sm_80+ (``_nvidia_mma``: mma.sync; on sm_90 the warpgroup-MMA
-  kernel of ``_nvidia_wgmma``), float16/bfloat16, float32 as 3xTF32, more than
-  :data:`~._attention.DECODE_ROWS` packed query rows, paged calls included (their PAGE_SIZE load
-  variant, mma.sync);
-* ``"decode"``: NVIDIA tensor cores, float16/bfloat16, at most 16 packed query rows per kv head
-  (``_nvidia_decode``), paged calls and quantized KV caches (8-bit codes, its KV_FORMAT load
-  variant) included;
-* ``"portable"``: kernels/attn_fwd.cl on any device (``_attention``), paged calls and quantized
-  KV caches included.
+* ``nvidia wgmma``: Hopper warpgroup MMA, float16/bfloat16 prefill (``_nvidia_mma.Wgmma``);
+* ``nvidia decode + prefill``: a paged call of prefill chunks and decode steps with host
+  arrays, its decode sequences on the decode kernel, the rest on the mma.sync prefill kernel
+  where it takes them, else the portable one (:class:`MixedPaged`);
+* ``nvidia mma.sync``: tensor-core prefill on sm_80+, float16/bfloat16, float32 as 3xTF32,
+  more than :data:`~._attention.DECODE_ROWS` packed query rows, paged calls of more than 16
+  (their PAGE_SIZE load variant) included (``_nvidia_mma.MmaSync``);
+* ``nvidia decode``: tensor-core decode on sm_80+, float16/bfloat16, at most 16 packed query
+  rows per sequence, paged pools and 8-bit K/V included (``_nvidia_decode.Decode``);
+* ``portable``: kernels/attn_fwd.cl on any device, every call (``_attention.Portable``).
 
-A paged call of prefill chunks and decode steps with host arrays runs its decode sequences on the
-decode kernel and the rest on the family that takes them ("mma" or "portable"; ``_mixed_paged``).
+:func:`attention` is the path of the first call of a call description and of every repeat:
+the plan cache :data:`plans` maps the description (:func:`plan_key`: array types, shapes,
+strides and offsets, options, the backend's options and the ``_switches`` in force) to an entry
+that holds, per largest packed row count, the family's plan; the per-sequence values are
+compared as bytes with the last call's: equal, the plan's step (tables, work-group counts,
+splits) is reused and nothing is uploaded; different, the step is made again (the plans'
+device tables are rewritten in place: ``_pool.DeviceTable``). Buffers, the sinks, ALiBi slopes,
+mask values and block tables are bound per call by the plan's ``enqueue``.
 """
 
 from __future__ import annotations
@@ -25,80 +32,41 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _attention, _nvidia_decode, _nvidia_mma, _plan_cache
+from ... import _plans
+from . import _nvidia_decode, _switches
+from ._attention import Portable
+from ._family import Family, NotBuilt, Plan, per_sequence
+from ._nvidia_decode import Decode
+from ._nvidia_mma import MmaSync, Wgmma
 
 if TYPE_CHECKING:
     from ..base import AttnCall
     from . import OpenCLBackend
 
 
-def kernel_family(be: OpenCLBackend, call: AttnCall, max_rows: int) -> str:
-    """The kernel family of ``call`` on ``be`` (``max_rows``: its largest number of packed query
-    rows, q_len * group, of one sequence): "mma", "decode" or "portable". Quantized K/V
-    (``k_scales``) run the decode kernel's KV_FORMAT variant when it takes them, else the
-    portable kernel: the prefill kernel reads K and V in the dtype only."""
-    if be.use_mma and call.k_scales is None and max_rows > _attention.DECODE_ROWS:
-        if _nvidia_mma.applicable(be.device, call):
-            return "mma"
-    if be.use_mma and max_rows <= _nvidia_decode.MAX_ROWS:
-        if _nvidia_decode.applicable(be.device, call):
-            return "decode"
-    return "portable"
+class MixedPaged(Family):
+    """A paged call of prefill chunks and decode steps (host arrays): the decode sequences (at
+    most MAX_ROWS packed rows) on the tensor-core decode kernel, the others on the mma.sync
+    prefill kernel where it takes them, else the portable kernel, each writing its own query
+    rows."""
 
+    name = "nvidia decode + prefill"
 
-def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
-    res = _plan_cache.run(be, call, kernel_family)
-    if res is not None:
-        return res
-    queue = be.queue_for(call.q, call.k, call.v, call.block_table)
-    hq, hkv = call.q.shape[2], call.n_kv_heads
-    rows = call.q_len.astype(np.int64, copy=False) * (hq // hkv)
-    max_rows = int(rows.max()) if call.n_seq else 0
-    family = kernel_family(be, call, max_rows)
-    if family == "decode":
-        return _nvidia_decode.run(be, queue, call)
-    if (call.block_table is not None and call.k_scales is None and be.use_mma
-            and max_rows > _nvidia_decode.MAX_ROWS):
-        res = _mixed_paged(be, queue, call, rows, family)
-        if res is not None:
-            return res
-    if family == "mma":
-        return _nvidia_mma.run(queue.context, queue, be.device, call)
-    return _attention.run(be, queue, call, rows, max_rows)
+    def applicable(self, be: OpenCLBackend, call: AttnCall, max_rows: int) -> str | None:
+        if call.block_table is None:
+            return "not a paged call"
+        if not be.use_mma:
+            return "the backend's use_mma=False"
+        if call.k_scales is not None:
+            return "quantized K/V"
+        if max_rows <= _nvidia_decode.MAX_ROWS:
+            return "every sequence fits the decode kernel"
+        if not isinstance(call.q, np.ndarray) or not isinstance(call.block_table, np.ndarray):
+            return "device arrays (the parts' outputs are joined on the host)"
+        return _nvidia_decode.reason(be.device, call)
 
-
-def _mixed_paged(be: OpenCLBackend, queue: Any, call: AttnCall, rows: np.ndarray,
-                 family: str) -> tuple[Any, Any] | None:
-    """A paged call of prefill chunks and decode steps (``cu_seqlens_q``) with host arrays: the
-    decode sequences (at most MAX_ROWS packed rows) on the tensor-core decode kernel, the
-    others on ``family``'s kernel (the prefill kernel or the portable one), each writing its own
-    query rows; None where the decode kernel takes none of them (the whole call then runs
-    ``family``)."""
-    if not isinstance(call.q, np.ndarray) or not isinstance(call.block_table, np.ndarray):
-        return None
-    small = rows <= _nvidia_decode.MAX_ROWS
-    if not small.any():
-        return None
-    parts = []
-    for keep in (small, ~small):
-        idx = np.flatnonzero(keep)
-        parts.append(replace(call, **{f: getattr(call, f)[idx] for f in _PER_SEQ
-                                      if getattr(call, f) is not None},
-                             options=call.options.for_sequences(idx),
-                             block_table=call.block_table[idx], need_lse=True))
-    dec, rest = parts
-    if not _nvidia_decode.applicable(be.device, dec):
-        return None
-    if family == "mma":
-        out, lse = _nvidia_mma.run(queue.context, queue, be.device, rest)
-    else:
-        out, lse = _attention.run(be, queue, rest, rows[~small], int(rows[~small].max()))
-    d_out, d_lse = _nvidia_decode.run(be, queue, dec)
-    for s in range(dec.n_seq):
-        b, r0, n = int(dec.q_batch[s]), int(dec.q_row0[s]), int(dec.q_len[s])
-        out[b, r0:r0 + n] = d_out[b, r0:r0 + n]
-        lse[b, :, r0:r0 + n] = d_lse[b, :, r0:r0 + n]
-    return out, (lse if call.need_lse else None)
+    def plan(self, be: OpenCLBackend, queue: Any, call: AttnCall, max_rows: int) -> Plan:
+        return MixedPlan(be, queue, call)
 
 
 #: the per-sequence fields of an AttnCall (numpy arrays of length n_seq)
@@ -106,8 +74,178 @@ _PER_SEQ = ("q_batch", "q_row0", "q_len", "k_batch", "k_row0", "k_len", "q_pos0"
             "causal_hi")
 
 
-def forget_plans() -> None:
-    """Drop every attention plan (tests and benches that change a module setting the plans were
-    made under)."""
-    _attention.plans.clear()
-    _plan_cache.plans.clear()
+class MixedPlan(Plan):
+    """:class:`MixedPaged`'s plan: the two parts' plans, by their sequence counts."""
+
+    def __init__(self, be: OpenCLBackend, queue: Any, call: AttnCall) -> None:
+        self.be, self.queue = be, queue
+        self.group = call.n_heads // call.n_kv_heads
+        self.parts: dict = {}
+
+    def step(self, call: AttnCall, vals: np.ndarray, col: list | None) -> Any:
+        small = vals[2] * self.group <= _nvidia_decode.MAX_ROWS
+        return np.flatnonzero(small), np.flatnonzero(~small)
+
+    def _part(self, family: Family, call: AttnCall) -> tuple[Plan, Any]:
+        vals, col = per_sequence(call)
+        max_rows = int(vals[2].max()) * self.group
+        key = (family.name, call.n_seq, family.plan_rows(max_rows))
+        plan = self.parts.get(key)
+        if plan is None:
+            plan = self.parts[key] = family.plan(self.be, self.queue, call, max_rows)
+        return plan, plan.step(call, vals, col)
+
+    def _rest(self, call: AttnCall) -> Family:
+        """The family of the prefill sequences: mma.sync where it takes them."""
+        max_rows = int(np.max(call.q_len)) * self.group
+        return MMA_SYNC if MMA_SYNC.applicable(self.be, call, max_rows) is None else PORTABLE
+
+    def run(self, call: AttnCall, step: Any) -> tuple[Any, Any]:
+        dec_idx, rest_idx = step
+        if not dec_idx.size:  # no decode sequence this time: all on the prefill side
+            plan, st = self._part(self._rest(call), call)
+            return plan.run(call, st)
+        dec, rest = (replace(call, **{f: getattr(call, f)[idx] for f in _PER_SEQ
+                                      if getattr(call, f) is not None},
+                             options=call.options.for_sequences(idx),
+                             block_table=call.block_table[idx], need_lse=True)
+                     for idx in (dec_idx, rest_idx))
+        plan, st = self._part(self._rest(rest), rest)
+        out, lse = plan.run(rest, st)
+        plan, st = self._part(DECODE, dec)
+        d_out, d_lse = plan.run(dec, st)
+        for s in range(dec.n_seq):
+            b, r0, n = int(dec.q_batch[s]), int(dec.q_row0[s]), int(dec.q_len[s])
+            out[b, r0:r0 + n] = d_out[b, r0:r0 + n]
+            lse[b, :, r0:r0 + n] = d_lse[b, :, r0:r0 + n]
+        return out, (lse if call.need_lse else None)
+
+
+PORTABLE, DECODE, MMA_SYNC = Portable(), Decode(), MmaSync()
+#: the kernel families, in the order the dispatch tries them
+FAMILIES: tuple[Family, ...] = (Wgmma(), MixedPaged(), MMA_SYNC, DECODE, PORTABLE)
+
+
+def max_rows_of(call: AttnCall) -> int:
+    """The largest number of packed query rows (q_len * group) of one sequence of ``call``."""
+    if not call.n_seq:
+        return 0
+    return int(np.max(call.q_len)) * (call.n_heads // call.n_kv_heads)
+
+
+def why(be: OpenCLBackend, call: AttnCall) -> list[tuple[str, str | None]]:
+    """(family, reason) for each family the dispatch tries for ``call``, up to the one that runs
+    it (its reason None)."""
+    max_rows = max_rows_of(call)
+    out = []
+    for family in FAMILIES:
+        reason = family.applicable(be, call, max_rows)
+        out.append((family.name, reason))
+        if reason is None:
+            break
+    return out
+
+
+# ---- the plan cache ---------------------------------------------------------------------------
+#: the entries by call description (see the module)
+plans = _plans.table()
+_PLANS_MAX = 256
+_ARRAY: list = []
+
+
+class _Entry:
+    """What one call description fixes: the backend, queue, plans by family and packed rows,
+    and ``state``: (signature of the per-sequence values, the plan, its step for them)."""
+
+    __slots__ = ("be", "facts", "queue", "group", "routes", "plans", "state")
+
+    def __init__(self, be: OpenCLBackend, queue: Any, call: AttnCall) -> None:
+        self.be, self.facts, self.queue = be, be.facts, queue  # facts: its id is in the key
+        self.group = call.n_heads // call.n_kv_heads
+        self.routes: dict[int, Plan] = {}
+        self.plans: dict[tuple, Plan] = {}
+        self.state: tuple = (None, None, None)
+
+    def route(self, call: AttnCall, max_rows: int) -> Plan:
+        """The plan of the first family that takes the call (the key and ``max_rows`` fix the
+        choice)."""
+        for family in FAMILIES:
+            if family.applicable(self.be, call, max_rows) is not None:
+                continue
+            pk = (family.name, family.plan_rows(max_rows))
+            plan = self.plans.get(pk)
+            if plan is None:
+                try:
+                    plan = family.plan(self.be, self.queue, call, max_rows)
+                except NotBuilt:
+                    continue
+                self.plans[pk] = plan
+            self.routes[max_rows] = plan
+            return plan
+        raise AssertionError("the portable family takes every call")  # pragma: no cover
+
+
+def plan_key(be: OpenCLBackend, queue: Any, call: AttnCall) -> tuple:
+    """Everything of ``call`` that fixes its family and plan but the per-sequence values: the
+    backend and its options, the queue, whether q and k are device arrays, their dtypes, shapes,
+    strides and offsets, v's (v has k's array kind and dtype: the front doors check that), the
+    options, what the call has of mask, block table and scales, and the switches in force."""
+    q, k, v = call.q, call.k, call.v
+    if not _ARRAY:
+        import pyopencl.array as cla
+
+        _ARRAY.append(cla.Array)
+    qd, kd = type(q) is _ARRAY[0], type(k) is _ARRAY[0]
+    table, ks, mv = call.block_table, call.k_scales, call.mask_view
+    return (id(be), id(be.facts), be.tiles, be.num_splits, be.use_mma, queue.int_ptr,
+            qd, q.dtype, q.shape, q.strides, q.offset if qd else 0,
+            kd, k.dtype, k.shape, k.strides, k.offset if kd else 0,
+            v.shape, v.strides, v.offset if kd else 0,
+            call.q_len.shape[0], call.ring, call.need_lse, call.options.plan_key,
+            None if mv is None else mv.dtype,
+            None if table is None else (call.page_size, type(table), table.shape, table.dtype),
+            None if ks is None else tuple((type(x), x.dtype, x.shape, x.strides,
+                                           getattr(x, "offset", 0))
+                                          for x in (ks, call.v_scales)),
+            _switches.KEY)
+
+
+def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
+    """``(out, lse)`` of ``call`` through its entry's plan (made on the first call of its
+    description and of its per-sequence values, reused after)."""
+    q = call.q
+    queue = getattr(q, "queue", None)
+    if queue is None:
+        queue = be.queue_for(q, call.k, call.v, call.block_table)
+    key = plan_key(be, queue, call)
+    entry = plans.get(key)
+    if entry is None:
+        entry = _Entry(be, queue, call)
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[key] = entry
+    chi = call.causal_hi
+    parts = [call.q_batch.tobytes(), call.q_row0.tobytes(), call.q_len.tobytes(),
+             call.k_batch.tobytes(), call.k_row0.tobytes(), call.k_len.tobytes(),
+             call.q_pos0.tobytes(), call.k_pos0.tobytes()]
+    if chi is not None:
+        parts.append(chi.tobytes())
+    sig = b"".join(parts)
+    state = entry.state
+    if sig != state[0]:
+        n = call.q_len.shape[0]
+        if len(sig) == 8 * n * len(parts):
+            vals = np.frombuffer(sig, np.int64).reshape(len(parts), n)
+            col = vals[:, 0].tolist() if n == 1 else None
+        else:  # per-sequence fields that are not int64
+            vals, col = per_sequence(call)
+        if col is not None:  # Python ints: cheaper than numpy on 1-element arrays
+            max_rows = col[2] * entry.group
+        else:
+            max_rows = int(vals[2].max()) * entry.group if n else 0
+        plan = entry.routes.get(max_rows)
+        if plan is None:
+            plan = entry.route(call, max_rows)
+        state = entry.state = (sig, plan, plan.step(call, vals, col))
+    return state[1].run(call, state[2])
+

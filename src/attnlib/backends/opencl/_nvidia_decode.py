@@ -28,14 +28,15 @@ from typing import Any
 import numpy as np
 
 from ..base import AttnCall
-from . import _nvidia_mma, _nvidia_tables, _pool
-from ._arrays import is_cl_array, store_kind
+from . import _nvidia_mma, _nvidia_tables, _pool, _runtime, _switches
+from ._arrays import dummy_buffer, is_cl_array, store_kind
 from ._attention import launch_merge, table_args
-from ._runtime import launch
+from ._family import ArgList, Family, Plan, per_sequence
+from ._runtime import launch_lock
 
-__all__ = ["applicable", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS",
+__all__ = ["Decode", "reason", "run", "HEAD_DIMS", "EXTRA_HEAD_DIMS", "MAX_ROWS", "DEFAULT_CONFIGS",
            "choose_splits", "build_options", "kernel_options", "local_bytes", "fused_fits",
-           "FUSED_MERGE", "split_key_tiles"]
+           "split_key_tiles"]
 
 #: head dims (D == Dv) the dispatch sends to the kernel
 HEAD_DIMS = (64, 128)
@@ -49,14 +50,8 @@ MAX_ROWS = 16
 #: (bench/RESULTS.md). D=64 and the rest: not swept.
 DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
                    32: (64, 4, 4), 96: (48, 3, 4), 256: (64, 4, 2)}
-#: the last work-group of a (sequence, kv head) merges the splits (no merge.cl launch; faster
-#: on the H200, bench/RESULTS.md)
-FUSED_MERGE = True
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
-#: tests only: the plan cache (``_nvidia_plans``) and :func:`run` build the emulated kernel
-#: (USE_PTX=0) instead of the PTX one, so it runs on PoCL under a patched compute capability
-EMULATE_PTX = False
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
 SM_LOCAL_BYTES = 227 * 1024
 _DTYPES = (np.dtype(np.float16), _nvidia_mma.BF16)
@@ -66,26 +61,50 @@ _lock = threading.Lock()
 _counter_bufs: dict[tuple, Any] = {}
 
 
-def applicable(device: Any, call: AttnCall, head_dims: tuple = HEAD_DIMS) -> bool:
-    """True when this kernel can run ``call`` on ``device``: NVIDIA sm_80+, float16/bfloat16,
-    D == Dv in ``head_dims`` (the dispatch: HEAD_DIMS), no mask, at most MAX_ROWS packed rows
-    per sequence, arrays read in place with 16-byte aligned rows."""
+class Decode(Family):
+    """kernels/attn_decode_mma.cl: decode steps on NVIDIA sm_80+ tensor cores (see the
+    module); paged pools and quantized K/V included."""
+
+    name = "nvidia decode"
+
+    def applicable(self, be: Any, call: AttnCall, max_rows: int) -> str | None:
+        if not be.use_mma:
+            return "the backend's use_mma=False"
+        if max_rows > MAX_ROWS:
+            return (f"{max_rows} packed query rows per sequence (the decode kernel takes at most "
+                    f"{MAX_ROWS})")
+        return reason(be.device, call)
+
+    def plan(self, be: Any, queue: Any, call: AttnCall, max_rows: int) -> Plan:
+        return DecodePlan(be, queue, call)
+
+
+def reason(device: Any, call: AttnCall, head_dims: tuple = HEAD_DIMS) -> str | None:
+    """None when this kernel can run ``call`` on ``device``, else why not: NVIDIA sm_80+,
+    float16/bfloat16, D == Dv in ``head_dims`` (the dispatch: HEAD_DIMS), no mask, arrays read
+    in place with 16-byte aligned rows (the packed rows per sequence: :class:`Decode`)."""
     cc = _nvidia_mma.compute_capability(device)
-    if cc is None or cc[0] < 8:
-        return False
-    if call.dtype not in _DTYPES or call.mask_view is not None:
-        return False
+    if cc is None:
+        return "not an NVIDIA device (no cl_nv_device_attribute_query)"
+    if cc[0] < 8:
+        return f"compute capability {cc[0]}.{cc[1]} (tensor-core kernels need 8.0+)"
+    if call.dtype not in _DTYPES:
+        return f"dtype {call.dtype} (float16 or bfloat16 only)"
+    if call.mask_view is not None:
+        return "a mask"
     if call.head_dim != call.head_dim_v or call.head_dim not in head_dims:
-        return False
-    group = call.n_heads // call.n_kv_heads
-    if call.n_seq == 0 or int(np.max(call.q_len)) * group > MAX_ROWS:
-        return False
+        return (f"head dims D={call.head_dim}, Dv={call.head_dim_v} (D == Dv in "
+                f"{tuple(head_dims)})")
+    if call.n_seq == 0:
+        return "no sequence"
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
-        return False
+        return "a sequence of 2**31 rows or more"
     if call.k_scales is not None and not all(
             _scales_ok(x) for x in (call.k_scales, call.v_scales)):
-        return False
-    return all(_nvidia_mma.array_ok(x) for x in (call.q, call.k, call.v))
+        return "k_scales or v_scales with strides the kernel cannot read in place"
+    if not all(_nvidia_mma.array_ok(x) for x in (call.q, call.k, call.v)):
+        return "rows of q, k or v not 16-byte aligned"
+    return None
 
 
 def _scales_ok(x: Any) -> bool:
@@ -128,10 +147,10 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
 def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
                    fused: bool | None = None) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel with ``splits`` key splits, and whether the splits
-    are merged in the kernel (``fused``, default FUSED_MERGE, where the buffers hold them): the one
-    place for :func:`run` and the repeat-call plans of ``_nvidia_plans``."""
+    are merged in the kernel (``fused``, default ``_switches.FUSED_MERGE``: the last work-group of
+    a (sequence, kv head) merges the splits, no merge.cl launch; where the buffers hold them)."""
     d = call.head_dim
-    fused = (FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
+    fused = (_switches.FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
         d, config, splits)
     opts = build_options(d, call.dtype, config, softcap=call.options.softcap is not None,
                          alibi=call.options.alibi is not None, scale_pos=call.options.scale > 0,
@@ -222,80 +241,148 @@ def scale_args(ctx: Any, call: AttnCall) -> list:
     return res
 
 
-#: the decode kernel's per-call argument slots: q, k, v, out, lse, partial outputs, partial LSEs,
-#: sinks (their count, the last argument, is fixed by the plan: 0 without sinks)
-CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7)
+class DecodeKernel:
+    """The decode launch of one (splits, work-group columns) of a call description: options,
+    kernel key, grid, and the argument list (:class:`~._family.ArgList`) the description fixes,
+    the per-call slots left to fill."""
 
-
-class DecodePlan:
-    """A decode launch for one (splits, work-group columns) without its per-call arguments:
-    options, kernel key, grid, and the arguments the call's geometry fixes after the
-    :data:`CALL_SLOTS` (the tables ``tile_buf`` and ``seq_buf``, ALiBi, the fused merge's
-    counters, offsets and strides, sizes, scalars). :func:`run` and the repeat-call plans
-    (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
-
-    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "spare", "varying",
-                 "scale_slot")
+    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "slots", "varying")
 
     def __init__(self, queue: Any, device: Any, call: AttnCall, config: tuple, splits: int,
-                 n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any, seq_buf: Any,
-                 alibi_buf: Any, geometry: list, scalars: list) -> None:
+                 n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any,
+                 seq_buf: Any) -> None:
         ctx = queue.context
         bq, sq_arr, hq, _ = call.q.shape
         hkv = call.k.shape[2]
         opts, fused = kernel_options(call, config, splits, use_ptx, fused)
-        counter_buf = counters(ctx, queue, n_cols * hkv) if fused else alibi_buf
+        dummy = dummy_buffer(ctx)
         threads = 32 * config[1]
         i64, i32 = np.int64, np.int32
-        self.args = [None] * len(CALL_SLOTS) + [
-            tile_buf, seq_buf, alibi_buf, counter_buf, *geometry, i32(sq_arr), i32(hq),
-            i32(hq // hkv), i32(call.ring), i64(bq * sq_arr * hq), *scalars,
-            i32(0 if call.options.sinks is None else hq)]
-        self.varying = CALL_SLOTS
-        self.scale_slot = None
-        if call.k_scales is not None:  # quantized K/V: the scales' eight arguments, per call
-            n = self.scale_slot = len(self.args)
-            self.args += [None] * 8
-            self.varying = self.varying + tuple(range(n, n + 8))
-        if call.block_table is not None:  # the block table's six arguments, set per call
-            n = len(self.args)
-            self.args += [None] * 6
-            self.varying = CALL_SLOTS + tuple(range(n, n + 6))
+        a = ArgList()  # attn_decode_mma's parameters, in order
+        for name in ("q", "k", "v", "out", "lse", "part_o", "part_l"):
+            a.add(name, None)
+        a.add("sinks", dummy)
+        a.add("tiles", tile_buf)
+        a.add("seqs", seq_buf)
+        a.add("alibi", dummy)
+        a.add("counters", counters(ctx, queue, n_cols * hkv) if fused else dummy)
+        a.add("geometry", *_nvidia_tables.geometry(call))
+        a.add("shape", i32(sq_arr), i32(hq), i32(hq // hkv), i32(call.ring),
+              i64(bq * sq_arr * hq))
+        a.add("scalars", *_nvidia_tables.scalars(call))
+        a.add("n_sinks", i32(0 if call.options.sinks is None else hq))
+        if call.k_scales is not None:  # QUANT_PARAMS
+            a.add("scales", *[None] * 8)
+        if call.block_table is not None:  # PAGED_PARAMS
+            a.add("block_table", *[None] * 6)
+        self.args = a.values
+        self.slots = {n: a.span(n) if n in ("scales", "block_table") else a.at(n)
+                      for n in a.slots}
+        self.varying = a.indices("q", "k", "v", "out", "lse", "part_o", "part_l", "sinks",
+                                 "scales", "block_table",
+                                 *(["alibi"] if call.options.alibi is not None else []))
         self.key = kernel_key(ctx, device, opts)
         self.make = lambda: _nvidia_mma.get_program(ctx, device, opts, "attn_decode_mma.cl")
         self.grid, self.local = (n_cols * threads, hkv, splits), (threads, 1, 1)
-        self.fused, self.splits, self.spare = fused, splits, alibi_buf
+        self.fused, self.splits = fused, splits
 
-    def enqueue(self, be: Any, queue: Any, call: AttnCall, q: Any, k: Any, v: Any, out: Any,
-                lse: Any, owner: Any = None, table: list | None = None,
-                sinks: Any = None, scales: list | None = None) -> list:
-        """The launch (then merge.cl's when the splits are not merged by the kernel) into the
-        buffers ``out`` and ``lse``; their events. ``owner``: the repeat-call plan whose
-        launches set only the call slots; ``table``: a paged call's block-table arguments
-        (``_attention.table_args``), the kernel's last six; ``sinks``: their buffer when the
-        plan's call has them (folded in by the kernel, its fused merge or merge.cl, once);
-        ``scales``: a quantized call's :func:`scale_args`."""
+
+class DecodePlan(Plan):
+    """What a call description fixes on the decode kernel: the config, PTX or emulation, the
+    device tables (rewritten in place when the per-sequence values change), the split count per
+    work-group count and a :class:`DecodeKernel` per (splits, columns). ``config``, ``splits``,
+    ``use_ptx``, ``fused``: see :func:`run` (None: the defaults the dispatch runs)."""
+
+    def __init__(self, be: Any, queue: Any, call: AttnCall, config: tuple | None = None,
+                 splits: int | None = None, use_ptx: bool | None = None,
+                 fused: bool | None = None) -> None:
+        self.be, self.queue, self.ctx = be, queue, queue.context
+        self.spare = dummy_buffer(self.ctx)  # stands in for the buffers a launch does not use
+        n = call.n_seq
+        fill = not be.facts.simulator
+        self.seq_table = _pool.DeviceTable(queue, 8 * _nvidia_tables.SEQ_FIELDS * n, fill)
+        self.tile_table = _pool.DeviceTable(queue, 8 * n, fill)
+        self.config = tuple(config or DEFAULT_CONFIGS[call.head_dim])
+        if use_ptx is None:
+            use_ptx = (_nvidia_mma.compute_capability(be.device) is not None
+                       and not _switches.EMULATE_PTX)
+        self.use_ptx, self.fused, self.splits = use_ptx, fused, splits
+        self.kernels: dict = {}
+        self.split_counts: dict = {}
+
+    def step(self, call: AttnCall, vals: np.ndarray, col: list | None) -> Any:
+        block_n = self.config[0]
+        if col is not None:  # _nvidia_tables.tables for one sequence, from Python ints
+            qb, qr0, ql, kb, kr0, kl, qp0, kp0 = col[:8]
+            hi = _nvidia_tables.BIG
+            if len(col) == 9:
+                hi = min(hi, col[8])
+            opts = call.options
+            if opts.window_right is not None:
+                hi = min(hi, opts.window_right)
+            lo = -opts.window_left if opts.window_left is not None else -_nvidia_tables.BIG
+            seqs = np.array([[qb, qr0, ql, kb, kr0, kl, qp0 - kp0, lo, hi]], np.int64)
+            n_cols = -(-ql // MAX_ROWS)
+            tiles = np.zeros((n_cols, 2), np.int32)
+        else:
+            seqs, tiles = _nvidia_tables.tables(call, MAX_ROWS, block_n)
+            n_cols = tiles.shape[0]
+        if n_cols == 0:
+            return None
+        # the key fixes k's shape: one split count per work-group count, whatever the lengths
+        splits = self.split_counts.get(n_cols)  # choose_splits loops up to ~70 times
+        if splits is None:
+            splits = self.splits if self.splits is not None else self.be.num_splits
+            if splits is None:
+                splits = choose_splits(self.be.facts.compute_units, n_cols * call.k.shape[2],
+                                       split_key_tiles(call, block_n), call.head_dim,
+                                       self.config)
+            splits = self.split_counts[n_cols] = max(1, int(splits))
+        kernel = self.kernels.get((splits, n_cols))
+        if kernel is None:
+            kernel = self.kernels[(splits, n_cols)] = DecodeKernel(
+                self.queue, self.be.device, call, self.config, splits, n_cols, self.use_ptx,
+                self.fused, self.tile_table.buf, self.seq_table.buf)
+        return kernel, seqs.tobytes(), tiles.tobytes()
+
+    def enqueue(self, step: Any, call: AttnCall, out: Any, lse: Any, keep: Any) -> list:
+        """The launch (then merge.cl's when the splits are not merged by the kernel): the
+        tables rewritten when they changed, the call's buffers, sinks (folded in by the
+        kernel, its fused merge or merge.cl, once), ALiBi slopes, scales and block table."""
+        kn, seqs, tiles = step
+        queue, ctx, spare = self.queue, self.ctx, self.spare
         bq, sq_arr, hq, d = call.q.shape
         n_out_rows = bq * sq_arr * hq
-        splits, fused, spare = self.splits, self.fused, self.spare
-        args = self.args.copy()
-        args[0], args[1], args[2] = q, k, v
-        args[7] = spare if sinks is None else sinks
-        if table is not None:
-            args[-6:] = table
-        if scales is not None:
-            args[self.scale_slot:self.scale_slot + 8] = scales
+        slots = kn.slots
+        args = kn.args.copy()
+        if isinstance(call.q, np.ndarray):
+            args[0:3] = _nvidia_tables.buffers(ctx, call)
+        else:
+            args[0], args[1], args[2] = call.q.base_data, call.k.base_data, call.v.base_data
+        sinks = None
+        if call.options.sinks is not None:
+            sinks = args[slots["sinks"]] = _pool.upload(queue, call.options.sinks, keep)
+        if call.options.alibi is not None:
+            args[slots["alibi"]] = _nvidia_tables.slopes(ctx, call)
+        if call.k_scales is not None:
+            args[slots["scales"]] = scale_args(ctx, call)
+        if call.block_table is not None:
+            args[slots["block_table"]] = table_args(queue, call.block_table,
+                                                    int(call.k.shape[0]), keep)
+        splits, fused = kn.splits, kn.fused
         if splits > 1:
             part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
             part_l = _pool.scratch(queue, splits * n_out_rows * 4)
             args[3:7] = [out if fused else spare, lse if fused else spare, part_o, part_l]
         else:
             args[3:7] = [out, lse, spare, spare]
-        evts = [launch(self.key, self.make, "attn_decode_mma", queue, self.grid, self.local,
-                       args, varying=self.varying if owner is not None else None,
-                       owner=owner)]
+        with launch_lock:
+            self.seq_table.put(queue, seqs)
+            self.tile_table.put(queue, tiles)
+            evts = [_runtime.launch(kn.key, kn.make, "attn_decode_mma", queue, kn.grid,
+                                    kn.local, args, varying=kn.varying, owner=kn)]
         if splits > 1 and not fused:
-            evts.append(launch_merge(be, queue, part_o, n_out_rows * d, part_l,
+            evts.append(launch_merge(self.be, queue, part_o, n_out_rows * d, part_l,
                                      (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
                                      n_out_rows, out, lse, store_kind(_F32),
                                      store_kind(call.dtype), 0, sinks))
@@ -303,60 +390,19 @@ class DecodePlan:
 
 
 def run(be: Any, queue: Any, call: AttnCall, *, config: tuple | None = None,
-        splits: int | None = None, use_ptx: bool | None = None, fused: bool | None = None,
-        events: list | None = None) -> tuple[Any, Any]:
-    """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
+        splits: int | None = None, use_ptx: bool | None = None,
+        fused: bool | None = None) -> tuple[Any, Any]:
+    """Run ``call`` on this kernel with the caller's choices (tests and benchmarks: the dispatch
+    takes the :class:`Decode` family); numpy in -> numpy out, ``pyopencl.array.Array`` in ->
+    Array out.
 
     ``be`` is the OpenCL backend (device, compute units, merge.cl launches); ``config`` =
     (BLOCK_N, WARPS, STAGES) overrides :data:`DEFAULT_CONFIGS`; ``splits`` the key splits
     (default :func:`choose_splits`, or the backend's ``num_splits``); ``use_ptx=False`` builds the
-    emulated kernel (any OpenCL device; for checks only); ``fused`` (default FUSED_MERGE) merges
-    the splits in the kernel's last work-group per pair instead of merge.cl; ``events`` receives
-    the kernels' events.
+    emulated kernel (any OpenCL device; for checks only); ``fused`` (default
+    ``_switches.FUSED_MERGE``) merges the splits in the kernel's last work-group per pair
+    instead of merge.cl.
     """
-
-    ctx, device = queue.context, be.device
-    d = call.head_dim
-    config = tuple(config or DEFAULT_CONFIGS[d])
-    block_n = config[0]
-    if use_ptx is None:
-        use_ptx = _nvidia_mma.compute_capability(device) is not None and not EMULATE_PTX
-    dtype = call.dtype
-    bq, sq_arr, hq, _ = call.q.shape
-    hkv = call.k.shape[2]
-    is_dev = is_cl_array(call.q)
-    out_shape, lse_shape = (bq, sq_arr, hq, d), (bq, hq, sq_arr)
-    out = _pool.empty(queue, out_shape, dtype)
-    lse = _pool.empty(queue, lse_shape, np.float32)
-    # one work-group column per sequence with query rows (the prefill kernel's tables with a
-    # 16-row block: first rows all 0, heaviest sequences first)
-    seq_buf, tile_buf, n_cols = _nvidia_tables.tables_on_device(ctx, call, MAX_ROWS, block_n)
-    if n_cols and hq:
-        if splits is None:
-            splits = be.num_splits
-        if splits is None:
-            splits = choose_splits(be.facts.compute_units, n_cols * hkv,
-                                   split_key_tiles(call, block_n), d, config)
-        splits = max(1, int(splits))
-        alibi_buf, bufs, geometry, scalars = _nvidia_tables.kernel_inputs(ctx, call)
-        plan = DecodePlan(queue, device, call, config, splits, n_cols, use_ptx, fused, tile_buf,
-                          seq_buf, alibi_buf, geometry, scalars)
-        table = None
-        if call.block_table is not None:
-            table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
-        sinks = None if call.options.sinks is None else \
-            _nvidia_tables.sinks_input(queue, call, out)[0]
-        scales = None if call.k_scales is None else scale_args(ctx, call)
-        evts = plan.enqueue(be, queue, call, *bufs, out.base_data, lse.base_data, table=table,
-                            sinks=sinks, scales=scales)
-        for e in evts:
-            out.add_event(e)
-            lse.add_event(e)
-        if events is not None:
-            events.extend(evts)
-    return _nvidia_tables.results(queue, out, lse, is_dev)
-
-
-#: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``
-#: (to record its events) makes them hand the call to ``run`` instead
-run._attnlib_original = True  # type: ignore[attr-defined]
+    plan = DecodePlan(be, queue, call, config, splits, use_ptx, fused)
+    vals, col = per_sequence(call)
+    return plan.run(call, plan.step(call, vals, col))

@@ -2,8 +2,9 @@
 and float32.
 
 ``kernels/attn_fwd_mma.cl`` is OpenCL C with inline PTX (``mma.sync``, ``ldmatrix``,
-``cp.async``), built by NVIDIA's OpenCL driver. This module is self-contained: the OpenCL backend
-asks :func:`applicable` and, when it says True, calls :func:`run` instead of its portable kernel.
+``cp.async``), built by NVIDIA's OpenCL driver. Its kernel families (``_family``): :class:`MmaSync`
+and, on Hopper, :class:`Wgmma` (kernels/attn_fwd_wgmma.cl, built through ``_nvidia_wgmma``), both
+launching through :class:`PrefillPlan`.
 
 Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16, bfloat16 or
 float32 with any head dims D, Dv <= :data:`MAX_HEAD_DIM` (D != Dv included; the kernel pads both
@@ -25,8 +26,8 @@ rate. For float32-class accuracy (the contract's rule against float64) the tenso
 sum short runs from zero (S: one 8-wide k-step, O: one key tile) that are added to S and O in
 float32 with round-to-nearest: a chain of mma accumulations (which truncate) over all of D or all
 keys takes S's error to several times that of the float32 reference at scores of tens. The
-backend option ``use_mma=False`` (or :data:`F32_ON` = False, float32 only) keeps float32 on the
-portable float32 FMA kernel.
+backend option ``use_mma=False`` (or ``_switches.F32_ON = False``, float32 only) keeps float32
+on the portable float32 FMA kernel.
 
 Hidden keys contribute nothing even when their k or v hold inf/NaN (the contract): keys hidden
 from every row of a work-group are never read; in tiles that hide keys from only some rows, the
@@ -43,23 +44,24 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ... import _config
 from ..base import AttnCall
-from . import _pool
-from ._arrays import is_cl_array
-from ._attention import table_args
+from . import _pool, _runtime, _switches
+from ._arrays import dummy_buffer, is_cl_array
+from ._attention import DECODE_ROWS, table_args
+from ._family import ArgList, Family, NotBuilt, Plan
 from ._nvidia_tables import (
-    kernel_inputs,
+    buffers,
+    geometry,
     mask_args,
     mask_tile_args,
-    results,
-    sinks_input,
+    scalars,
+    slopes,
     tables_on_device,
 )
-from ._runtime import KernelBuildError, launch, program
+from ._runtime import KernelBuildError, program
 
-__all__ = ["applicable", "run", "HEAD_DIMS", "DEFAULT_CONFIGS", "DEFAULT_CONFIGS_F32",
-           "default_config", "build_options", "kernel_options"]
+__all__ = ["MmaSync", "Wgmma", "reason", "run", "HEAD_DIMS", "DEFAULT_CONFIGS",
+           "DEFAULT_CONFIGS_F32", "default_config", "build_options", "kernel_options"]
 
 #: head dims (D == Dv) of the measured tables below
 HEAD_DIMS = (64, 128)
@@ -90,14 +92,9 @@ DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
 #: 4 (64 (D16 + 8) + 64 (D16 + 8 + Dv16 + 4)) bytes: 197 KiB at 256, one work-group per SM).
 #: Not measured on a device.
 PADDED_CONFIGS_F32 = ((64, (128, 64, 4, 0)), (128, (256, 32, 8, 0)), (256, (64, 32, 4, 0)))
-#: grid order (kernel -DHEADS_INNER): False: (tile, head) on dimensions 0, 1, so only each
-#: head's row of the grid runs heaviest tile first; True: one dimension, tile * n_heads + head,
-#: every head of the heaviest tile first (longest-first over the whole grid: a shorter causal
-#: tail wave)
-HEADS_INNER = False
-#: Causal calls run HEADS_INNER and -DWARP_SKIP=1 (a warp skips key tiles none of its rows sees),
-#: float32 only at the head dims listed here: faster on the H200 for causal calls, slower for
-#: the others (bench/RESULTS.md); outputs bit-identical.
+#: Causal calls run the heads-inner grid order and -DWARP_SKIP=1 (a warp skips key tiles none
+#: of its rows sees), float32 only at the head dims listed here: faster on the H200 for causal
+#: calls, slower for the others (bench/RESULTS.md); outputs bit-identical.
 F32_SCHEDULED = (128,)
 #: Kernel options of the 16-bit kernel per (head dim, causal), added when ``run`` is not given
 #: ``extra_options``: the fastest on the H200 (bench/RESULTS.md; outputs bit-identical to the
@@ -111,20 +108,17 @@ DEFAULT_OPTIONS_16 = {
     (64, True): ("-DSOFTMAX_PIPE=1", "-DLDSM_BYTES=1", "-DWARP_SKIP=0"),
 }
 #: Hopper (compute capability 9.0): float16/bfloat16 run kernels/attn_fwd_wgmma.cl (warpgroup
-#: MMA through the PTX rewrite of _nvidia_wgmma) when True; (WGS, BLOCK_N) per head dim
-#: (BLOCK_M = 64 WGS query rows, 128 WGS threads), the 128-byte-swizzle layouts, the two
-#: warpgroups' products in ping-pong at D >= 128 (bench/RESULTS.md compares it with the mma.sync
-#: kernel and PyTorch). ATTNLIB_NV_WGMMA=0 (before import) turns it off, e.g. to compare with the
-#: mma.sync kernel.
-WGMMA_ON = _config.nv_wgmma()
+#: MMA through the PTX rewrite of _nvidia_wgmma) while ``_switches.WGMMA_ON``; (WGS, BLOCK_N)
+#: per head dim (BLOCK_M = 64 WGS query rows, 128 WGS threads), the 128-byte-swizzle layouts,
+#: the two warpgroups' products in ping-pong at D >= 128 (bench/RESULTS.md compares it with the
+#: mma.sync kernel and PyTorch).
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
+#: paged calls of at most this many packed query rows per sequence take the decode kernels
+#: (``_nvidia_decode.MAX_ROWS``: its split-KV walk over the pages), as before this kernel read
+#: block tables
+PAGED_DECODE_ROWS = 16
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
-#: float32 through 3xTF32 on sm_80+ (False: float32 stays on the portable kernel)
-F32_ON = True
-#: tests only: the dispatch (``run`` and the plan cache, ``_nvidia_plans``) builds the emulated
-#: kernel (USE_PTX=0), so it runs on PoCL under a patched compute capability
-EMULATE_PTX = False
 _DTYPES = (np.dtype(np.float16), BF16, _F32)
 
 _lock = threading.Lock()
@@ -190,21 +184,26 @@ def vec_loads(call: AttnCall) -> bool:
     return True
 
 
-def applicable(device: Any, call: AttnCall) -> bool:
-    """True when this kernel can run ``call`` on ``device`` (NVIDIA, sm_80+, fp16/bf16/fp32,
-    ...)."""
+def reason(device: Any, call: AttnCall) -> str | None:
+    """None when the prefill kernel can run ``call`` on ``device``, else why not (NVIDIA
+    sm_80+; float16, bfloat16 or float32 with D, Dv <= MAX_HEAD_DIM; arrays it reads in
+    place)."""
     cc = compute_capability(device)
-    if cc is None or cc[0] < 8:
-        return False
+    if cc is None:
+        return "not an NVIDIA device (no cl_nv_device_attribute_query)"
+    if cc[0] < 8:
+        return f"compute capability {cc[0]}.{cc[1]} (tensor-core kernels need 8.0+)"
     if call.dtype not in _DTYPES:
-        return False
-    if call.dtype == _F32 and not F32_ON:
-        return False
+        return f"dtype {call.dtype} (float16, bfloat16 or float32 only)"
+    if call.dtype == _F32 and not _switches.F32_ON:
+        return "float32 on the tensor cores is switched off (_switches.F32_ON)"
     if not (1 <= call.head_dim <= MAX_HEAD_DIM and 1 <= call.head_dim_v <= MAX_HEAD_DIM):
-        return False
+        return f"head dims D={call.head_dim}, Dv={call.head_dim_v} (at most {MAX_HEAD_DIM})"
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
-        return False
-    return all(array_readable(x) for x in (call.q, call.k, call.v))
+        return "a sequence of 2**31 rows or more"
+    if not all(array_readable(x) for x in (call.q, call.k, call.v)):
+        return "q, k or v has a stride the kernel cannot read in place"
+    return None
 
 
 def mask_kind(call: AttnCall) -> int:
@@ -276,15 +275,14 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
                    extra_options: tuple[str, ...] | None = None,
                    heads_inner: bool | None = None) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel and its grid order (see :func:`run` for the
-    arguments): the one place that picks DEFAULT_OPTIONS_16 and the causal scheduling, for
-    :func:`run` and the repeat-call plans of ``_nvidia_plans``."""
+    arguments): the one place that picks DEFAULT_OPTIONS_16 and the causal scheduling."""
     d, dtype = call.head_dim, call.dtype
     causal = call.causal_hi is not None
     scheduled = causal and (dtype != _F32 or d in F32_SCHEDULED)
     if extra_options is None:
         extra_options = () if dtype == _F32 else default_options_16(d, call.head_dim_v, causal)
     if heads_inner is None:
-        heads_inner = HEADS_INNER or scheduled
+        heads_inner = _switches.HEADS_INNER or scheduled
     if scheduled and not any("WARP_SKIP" in o for o in extra_options):
         extra_options = ("-DWARP_SKIP=1", *extra_options)
     opts = build_options(d, dtype, config, softcap=call.options.softcap is not None,
@@ -299,27 +297,46 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
 _wgmma_failed: set[int] = set()
 
 
-def use_wgmma(device: Any, call: AttnCall) -> bool:
-    """True when ``call`` runs the warpgroup-MMA kernel (Hopper, 16-bit, D == Dv of
+def wgmma_reason(device: Any, call: AttnCall) -> str | None:
+    """None when ``call`` runs the warpgroup-MMA kernel (Hopper, 16-bit, D == Dv of
     :data:`WGMMA_CONFIGS`, aligned rows, no mask, not paged, and no failed build of it on this
-    device); the other head dims, masked and paged calls run the mma.sync kernel on Hopper too."""
-    return (WGMMA_ON and not EMULATE_PTX and compute_capability(device) == (9, 0)
-            and call.dtype != _F32 and call.head_dim in WGMMA_CONFIGS
-            and call.head_dim_v == call.head_dim and call.mask_view is None
-            and call.block_table is None
-            and vec_loads(call) and device.int_ptr not in _wgmma_failed)
+    device), else why not; the other head dims, masked and paged calls run the mma.sync kernel
+    on Hopper too."""
+    if not _switches.WGMMA_ON:
+        return "switched off (ATTNLIB_NV_WGMMA=0)"
+    if _switches.EMULATE_PTX:
+        return "the emulated build is asked for (_switches.EMULATE_PTX)"
+    cc = compute_capability(device)
+    if cc != (9, 0):
+        return "not compute capability 9.0 (Hopper)"
+    if call.dtype == _F32:
+        return "float32 (the warpgroup-MMA kernel is 16-bit)"
+    if call.head_dim not in WGMMA_CONFIGS or call.head_dim_v != call.head_dim:
+        return (f"head dims D={call.head_dim}, Dv={call.head_dim_v} (built for D == Dv in "
+                f"{tuple(WGMMA_CONFIGS)})")
+    if call.mask_view is not None:
+        return "a mask"
+    if call.block_table is not None:
+        return "a paged call (the warpgroup-MMA kernel reads no block table)"
+    if not vec_loads(call):
+        return "rows of q, k or v not 16-byte aligned"
+    if device.int_ptr in _wgmma_failed:
+        return "its build failed on this device (warned once)"
+    return None
 
 
-def usable_plan(ctx: Any, device: Any, call: AttnCall, **kw: Any) -> Launch:
-    """:func:`plan_launch`, with the dispatch's own choice of the warpgroup-MMA kernel built
-    right away: its program is PTX rewritten for sm_90a, which a driver's compiler might not
-    take (another version's PTX, or no sm_90a). Then the device keeps the mma.sync kernel from
-    here on, with one warning, instead of every call failing."""
-    plan = plan_launch(ctx, device, call, **kw)
-    if plan.name != "attn_fwd_wgmma" or kw.get("kernel") is not None:
-        return plan
+def use_wgmma(device: Any, call: AttnCall) -> bool:
+    """True when ``call`` runs the warpgroup-MMA kernel (:func:`wgmma_reason`)."""
+    return wgmma_reason(device, call) is None
+
+
+def built_wgmma(device: Any, launch: Launch) -> bool:
+    """Build the warpgroup-MMA program of ``launch`` right away: its program is PTX rewritten
+    for sm_90a, which a driver's compiler might not take (another version's PTX, or no
+    sm_90a). Then the device keeps the mma.sync kernel from here on, with one warning, instead
+    of every call failing: False."""
     try:
-        plan.make()
+        launch.make()
     except KernelBuildError as exc:
         with _lock:
             first = device.int_ptr not in _wgmma_failed
@@ -327,9 +344,9 @@ def usable_plan(ctx: Any, device: Any, call: AttnCall, **kw: Any) -> Launch:
         if first:
             warnings.warn(f"attnlib: the warpgroup-MMA kernel did not build on "
                           f"{device.name.strip()}; the mma.sync kernel runs instead ({exc})",
-                          RuntimeWarning, stacklevel=3)
-        return plan_launch(ctx, device, call, **kw)
-    return plan
+                          RuntimeWarning, stacklevel=4)
+        return False
+    return True
 
 
 class Launch:
@@ -352,48 +369,108 @@ class Launch:
         return (n_tiles * hq * t, 1) if self.heads_inner else (n_tiles * t, hq)
 
 
-#: the prefill kernel's per-call argument slots: q, k, v, out, lse, tile table, sequence table,
-#: sinks (their count is fixed by the plan: 0 without sinks); a paged call's block table takes the
-#: last six (``_attention.table_args``)
-CALL_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7)
+class MmaSync(Family):
+    """kernels/attn_fwd_mma.cl: mma.sync prefill on NVIDIA sm_80+ (see the module)."""
+
+    name = "nvidia mma.sync"
+
+    def applicable(self, be: Any, call: AttnCall, max_rows: int) -> str | None:
+        if not be.use_mma:
+            return "the backend's use_mma=False"
+        if call.k_scales is not None:
+            return "quantized K/V (the prefill kernels read K and V in the call's dtype)"
+        if call.block_table is not None and max_rows <= PAGED_DECODE_ROWS:
+            return (f"a paged call of {max_rows} packed query rows per sequence (at most "
+                    f"{PAGED_DECODE_ROWS} go to the decode kernels)")
+        if max_rows <= DECODE_ROWS:
+            return (f"{max_rows} packed query rows per sequence (at most {DECODE_ROWS} go to "
+                    "the decode kernels)")
+        return reason(be.device, call)
+
+    def plan(self, be: Any, queue: Any, call: AttnCall, max_rows: int) -> Plan:
+        return PrefillPlan(queue, be.device, call, plan_launch(queue.context, be.device, call,
+                                                               kernel="mma"))
 
 
-class PrefillPlan:
-    """A prefill launch without its per-call arguments: the kernel (:class:`Launch`), the key of
-    its kernel object, and the arguments the call's geometry fixes (ALiBi slopes, offsets and
-    strides, sizes, scalars) after the :data:`CALL_SLOTS`. :func:`run` and the repeat-call plans
-    (``_nvidia_plans``) both enqueue through :meth:`enqueue`."""
+class Wgmma(MmaSync):
+    """kernels/attn_fwd_wgmma.cl: warpgroup-MMA prefill on Hopper (``_nvidia_wgmma``)."""
 
-    __slots__ = ("kernel", "key", "args")
+    name = "nvidia wgmma"
 
-    def __init__(self, ctx: Any, device: Any, kernel: Launch, call: AttnCall, alibi_buf: Any,
-                 geometry: list, scalars: list) -> None:
+    def applicable(self, be: Any, call: AttnCall, max_rows: int) -> str | None:
+        return MmaSync.applicable(self, be, call, max_rows) or wgmma_reason(be.device, call)
+
+    def plan(self, be: Any, queue: Any, call: AttnCall, max_rows: int) -> Plan:
+        launch = plan_launch(queue.context, be.device, call, kernel="wgmma")
+        if not built_wgmma(be.device, launch):
+            raise NotBuilt(wgmma_reason(be.device, call))
+        return PrefillPlan(queue, be.device, call, launch)
+
+
+class PrefillPlan(Plan):
+    """A prefill launch of one call description: the kernel (:class:`Launch`), the key of its
+    kernel object, and its argument list (:class:`~._family.ArgList`) with the per-call slots
+    (buffers, tables, sinks, ALiBi slopes, mask) left to fill."""
+
+    def __init__(self, queue: Any, device: Any, call: AttnCall, kernel: Launch) -> None:
+        self.ctx = ctx = queue.context
+        self.queue = queue
         _, sq_arr, hq, _ = call.q.shape
-        i32 = np.int32
+        i32, i64 = np.int32, np.int64
         self.kernel, self.key = kernel, kernel.key(ctx, device)
-        self.args = [None] * len(CALL_SLOTS) + [
-            alibi_buf, *geometry, i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]),
-            i32(call.ring), *scalars, i32(0 if call.options.sinks is None else hq),
-            *mask_args(ctx, call)] + (
-            mask_tile_args(ctx, call, kernel.block_m, kernel.block_n)
-            if call.mask_view is not None else []) + (
-            [None] * 6 if call.block_table is not None else [])
+        dummy = dummy_buffer(ctx)
+        a = ArgList()  # PREFILL_PARAMS of nv_warp.h, in order
+        for name in ("q", "k", "v", "out", "lse", "tiles", "seqs"):
+            a.add(name, None)
+        a.add("sinks", dummy)
+        a.add("alibi", dummy)
+        a.add("geometry", *geometry(call))
+        a.add("shape", i32(sq_arr), i32(hq), i32(hq // call.k.shape[2]), i32(call.ring))
+        a.add("scalars", *scalars(call))
+        a.add("n_sinks", i32(0 if call.options.sinks is None else hq))
+        a.add("mask", dummy, *(i64(0) for _ in range(5)))
+        masked, paged = call.mask_view is not None, call.block_table is not None
+        if masked:  # MASK_TILE_PARAMS of attn_fwd_mma.cl
+            a.add("mask_tiles", dummy, *(i64(0) for _ in range(3)))
+        if paged:  # PAGED_PARAMS of nv_warp.h
+            a.add("table", dummy, *(i64(0) for _ in range(3)), i32(1), i32(1))
+        self.args = a.values
+        self.i_sinks, self.i_alibi, self.s_mask = a.at("sinks"), a.at("alibi"), a.span("mask")
+        self.s_tiles = a.span("mask_tiles") if masked else None
+        self.s_table = a.span("table") if paged else None
+        self.varying = a.indices("q", "k", "v", "out", "lse", "tiles", "seqs", "sinks",
+                                 *(["alibi"] if call.options.alibi is not None else []),
+                                 *(["mask", "mask_tiles"] if masked else []),
+                                 *(["table"] if paged else []))
+        self.hq = hq
 
-    def enqueue(self, queue: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, tile_buf: Any,
-                seq_buf: Any, n_tiles: int, hq: int, wait_for: Any = None,
-                owner: Any = None, sinks: Any = None, table: list | None = None) -> Any:
-        """Launch over ``n_tiles`` tiles of ``hq`` heads (buffers: q, k, v, out, lse, tables,
-        the sinks when the plan's call has them, a paged call's block-table arguments);
-        ``owner``: the repeat-call plan whose launches set only the call slots."""
-        args = self.args.copy()
-        # without sinks, the ALiBi buffer stands in for them (never read: their count is 0)
-        args[0:8] = [q, k, v, out, lse, tile_buf, seq_buf, args[8] if sinks is None else sinks]
-        if table is not None:
-            args[-6:] = table
+    def step(self, call: AttnCall, vals: Any, col: Any) -> Any:
         kn = self.kernel
-        return launch(self.key, kn.make, kn.name, queue, kn.grid(n_tiles, hq), (kn.threads, 1),
-                      args, wait_for=wait_for, varying=CALL_SLOTS if owner is not None else None,
-                      owner=owner)
+        seq_buf, tile_buf, n_tiles = tables_on_device(self.ctx, call, kn.block_m,
+                                                      kn.block_n)
+        return None if n_tiles == 0 else (seq_buf, tile_buf, n_tiles)
+
+    def enqueue(self, step: Any, call: AttnCall, out: Any, lse: Any, keep: Any) -> list:
+        seq_buf, tile_buf, n_tiles = step
+        queue, ctx = self.queue, self.ctx
+        args = self.args.copy()
+        if isinstance(call.q, np.ndarray):
+            args[0:3] = buffers(ctx, call)
+        else:
+            args[0], args[1], args[2] = call.q.base_data, call.k.base_data, call.v.base_data
+        args[3], args[4], args[5], args[6] = out, lse, tile_buf, seq_buf
+        if call.options.sinks is not None:
+            args[self.i_sinks] = _pool.upload(queue, call.options.sinks, keep)
+        if call.options.alibi is not None:
+            args[self.i_alibi] = slopes(ctx, call)
+        kn = self.kernel
+        if call.mask_view is not None:
+            args[self.s_mask] = mask_args(ctx, call)
+            args[self.s_tiles] = mask_tile_args(ctx, call, kn.block_m, kn.block_n)
+        if call.block_table is not None:
+            args[self.s_table] = table_args(queue, call.block_table, int(call.k.shape[0]), keep)
+        return [_runtime.launch(self.key, kn.make, kn.name, queue, kn.grid(n_tiles, self.hq),
+                                (kn.threads, 1), args, varying=self.varying, owner=self)]
 
 
 def wgmma_options(call: AttnCall, wgs: int, block_n: int,
@@ -432,7 +509,7 @@ def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None =
     d = call.head_dim
     config = tuple(config or default_config(call.dtype, d, call.head_dim_v))
     if use_ptx is None:
-        use_ptx = compute_capability(device) is not None and not EMULATE_PTX
+        use_ptx = compute_capability(device) is not None and not _switches.EMULATE_PTX
     opts, hi = kernel_options(call, config, use_ptx, extra_options, heads_inner)
     return Launch("attn_fwd_mma", opts, lambda: get_program(ctx, device, opts), 32 * config[2],
                   config[0], config[1], hi)
@@ -440,48 +517,26 @@ def plan_launch(ctx: Any, device: Any, call: AttnCall, *, config: tuple | None =
 
 def run(ctx: Any, queue: Any, device: Any, call: AttnCall, *, config: tuple | None = None,
         use_ptx: bool | None = None, extra_options: tuple[str, ...] | None = None,
-        heads_inner: bool | None = None, wait_for: Any = None,
-        events: list | None = None, kernel: str | None = None,
+        heads_inner: bool | None = None, kernel: str | None = None,
         wgmma_config: tuple | None = None) -> tuple[Any, Any]:
-    """Run ``call``; numpy in -> numpy out, ``pyopencl.array.Array`` in -> Array out.
+    """Run ``call`` on a prefill kernel of this module's choice or the caller's (tests and
+    benchmarks: the dispatch takes the families); numpy in -> numpy out,
+    ``pyopencl.array.Array`` in -> Array out.
 
     ``config`` = (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) overrides :data:`DEFAULT_CONFIGS`
     (:data:`PADDED_CONFIGS` for other head dims, :data:`DEFAULT_CONFIGS_F32` for float32);
     ``use_ptx=False`` builds the emulated kernel (any OpenCL device; for layout checks only);
-    ``heads_inner`` (default :data:`HEADS_INNER`) picks the grid order (see there);
+    ``heads_inner`` (default ``_switches.HEADS_INNER``) picks the grid order;
     ``extra_options`` (-D options of the kernel) replace :data:`DEFAULT_OPTIONS_16` when given
     (``()``: the plain build; benchmarks compare variants that way);
-    ``events``, when given, receives the kernel's event (for timing);
     ``kernel`` ("mma" or "wgmma") and ``wgmma_config`` = (WGS, BLOCK_N) override the choice of
-    :func:`plan_launch`.
+    :func:`plan_launch` (whose warpgroup-MMA choice falls back to mma.sync, as the dispatch
+    does, when its build fails).
     """
-    plan = usable_plan(ctx, device, call, config=config, use_ptx=use_ptx,
-                       extra_options=extra_options, heads_inner=heads_inner, kernel=kernel,
-                       wgmma_config=wgmma_config)
-    dtype = call.dtype
-    bq, sq_arr, hq, _ = call.q.shape
-    is_dev = is_cl_array(call.q)
-    out_shape, lse_shape = (bq, sq_arr, hq, call.head_dim_v), (bq, hq, sq_arr)
-
-    seq_buf, tile_buf, n_tiles = tables_on_device(ctx, call, plan.block_m, plan.block_n)
-    out = _pool.empty(queue, out_shape, dtype)
-    lse = _pool.empty(queue, lse_shape, np.float32)
-    if n_tiles and hq:
-        alibi_buf, bufs, geometry, scalars = kernel_inputs(ctx, call)
-        prefill = PrefillPlan(ctx, device, plan, call, alibi_buf, geometry, scalars)
-        table = None
-        if call.block_table is not None:
-            table = table_args(queue, call.block_table, int(call.k.shape[0]), out)
-        evt = prefill.enqueue(queue, *bufs, out.base_data, lse.base_data, tile_buf, seq_buf,
-                              n_tiles, hq, wait_for=wait_for,
-                              sinks=sinks_input(queue, call, out)[0], table=table)
-        out.add_event(evt)
-        lse.add_event(evt)
-        if events is not None:
-            events.append(evt)
-    return results(queue, out, lse, is_dev)
-
-
-#: the dispatch's plans (_nvidia_plans) launch this kernel themselves; a bench that wraps ``run``
-#: (to record its events) makes them hand the call to ``run`` instead
-run._attnlib_original = True  # type: ignore[attr-defined]
+    kw = dict(config=config, use_ptx=use_ptx, extra_options=extra_options,
+              heads_inner=heads_inner, wgmma_config=wgmma_config)
+    launch = plan_launch(ctx, device, call, kernel=kernel, **kw)
+    if kernel is None and launch.name == "attn_fwd_wgmma" and not built_wgmma(device, launch):
+        launch = plan_launch(ctx, device, call, **kw)
+    plan = PrefillPlan(queue, device, call, launch)
+    return plan.run(call, plan.step(call, None, None))

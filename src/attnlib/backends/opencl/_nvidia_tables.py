@@ -1,7 +1,7 @@
 """What both NVIDIA tensor-core kernels (``_nvidia_mma``, ``_nvidia_decode``) take of a call
 besides their options: the per-sequence table and the work list of (sequence, first row) tiles
-on the device (memoised by the values they are made from), the q, k, v buffers with their
-offsets and strides, the ALiBi slopes and the softmax scalars, and the results handed back."""
+(on the device, memoised by the values they are made from), the q, k, v buffers with their
+offsets and strides, the ALiBi slopes, the sinks, the mask and the softmax scalars."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from ... import _plans
 from ..base import AttnCall
-from ._arrays import dummy_buffer, is_cl_array
+from ._arrays import is_cl_array
 
 SEQ_FIELDS = 9
 BIG = 1 << 40  # an unbounded side of the visible key range
@@ -21,6 +22,7 @@ _LOG2E = 1.4426950408889634
 _lock = threading.Lock()
 #: device tables and slopes, by the values they are made from; the last _MEMO_MAX
 _memo: OrderedDict[tuple, Any] = OrderedDict()
+_plans.register(_memo)
 _MEMO_MAX = 256
 
 
@@ -101,47 +103,53 @@ def tables(call: AttnCall, block_m: int, block_n: int) -> tuple[np.ndarray, np.n
     return np.ascontiguousarray(seqs), np.ascontiguousarray(tiles)
 
 
-def _view(ctx: Any, x: Any) -> tuple[Any, int, tuple[int, int, int], Any]:
-    """(buffer, element offset, element strides of dims 0..2, keep-alive) of q, k or v."""
+def buffers(ctx: Any, call: AttnCall) -> list:
+    """The q, k, v buffers of a call: device arrays' own, host arrays uploaded contiguous."""
     import pyopencl as cl
 
-    item = x.dtype.itemsize
-    if is_cl_array(x):
-        return x.base_data, x.offset // item, tuple(s // item for s in x.strides[:3]), x
-    h = np.ascontiguousarray(x).view(f"u{item}")
-    if h.size == 0:
-        h = np.zeros(16 // item, h.dtype)
-    buf = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=h)
-    sh = x.shape
-    return buf, 0, (sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]), buf
+    bufs = []
+    for x in (call.q, call.k, call.v):
+        if is_cl_array(x):
+            bufs.append(x.base_data)
+            continue
+        h = np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
+        if h.size == 0:
+            h = np.zeros(16 // x.dtype.itemsize, h.dtype)
+        bufs.append(cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
+                              hostbuf=h))
+    return bufs
 
 
-def kernel_inputs(ctx: Any, call: AttnCall) -> tuple[Any, list, list, list]:
-    """What both tensor-core kernels take of a call besides their tables: the ALiBi slopes times
-    log2(e) on the device (memoised), the q, k, v buffers, their (offset, 3 strides) as int64
-    arguments, and (qk_scale, cap) as float32: the scale (over softcap when there is one) and
-    the softcap folded with log2(e) for the exp2-domain softmax."""
-    slopes = (np.asarray(call.options.alibi, np.float32) * np.float32(_LOG2E)
-              if call.options.alibi is not None else np.zeros(1, np.float32))
-    alibi_buf = _memoised(("slopes", ctx.int_ptr, slopes.tobytes()),
-                          lambda: _device_copy(ctx, slopes))
-    views = [_view(ctx, x) for x in (call.q, call.k, call.v)]
-    geometry = [np.int64(n) for _, off, strides, _keep in views for n in (off, *strides)]
+def geometry(call: AttnCall) -> list:
+    """(element offset, element strides of dims 0..2) of q, k and v as int64 arguments: in
+    place for device arrays, contiguous for host arrays (as :func:`buffers` uploads them)."""
+    out = []
+    for x in (call.q, call.k, call.v):
+        item = x.dtype.itemsize
+        if is_cl_array(x):
+            off, strides = x.offset // item, tuple(st // item for st in x.strides[:3])
+        else:
+            sh = x.shape
+            off, strides = 0, (sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3])
+        out += [np.int64(n) for n in (off, *strides)]
+    return out
+
+
+def scalars(call: AttnCall) -> list:
+    """(qk_scale, cap) as float32: the scale (over softcap when there is one) and the softcap
+    folded with log2(e) for the exp2-domain softmax."""
     if call.options.softcap is not None:
         qk_scale, cap = call.options.scale / call.options.softcap, call.options.softcap * _LOG2E
     else:
         qk_scale, cap = call.options.scale * _LOG2E, 0.0
-    return alibi_buf, [v[0] for v in views], geometry, [np.float32(qk_scale), np.float32(cap)]
+    return [np.float32(qk_scale), np.float32(cap)]
 
 
-def sinks_input(queue: Any, call: AttnCall, keep: Any) -> tuple[Any, int]:
-    """The call's sinks for both tensor-core kernels: (a device copy, enqueued on ``queue`` and
-    kept alive by ``keep``, the call's output Array; Hq) or (a stand-in buffer, 0)."""
-    if call.options.sinks is None:
-        return dummy_buffer(queue.context), 0
-    from . import _pool
-
-    return _pool.upload(queue, call.options.sinks, keep), int(call.options.sinks.shape[0])
+def slopes(ctx: Any, call: AttnCall) -> Any:
+    """The call's ALiBi slopes times log2(e) on the device (memoised by value)."""
+    values = np.asarray(call.options.alibi, np.float32) * np.float32(_LOG2E)
+    return _memoised(("slopes", ctx.int_ptr, values.shape, values.tobytes()),
+                     lambda: _device_copy(ctx, values))
 
 
 def mask_args(ctx: Any, call: AttnCall) -> list:
@@ -149,12 +157,9 @@ def mask_args(ctx: Any, call: AttnCall) -> list:
     sequence, head, row, key), the strides 0 where the mask broadcasts. The unbroadcast mask is
     uploaded: bool as uint8, additive float16 / bfloat16 as they are (the kernel reads them as
     float32, exactly), other additive dtypes as float32 (the contract reads them as float32 or
-    wider); a 1-byte stand-in buffer when the call has none."""
+    wider)."""
     i64 = np.int64
     mv = call.mask_view
-    if mv is None:
-        buf = _memoised(("no mask", ctx.int_ptr), lambda: _device_copy(ctx, np.zeros(1, np.uint8)))
-        return [buf, i64(0), i64(0), i64(0), i64(0), i64(0)]
     base = mv[tuple(slice(0, 1) if st == 0 else slice(None) for st in mv.strides)]
     if call.options.mask_kind == "bool":
         base = np.ascontiguousarray(base).view(np.uint8)  # (no copy of a contiguous mask)
@@ -206,17 +211,3 @@ def mask_tile_ranges(mask_view: np.ndarray, block_m: int, block_n: int) -> np.nd
         table[..., 0] = np.where(some, 0, 1 << 30)
         table[..., 1] = np.where(some, 1 << 30, -1)
     return table
-
-
-def results(queue: Any, out: Any, lse: Any, is_dev: bool) -> tuple[Any, Any]:
-    """The call's (out, lse): the Arrays themselves for device inputs, else host copies."""
-    import pyopencl as cl
-
-    if is_dev:
-        return out, lse
-    out_h = np.empty(out.shape, out.dtype)
-    lse_h = np.empty(lse.shape, np.float32)
-    if out_h.size:
-        cl.enqueue_copy(queue, out_h.view(f"u{out_h.itemsize}"), out.base_data)
-        cl.enqueue_copy(queue, lse_h, lse.base_data)
-    return out_h, lse_h

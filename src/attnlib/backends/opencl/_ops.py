@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import _plans
 from . import _pool
 from ._arrays import (
     STORE_KINDS,
@@ -28,6 +29,7 @@ from ._arrays import (
     upload,
 )
 from ._attention import launch_merge, pow2_floor
+from ._family import ArgList
 from ._runtime import KernelConfig, launch_lock
 
 if TYPE_CHECKING:
@@ -178,7 +180,7 @@ class _Uploads:
     copy, i.e. for every kernel enqueued before it. Handed to the destination Array (a KV
     cache), they made pyopencl's ``Array.add_event``, which waits on the oldest events once it
     holds 12, wait for earlier steps' kernels: every append with RoPE on the per-call path
-    waited for the previous step (tens of ms on PoCL at a few K tokens). An upload KEEP uploads
+    waited for the previous step's kernels. An upload KEEP uploads
     old is long done when its event is dropped (as _pool.DeviceTable.pending)."""
 
     __slots__ = ("events",)
@@ -237,7 +239,7 @@ class _WritePlan:
     table on the device, rewritten in place when it changes (_pool.DeviceTable; the k and the v
     write of one step share it)."""
 
-    __slots__ = ("be", "opts", "args", "table", "gsize")
+    __slots__ = ("be", "opts", "args", "table", "gsize", "i_src", "i_dst", "varying")
 
     def __init__(self, be: OpenCLBackend, queue: Any, buf: Any, src: Any) -> None:
         self.be = be  # keeps id(be), part of the plan's key, from being reused while it lives
@@ -248,15 +250,23 @@ class _WritePlan:
         bsz, s, h, d = src.shape
         item = dtype.itemsize
         i64, i32 = np.int64, np.int32
-        self.table = _pool.DeviceTable(queue.context, 8 * bsz, not be.facts.simulator)
+        self.table = _pool.DeviceTable(queue, 8 * bsz, not be.facts.simulator)
         self.opts = cfg.options()
-        self.args = [None, i64(src.offset // item), *(i64(st // item) for st in src.strides),
-                     dummy_buffer(queue.context), self.table.buf, i32(s), i32(h), i32(d), i32(0),
-                     i32(buf.shape[1]), None, *(i64(st // item) for st in buf.strides[:3])]
+        a = ArgList()  # rope_copy's parameters, in order
+        a.add("x", None)
+        a.add("x_geometry", i64(src.offset // item), *(i64(st // item) for st in src.strides))
+        a.add("cs", dummy_buffer(queue.context))
+        a.add("dst", self.table.buf)
+        a.add("sizes", i32(s), i32(h), i32(d), i32(0), i32(buf.shape[1]))
+        a.add("y", None)
+        a.add("y_strides", *(i64(st // item) for st in buf.strides[:3]))
+        self.args = a.values
+        self.i_src, self.i_dst = a.at("x"), a.at("y")
+        self.varying = a.indices("x", "y")
         self.gsize = (d, h, bsz * s)
 
 
-_write_plans: dict[tuple, Any] = {}
+_write_plans = _plans.table()
 _PLANS_MAX = 256
 
 
@@ -275,7 +285,6 @@ def _memo_plan(table: dict, key: tuple, queue: Any, make: Any) -> Any:
         plan = table[key] = make()
     return plan
 _ROW_SLOT = struct.Struct("=ii")  # one (cache row, first slot) entry of the table
-_WRITE_VARYING = (0, 13)
 
 
 def _cache_write_fast(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray,
@@ -297,11 +306,11 @@ def _cache_write_fast(be: OpenCLBackend, buf: Any, src: Any, rows: np.ndarray,
     else:
         table = np.stack([rows, np.asarray(start_pos, np.int64) % cap], axis=1).astype(np.int32)
     args = plan.args.copy()
-    args[0], args[13] = src.base_data, buf.base_data
+    args[plan.i_src], args[plan.i_dst] = src.base_data, buf.base_data
     with launch_lock:
         plan.table.put(queue, table)
         be.launch(queue.context, queue, "rope.cl", plan.opts, "rope_copy", plan.gsize, None,
-                  args, varying=_WRITE_VARYING, owner=plan)
+                  args, varying=plan.varying, owner=plan)
     return True
 
 
@@ -401,7 +410,8 @@ class _AppendPlan:
     the plan), the (row, slot, table row) table on the device (rewritten in place when it
     changes) and the (cos, sin) table it uses. Without RoPE q is left out (HQ = 0)."""
 
-    __slots__ = ("be", "opts", "args", "table", "gsize", "cs", "cs_seen", "cap")
+    __slots__ = ("be", "opts", "args", "table", "gsize", "cs", "cs_seen", "cap", "slot",
+                 "varying")
 
     def __init__(self, be: OpenCLBackend, queue: Any, kbuf: Any, vbuf: Any, q: Any, k: Any,
                  v: Any, spec: RopeSpec | None) -> None:
@@ -428,23 +438,38 @@ class _AppendPlan:
             return [i64(x.offset // item), *(i64(st // item) for st in x.strides)]
 
         dummy = dummy_buffer(ctx)
-        self.table = _pool.DeviceTable(ctx, 12 * bsz, not be.facts.simulator)
+        self.table = _pool.DeviceTable(queue, 12 * bsz, not be.facts.simulator)
         self.opts = cfg.options()
         self.cap = kbuf.shape[1]
-        self.args = [None, *(view(q) if hq else [i64(0)] * 5), None, *view(k), None, *view(v),
-                     dummy, self.table.buf, i32(s), i32(hq), i32(hkv), i32(d), i32(dv),
-                     i32(spec.rotary_dim if spec is not None else 0), i32(self.cap), None, None,
-                     *(i64(st // item) for st in kbuf.strides[:3]), None,
-                     *(i64(st // item) for st in vbuf.strides[:3])]
+        a = ArgList()  # rope_append's parameters, in order
+        a.add("q", None)
+        a.add("q_geometry", *(view(q) if hq else [i64(0)] * 5))
+        a.add("k", None)
+        a.add("k_geometry", *view(k))
+        a.add("v", None)
+        a.add("v_geometry", *view(v))
+        a.add("cs", dummy)
+        a.add("dst", self.table.buf)
+        a.add("sizes", i32(s), i32(hq), i32(hkv), i32(d), i32(dv),
+              i32(spec.rotary_dim if spec is not None else 0), i32(self.cap))
+        a.add("q_out", None)
+        a.add("k_cache", None)
+        a.add("k_cache_strides", *(i64(st // item) for st in kbuf.strides[:3]))
+        a.add("v_cache", None)
+        a.add("v_cache_strides", *(i64(st // item) for st in vbuf.strides[:3]))
+        self.args = a.values
+        self.slot = {n: a.at(n) for n in ("q", "k", "v", "cs", "q_out", "k_cache", "v_cache")}
+        #: the slots a launch sets (caches of one geometry share the plan): without RoPE, the
+        #: caches and the new k and v (q, its copy and cs: the fixed stand-in); with RoPE q and
+        #: its copy too, and cs when its table was widened since the plan's last launch
+        plain = a.indices("k", "v", "k_cache", "v_cache")
+        rope = a.indices("q", "k", "v", "q_out", "k_cache", "v_cache")
+        self.varying = (plain, rope, rope + a.indices("cs"))
         self.gsize = (max(d, dv), hq + 2 * hkv, bsz * s)
 
 
-_append_plans: dict[tuple, Any] = {}
+_append_plans = _plans.table()
 _ROW_SLOT_POS = struct.Struct("=iii")  # one (cache row, first slot, first cs row) entry
-_Q, _K, _V, _CS, _QO, _KC, _VC = 0, 6, 12, 18, 27, 28, 32
-_APPEND_VARYING = (_Q, _K, _V, _QO, _KC, _VC)  # caches of one geometry share the plan
-_APPEND_VARYING_CS = _APPEND_VARYING + (_CS,)
-_PLAIN_VARYING = (_K, _V, _KC, _VC)  # no RoPE: q, its copy and cs are the fixed dummy
 
 
 def fused_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any,
@@ -479,26 +504,27 @@ def fused_append(be: OpenCLBackend, kbuf: Any, vbuf: Any, k: Any, v: Any, q: Any
     bsz, s = k.shape[:2]
     cap = plan.cap
     args = plan.args.copy()
-    args[_K], args[_V], args[_KC], args[_VC] = k.base_data, v.base_data, kbuf.base_data, \
-        vbuf.base_data
+    slot = plan.slot
+    args[slot["k"]], args[slot["v"]] = k.base_data, v.base_data
+    args[slot["k_cache"]], args[slot["v_cache"]] = kbuf.base_data, vbuf.base_data
     out = q
     if rotate:
         out = _pool.empty(queue, q.shape, q.dtype)
-        args[_Q], args[_QO] = q.base_data, out.data
+        args[slot["q"]], args[slot["q_out"]] = q.base_data, out.data
     else:  # q, its copy, cs: the dummy buffer (never read or written with HQ = 0)
-        args[_Q] = args[_QO] = args[_CS]
+        args[slot["q"]] = args[slot["q_out"]] = args[slot["cs"]]
     first = int(start[0]) if bsz == 1 else None
     with launch_lock:
-        base, cs, varying = 0, plan.cs, _PLAIN_VARYING
+        base, cs, varying = 0, plan.cs, plan.varying[0]
         if cs is not None:
             lo = first if bsz == 1 else int(start.min())
             if not cs.cover(lo, (first if bsz == 1 else int(start.max())) + s):
                 return None
-            base, varying = cs.base, _APPEND_VARYING
+            base, varying = cs.base, plan.varying[1]
             if cs.buf is not plan.cs_seen:
                 plan.cs_seen = cs.buf
-                varying = _APPEND_VARYING_CS
-            args[_CS] = cs.buf
+                varying = plan.varying[2]
+            args[slot["cs"]] = cs.buf
         if bsz == 1:
             table = _ROW_SLOT_POS.pack(int(rows[0]), first % cap, first - base if rotate else 0)
         else:

@@ -73,10 +73,10 @@ def empty(queue: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     queue's pool.
 
     pyopencl's checked constructor (``cla.empty``) validated the shape with several numpy calls:
-    a large part of a decode call's host time (bench/RESULTS.md); its fast
-    constructor (what its ``_new_like_me`` uses) still cost ~5 us here. The first Array of a
+    a large part of a decode call's host time (bench/RESULTS.md); its fast constructor (what
+    its ``_new_like_me`` uses) still costs more than a copy of attributes. The first Array of a
     (queue, shape, dtype) is made by that constructor; later ones copy its attributes with a
-    fresh allocation and event list (~1 us), when the Array holds exactly the attributes that
+    fresh allocation and event list, when the Array holds exactly the attributes that
     constructor sets (else every Array is constructed)."""
     key = (queue.int_ptr, shape, dtype)
     tmpl = _templates.get(key)
@@ -155,12 +155,18 @@ class DeviceTable:
     output dropped right away would otherwise wait for the write, i.e. for every kernel enqueued
     before it (``_pool.upload``'s keeper made each such call wait for the previous one)."""
 
-    __slots__ = ("buf", "size", "sig", "fill", "pending")
+    __slots__ = ("buf", "size", "sig", "fill", "pending", "unordered")
     PENDING = 8
 
-    def __init__(self, ctx: Any, nbytes: int, fill: bool) -> None:
+    def __init__(self, queue: Any, nbytes: int, fill: bool) -> None:
         import pyopencl as cl
 
+        ctx = queue.context
+        #: an out-of-order queue: a rewrite first waits for the queue's work, then writes
+        #: blocking (no kernel enqueued before may read the new bytes)
+        self.unordered = bool(
+            queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
+        fill = fill and not self.unordered
         size = max(4, int(nbytes))
         self.fill = fill and size <= 128 and _fill_ok(ctx)
         if self.fill:
@@ -178,7 +184,10 @@ class DeviceTable:
         data = host if type(host) is bytes else host.tobytes()
         if data == self.sig:
             return
-        if self.fill:
+        if self.unordered:
+            queue.finish()
+            cl.enqueue_copy(queue, self.buf, np.frombuffer(data, np.uint8), is_blocking=True)
+        elif self.fill:
             pad = bytes(self.size - len(data)) if len(data) < self.size else b""
             _fill(queue, self.buf, data + pad, 0, self.size, None)
         else:
