@@ -422,6 +422,40 @@ def test_paged_dispatch_emulated(emulated_sm90):
     assert launches.count("attn_decode_mma") == 7
 
 
+def test_cascade_emulated(emulated_sm90, monkeypatch):
+    """Shared prompts on the (emulated) tensor-core decode kernel through the front door: 7 forks
+    of a 23-token prompt (4 full pages of 5) with tokens of their own and an unrelated sequence,
+    float16, sinks, the prefix in chunks of 2 pages (``PARTS_KEYS``) and its 7 x 4 packed rows in
+    runs of 4 (one m16 tile): one decode launch writes every float32 partial state and merge.cl
+    merges them, for a device query, each sequence's rows checked against the float64
+    reference. (Emulation: the device is patched to sm_90; the test also holds on a card.
+    The kernel build is test_decode_paged_sinks' "merge.cl" case's, as is its tiling.)"""
+    from attnlib.backends.opencl import _nvidia_decode
+    from attnlib.testing.test_paged import Paged
+    from attnlib.testing.test_paged_cascade import _groups, _spying
+
+    monkeypatch.setattr(_nvidia_decode, "PARTS_KEYS", 10)
+    monkeypatch.setitem(_nvidia_decode.DEFAULT_CONFIGS, 64, PAGED[4][4])
+    be = attnlib.get_backend("opencl", num_splits=2)
+    p = Paged(be, 40, 5, hq=8, hkv=2, d=64, dv=64, dtype="float16", seed="cascade emulated")
+    root, u = p.new(2)
+    p.append([root, u], [23, 11])
+    forks = [root] + [p.fork(root) for _ in range(6)]
+    p.append(forks[1:], [1, 4, 2, 7, 3, 1])
+    sids = forks[:3] + [u] + forks[3:]
+    sinks = (p.rng.standard_normal(8) * 2).astype(np.float32)
+    q = randn(p.rng, (len(sids), 1, 8, 64), "float16")
+    with _spying() as spy:
+        out = attnlib.attention_with_paged_kvcache(attnlib.to_device(q, backend=be), p.cache,
+                                                   sids, sinks=sinks)
+        assert _groups(sids, spy.seen[-1]) == {frozenset(forks): 4}
+    assert emulated_sm90.count("attn_decode_mma") == 1, "the decode kernel did not run"
+    assert emulated_sm90.count("merge_states") == 1
+    out = attnlib.to_numpy(out)
+    for i, s in enumerate(sids):
+        p.check_rows(s, q[i], out[i], None, sinks=sinks)
+
+
 # ---- quantized K/V (the KV_FORMAT load variant): 8-bit codes and per-(row, kv head) scales -----
 
 QUANT = [

@@ -35,9 +35,13 @@ CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
   the same tensors; each paged output is checked against the contiguous one (max |diff|).
   ``--quick`` (S/16) runs it on a CPU OpenCL device.
 * **forks** (``forks``): 32 forks of an 8192-token prompt with 256 tokens of their own each
-  (a ``PagedKVCache``, page 16, device queries), one decode step for all 32, beside the same step
-  over 32 unshared contiguous caches of 8448 tokens (the per-sequence decode); "equivalent TB/s"
-  counts every sequence's tokens as if read separately.
+  (a ``PagedKVCache``, page 16, float16, device queries), one decode step for all 32 through the
+  shared-prompt cascade (checked to take the 32 forks; one row per prefix chunk size of
+  ``FORKS_KEYS``, the default marked; "host": the call alone, returning before its kernels
+  finish), beside the same step with the cascade off and over 32 unshared contiguous caches of
+  8448 tokens (the per-sequence decode, the speed-up's base);
+  "equivalent TB/s" counts every sequence's tokens as if read separately. ``--quick`` (4 forks of
+  512 + 16 tokens) runs it on a CPU OpenCL device.
 * **portable** (``portable``): the portable kernel (``use_mma=False``) against the device's
   limits, measured in the same run: float32 and float16 prefill (B=4 H=16 S=2048, D 64/128,
   causal or not) in TFLOP/s beside PyTorch SDPA; float16 decode (B=8 L=8192, B=1 L=131072,
@@ -75,6 +79,9 @@ PAGE_SIZES = (1, 8, 16, 32)
 PAGED_PREFILL = [(1, 16, 4096, 64), (1, 16, 4096, 128)]
 PREFILL_PAGES = (1, 16, 128)
 FORKS = (32, 8192, 256)  # forks, prompt tokens, own tokens each
+FORKS_QUICK = (4, 512, 16)
+#: the cascade's prefix chunk sizes (keys) the forks table sweeps (_nvidia_decode.PARTS_KEYS)
+FORKS_KEYS = (512, 1024, 2048, 8192)
 QUANT = [(8, 8192), (1, 131072)]  # (batch, cache length) of the quantized-cache decode
 QUANT_FORMATS = (None, "int8", "float8_e4m3fn", "float8_e5m2")  # None: the float16 cache
 #: (D, Dv, causal, mask): the head-dim and mask table, B=1, H=16, S=4096, float16
@@ -497,10 +504,20 @@ def paged_prefill_table(rows: list) -> str:
     return "\n".join(out)
 
 
-def forks(reps: int, rows: list) -> None:
-    """32 forks of one prompt, one decode step for all of them, beside 32 unshared caches."""
+def forks(reps: int, rows: list, quick: bool = False) -> None:
+    """32 forks of one prompt, one decode step for all of them (the cascade: the prompt's pages
+    read once per chunk for every fork's rows, float32 partial states merged on the device), for
+    each prefix chunk size of FORKS_KEYS, beside the same step with the cascade off (each
+    sequence over its own pages) and over 32 unshared contiguous caches (the per-sequence
+    decode). ``quick`` shrinks the shape (4 forks of 512 + 16 tokens, a smoke run on a CPU
+    device). Each result is checked: the cascade's against the plain call's (max |diff|) and
+    sequence 0 against the float64 reference."""
+    from attnlib import _cascade
+    from attnlib.backends.opencl import _nvidia_decode, _nvidia_mma
+    from attnlib.testing.reference import reference_attention
+
     hq, hkv, d, page = 32, 8, 128, 16
-    n_fork, prompt, own = FORKS
+    n_fork, prompt, own = FORKS_QUICK if quick else FORKS
     reps = max(reps, 20)
     rng = np.random.default_rng(3)
     dev = lambda x: attnlib.to_device(x, backend="opencl")  # noqa: E731
@@ -509,21 +526,37 @@ def forks(reps: int, rows: list) -> None:
     n_pages = (prompt + n_fork * (own + page)) // page + 8
     cache = attnlib.PagedKVCache(n_pages, page, hkv, d, dtype="float16", backend="opencl")
     root = cache.new_sequence()
-    kp = dev(rand(1, prompt, hkv, d))
-    cache.append([root], kp, kp)
+    kp, vp = rand(1, prompt, hkv, d), rand(1, prompt, hkv, d)
+    cache.append([root], dev(kp), dev(vp))
     sids = [root] + [cache.fork(root) for _ in range(n_fork - 1)]
-    ko = dev(rand(n_fork, own, hkv, d))
-    cache.append(sids, ko, ko)
-    qd = dev(rand(n_fork, 1, hq, d))
-    out = attnlib.attention_with_paged_kvcache(qd, cache, sids)
-    sync = out.queue.finish
+    ko, vo = rand(n_fork, own, hkv, d), rand(n_fork, own, hkv, d)
+    cache.append(sids, dev(ko), dev(vo))
+    q = rand(n_fork, 1, hq, d)
+    qd = dev(q)
 
     def step(x=qd, c=cache, s=sids):
         return attnlib.attention_with_paged_kvcache(x, c, s)
 
+    taken, real = [], _cascade.groups_of
+    _cascade.groups_of = lambda call, n: taken.append(real(call, n)) or taken[-1]
+    try:
+        got = step().get()
+    finally:
+        _cascade.groups_of = real
+    if not taken or [len(m) for m, _ in taken[-1]] != [n_fork]:
+        raise RuntimeError(f"the cascade did not take the {n_fork} forks: {taken}")
+    sync = cache.k_pages.queue.finish
+    threshold = _cascade.MIN_PREFIX_TOKENS
+    _cascade.MIN_PREFIX_TOKENS = None
+    try:
+        plain = step().get()
+        t0, tp0 = _median_time(step, sync, 3, reps), _pipelined_time(step, sync, reps)
+    finally:
+        _cascade.MIN_PREFIX_TOKENS = threshold
+    k0 = np.concatenate([kp[0], ko[0]])[None].astype(np.float64)
+    v0 = np.concatenate([vp[0], vo[0]])[None].astype(np.float64)
+    ref, _ = reference_attention(q[:1].astype(np.float64), k0, v0)
     n = prompt + own
-    nbytes = 2 * n_fork * n * hkv * d * 2
-    t, tp = _median_time(step, sync, 3, reps), _pipelined_time(step, sync, reps)
     flat = attnlib.KVCache(n_fork, n, hkv, d, dtype="float16", backend="opencl")
     kf = dev(rand(n_fork, n, hkv, d))
     flat.update(kf, kf, 0)
@@ -532,10 +565,28 @@ def forks(reps: int, rows: list) -> None:
         return attnlib.attention_with_kvcache(x, c)
 
     t1, tp1 = _median_time(per_seq, sync, 3, reps), _pipelined_time(per_seq, sync, reps)
-    rows.append({"kind": "forks", "forks": n_fork, "prompt": prompt, "own": own,
-                 "opencl_us": t * 1e6, "opencl_pipe_us": tp * 1e6,
-                 "equiv_TBps": nbytes / tp / 1e12, "per_seq_us": t1 * 1e6,
-                 "per_seq_pipe_us": tp1 * 1e6, "speedup": tp1 / tp})
+    nbytes = 2 * n_fork * n * hkv * d * 2
+    default_keys = _nvidia_decode.PARTS_KEYS
+    nvidia = _nvidia_mma.compute_capability(cache.backend.device) is not None
+    try:  # the chunk size is the tensor-core decode kernel's (elsewhere: the whole prefix)
+        for keys in FORKS_KEYS if nvidia else (None,):
+            _nvidia_decode.PARTS_KEYS = keys or default_keys
+            got = step().get()
+            t, tp = _median_time(step, sync, 3, reps), _pipelined_time(step, sync, reps)
+            host = _median_time(step, lambda: None, 3, reps)  # the call alone, no wait
+            sync()
+            rows.append({"kind": "forks", "forks": n_fork, "prompt": prompt, "own": own,
+                         "chunk_keys": keys, "default": keys == default_keys,
+                         "opencl_us": t * 1e6, "opencl_pipe_us": tp * 1e6,
+                         "host_us": host * 1e6,
+                         "equiv_TBps": nbytes / tp / 1e12, "plain_us": t0 * 1e6,
+                         "plain_pipe_us": tp0 * 1e6, "per_seq_us": t1 * 1e6,
+                         "per_seq_pipe_us": tp1 * 1e6, "speedup": tp1 / tp,
+                         "diff_plain": float(np.abs(got.astype(np.float32)
+                                                    - plain.astype(np.float32)).max()),
+                         "err_ref": float(np.abs(got[:1].astype(np.float64) - ref).max())})
+    finally:
+        _nvidia_decode.PARTS_KEYS = default_keys
 
 
 def paged_table(rows: list) -> str:
@@ -566,14 +617,21 @@ def paged_table(rows: list) -> str:
 
 
 def forks_table(rows: list) -> str:
-    out = ["| forks × (prompt + own) | shared pages µs | equivalent TB/s | 32 unshared caches µs "
-           "| speed-up (pipelined) |", "|---|---|---|---|---|"]
+    out = ["| forks × (prompt + own) | prefix chunk keys | cascade µs | cascade host µs "
+           "| equivalent TB/s | cascade off µs | unshared caches µs "
+           "| speed-up vs unshared (pipelined) | max diff vs cascade off | max err vs float64 |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "forks":
-            out.append(f"| {r['forks']} × ({r['prompt']} + {r['own']}) | {_fmt(r['opencl_us'])} / "
-                       f"{_fmt(r['opencl_pipe_us'])} | {_fmt(r['equiv_TBps'], 2)} | "
-                       f"{_fmt(r['per_seq_us'])} / {_fmt(r['per_seq_pipe_us'])} | "
-                       f"{_fmt(r['speedup'], 2)} |")
+            mark = " (default)" if r["default"] else ""
+            keys = "whole prefix" if r["chunk_keys"] is None else f"{r['chunk_keys']}{mark}"
+            out.append(f"| {r['forks']} × ({r['prompt']} + {r['own']}) | {keys} "
+                       f"| {_fmt(r['opencl_us'])} / {_fmt(r['opencl_pipe_us'])} "
+                       f"| {_fmt(r['host_us'])} | {_fmt(r['equiv_TBps'], 2)} "
+                       f"| {_fmt(r['plain_us'])} / {_fmt(r['plain_pipe_us'])} "
+                       f"| {_fmt(r['per_seq_us'])} / {_fmt(r['per_seq_pipe_us'])} "
+                       f"| {_fmt(r['speedup'], 2)} | {_fmt(r['diff_plain'], 4)} "
+                       f"| {_fmt(r['err_ref'], 4)} |")
     return "\n".join(out)
 
 
@@ -835,8 +893,8 @@ def main(argv=None) -> int:
                              "decode", "paged", "pagedprefill", "forks", "host", "portable",
                              "quant"])
     ap.add_argument("--quick", action="store_true",
-                    help="portable, quant, pagedprefill: every shape divided (a smoke run on a "
-                         "CPU device)")
+                    help="portable, quant, forks, pagedprefill: every shape divided (a smoke "
+                         "run on a CPU device)")
     args = ap.parse_args(argv)
     be = attnlib.get_backend("opencl")
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "opencl backend:", be.info(),
@@ -869,7 +927,7 @@ def main(argv=None) -> int:
         paged_prefill(args.reps, not args.no_torch, rows, quick=args.quick)
     if "forks" in parts:
         print("forks ...", flush=True)
-        forks(args.reps, rows)
+        forks(args.reps, rows, quick=args.quick)
     if "quant" in parts:
         print("quantized caches ...", flush=True)
         quant(args.reps, rows, quick=args.quick)
@@ -893,8 +951,8 @@ def main(argv=None) -> int:
         print("\n## Paged prefill, float16, causal, scattered pages, TFLOP/s per call\n")
         print(paged_prefill_table(rows))
     if any(r["kind"] == "forks" for r in rows):
-        print("\n## Shared prompt: 32 forks, one decode step, float16, page 16 (per call / "
-              "pipelined)\n")
+        print("\n## Shared prompt: forks of one prompt, one decode step, float16, 32 q / 8 kv "
+              "heads, D=128, page 16, device queries (per call / pipelined)\n")
         print(forks_table(rows))
     if "portable" in parts:
         print("portable kernel ...", flush=True)

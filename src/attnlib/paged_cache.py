@@ -93,6 +93,10 @@ class PagedKVCache:
         self._pages: dict[int, list[int]] = {}
         self._len: dict[int, int] = {}
         self._next_id = 0
+        # block tables of recent calls by their sequence ids (a decode step's table changes once
+        # a page, and building one is a Python loop over every page); emptied whenever a
+        # sequence's pages change
+        self._tables: dict[tuple[int, ...], np.ndarray] = {}
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
@@ -135,12 +139,14 @@ class PagedKVCache:
         self._release(self._pages[s][keep:])
         del self._pages[s][keep:]
         self._len[s] = length
+        self._tables.clear()
 
     def free(self, sid) -> None:
         """Forget ``sid``; its pages go back to the pool when no other sequence holds them."""
         s = _spec.check_sid(sid, self._pages)
         self._release(self._pages.pop(s))
         del self._len[s]
+        self._tables.clear()
 
     @_spec.front_door
     def lengths(self, sids) -> np.ndarray:
@@ -153,7 +159,7 @@ class PagedKVCache:
         """int32 ``(B, max_pages)``, ``max_pages`` the most pages any of them holds; -1 past
         each sequence's last page."""
         ids = _spec.check_sids(sids, self._pages)
-        return self._table(ids.tolist())
+        return self._table(ids.tolist()).copy()
 
     def dequantized(self, sids) -> tuple[np.ndarray, np.ndarray]:
         """The values attention reads for the sequences ``sids``, as float64 numpy arrays (for
@@ -187,10 +193,18 @@ class PagedKVCache:
 
     # ---- internals -------------------------------------------------------------------------------
     def _table(self, ids: list[int]) -> np.ndarray:
-        width = max((len(self._pages[i]) for i in ids), default=0)
-        table = np.full((len(ids), width), -1, np.int32)
-        for row, i in enumerate(ids):
-            table[row, :len(self._pages[i])] = self._pages[i]
+        """The block table of ``ids`` (never to be written: it is kept for the next call)."""
+        key = tuple(ids)
+        table = self._tables.get(key)
+        if table is None:
+            width = max((len(self._pages[i]) for i in ids), default=0)
+            table = np.full((len(ids), width), -1, np.int32)
+            for row, i in enumerate(ids):
+                table[row, :len(self._pages[i])] = self._pages[i]
+            table.flags.writeable = False  # calls may keep what they derive from it by identity
+            if len(self._tables) >= 16:
+                self._tables.clear()
+            self._tables[key] = table
         return table
 
     def _release(self, pages: list[int]) -> None:
@@ -276,7 +290,9 @@ class PagedKVCache:
             self._refs[p] -= 1  # never to 0: another sequence still holds it
         for b, s in enumerate(w.sids.tolist()):
             first, tail = w.tables[b]
-            self._pages[s][first:] = tail
+            if tail or first < len(self._pages[s]):
+                self._pages[s][first:] = tail
+                self._tables.clear()
             self._len[s] = int(w.new_len[b])
 
 
@@ -325,8 +341,9 @@ def attention_with_paged_kvcache(q, cache, sids, k=None, v=None, *, cu_seqlens_q
     Every check runs before the cache is touched: a refused call changes nothing.
 
     Sequences of the call that hold the same leading full pages (forks of one prompt) read them
-    once for all of them where that is exact (cascade: float32 / float64, host queries, no ALiBi,
-    every row seeing the whole shared prefix; see ``attnlib._cascade``); the result is the same.
+    once for all of them where that is exact (cascade: no ALiBi, every row seeing the whole
+    shared prefix; float32 partial states, merged on the device on OpenCL; see
+    ``attnlib._cascade``); the result is the same.
     """
     _spec.check_cache_instance(cache, PagedKVCache)
     be = cache.backend
@@ -386,9 +403,8 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, cu_seqlens_q=
     an out-of-range page where a sequence needs one: ``ArgumentError``); a device table is taken
     as given, and no kernel reads outside the pool whatever it holds (page indices are clamped;
     the result for a sequence with such entries is unspecified). ``sinks`` (float32 ``(Hq,)``):
-    attention sinks, as in ``attention``. With a host table and a host
-    ``q``, shared leading full pages are read once per group of sequences, as in
-    ``attention_with_paged_kvcache``.
+    attention sinks, as in ``attention``. With a host table, shared leading full pages are read
+    once per group of sequences, as in ``attention_with_paged_kvcache``.
 
     Quantized pools (contract §10; a ``PagedKVCache(kv_dtype=...)``'s pages): ``k_pages`` /
     ``v_pages`` of ``ml_dtypes.float8_e4m3fn``, ``ml_dtypes.float8_e5m2`` or ``int8`` with

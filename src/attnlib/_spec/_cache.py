@@ -252,6 +252,8 @@ def check_int_list(x: Any, name: str) -> np.ndarray:
             raise ArgumentError(f"{name} must be an int or ints (B,), got {a.dtype} {a.shape}")
         return a.astype(np.int64)
     if isinstance(x, (list, tuple)):
+        if all(type(i) is int for i in x):  # plain ints (not bool): a decode step's ids
+            return np.array(x, np.int64)
         return np.array([check_int(i, f"{name}[{n}]") for n, i in enumerate(x)], np.int64)
     return np.array([check_int(x, name)], np.int64)
 

@@ -87,6 +87,9 @@ import numpy as np
 
 from .. import _quant
 
+#: the dtypes whose attention output already is a float32-or-wider partial state
+_WIDE = (np.dtype(np.float32), np.dtype(np.float64))
+
 __all__ = [
     "AttnCall",
     "AttnOptions",
@@ -265,6 +268,37 @@ class Backend:
         When ``call.need_lse`` is False the caller drops the LSE, and a backend may return None
         in its place."""
         raise NotImplementedError
+
+    def attention_state(self, call: AttnCall) -> tuple[Any, Any] | None:
+        """:meth:`attention` with ``out`` kept in float32 or wider (float64 for float64 calls):
+        a partial state for an exact merge (a float16 / bfloat16 ``out`` rounded before a merge
+        would be rounded twice). The default: :meth:`attention` itself where its output already
+        is float32 / float64; None (this backend cannot) for float16 / bfloat16."""
+        if call.dtype in _WIDE:
+            return self.attention(call)
+        return None
+
+    def attention_parts(self, call: AttnCall, n_parts: int) -> tuple[Any, Any] | None:
+        """The merge of ``n_parts`` partial states of the same query rows, made in one call
+        (the shared-prompt cascade's primitive, ``attnlib._cascade``).
+
+        ``call.q`` is ``(B, S, Hq, D)`` (numpy, or a C-contiguous device array) and its
+        ``R = B * S`` rows are read flat: sequence ``s`` has the rows ``q_row0[s] ..
+        q_row0[s] + q_len[s] - 1`` of ``q.reshape(1, R, Hq, D)``, and ``call.q_batch[s]`` is
+        its *part* (0 .. n_parts - 1), not a batch of ``q``. The query rows are the same in
+        every part, each row belongs to exactly one sequence of each part, and a row's parts
+        see disjoint keys. Returns ``merge_states`` of each row's ``n_parts`` states with
+        ``call.options.sinks`` folded in once after it: ``out (B, S, Hq, Dv)`` in ``call.dtype`` and
+        ``lse (B, Hq, S)`` (float32; float64 for float64), in the backend's array type, what one
+        call over the union of each row's keys gives; the states are kept in float32 or wider.
+        None: the caller merges :meth:`attention_state`'s states itself (the default)."""
+        return None
+
+    def parts_limits(self, call: AttnCall) -> tuple[int | None, int | None]:
+        """(packed query rows, keys): the most packed rows (query rows times query heads per kv
+        head) and keys one sequence of an :meth:`attention_parts` call made from ``call``
+        should have here, for speed (a kernel that groups at most so many rows); None: any."""
+        return None, None
 
     def softmax(self, x: Any, axis: int, log: bool) -> Any:
         """Softmax of ``x`` along ``axis`` (non-negative), x's dtype out; with ``log=True``

@@ -51,6 +51,11 @@ class NumpyBackend(HostPages, Backend):
 
     # ---- attention ----------------------------------------------------------------------------
     def attention(self, call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
+        out, lse = self.attention_state(call)
+        return out.astype(call.dtype), lse.astype(_acc_dtype(call.dtype))
+
+    def attention_state(self, call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
+        """The state in float64, whatever the dtype (the reference accumulates in float64)."""
         bq, sq_arr, hq, _ = call.q.shape
         out = np.zeros((bq, sq_arr, hq, call.v.shape[3]), dtype=np.float64)
         lse = np.full((bq, hq, sq_arr), -np.inf, dtype=np.float64)
@@ -65,7 +70,7 @@ class NumpyBackend(HostPages, Backend):
                                                          int(call.q_row0[s]) + n_q)
                 out[qb, rows_q], lse[qb, :, rows_q] = fold_sinks(
                     out[qb, rows_q], lse[qb, :, rows_q], call.options.sinks)
-        return out.astype(call.dtype), lse.astype(_acc_dtype(call.dtype))
+        return out, lse
 
     def _sequence(self, call: AttnCall, s: int, out: np.ndarray, lse: np.ndarray) -> None:
         """Sequence ``s``'s rows (it has keys) into ``out``, ``lse`` (float64), without sinks."""

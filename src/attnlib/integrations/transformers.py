@@ -48,7 +48,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         causal = "top_left" if causal else False
     # (B, H, S, D) -> (B, S, H, D): strided views; the output comes back (B, Sq, Hq, D).
     # Under torch.compile through the custom op (one graph node); else directly, which spares
-    # the op's dispatch (~0.3 ms a call on a 2-core CPU, more than a decode step's attention)
+    # the op's dispatch, which on a CPU can cost more than a decode step's attention itself
     call = _attention if torch.compiler.is_compiling() else _api.attention
     out = call(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                mask=attention_mask, scale=scaling, causal=causal, softcap=softcap,

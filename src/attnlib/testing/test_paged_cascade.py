@@ -1,8 +1,9 @@
 """Paged calls over sequences forked from shared prompts: the shared full pages are read once per
 group (cascade: the group's rows over the prefix together, each sequence over its own pages,
-merged). Each call is checked against the float64 reference on each sequence's tokens and against
-the same call with the cascade disabled, and the groups the cascade took are checked too (so a
-test cannot pass because the cascade silently did not run).
+merged from float32 partial states). Each call is checked against the float64 reference on each
+sequence's tokens and against the same call with the cascade disabled, and the groups the
+cascade took are checked too (so a test cannot pass because the cascade silently did not run),
+in every dtype, with host queries and, where the backend has device arrays, device queries.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ def _groups(sids, groups):
     return {frozenset(sids[i] for i in m.tolist()): n for m, n in groups}
 
 
-def _both(p, spy, sids, q_lens, *, packed=True, stateless=False, **kw):
+def _both(p, spy, sids, q_lens, *, packed=True, stateless=False, device=False, **kw):
     """One query call (no new tokens) with the cascade on, then off: every sequence's rows
-    against the reference, on against off. Returns the groups the cascade took."""
+    against the reference, on against off. Returns the groups the cascade took. ``device``:
+    the query as the backend's device array (where it has them; ``paged_attention`` over a
+    device pool always)."""
     import attnlib
 
     n = len(sids)
@@ -78,16 +81,16 @@ def _both(p, spy, sids, q_lens, *, packed=True, stateless=False, **kw):
         extra = {}
 
     be = attnlib.get_backend(p.backend)
-    device = stateless and be.owns(p.cache.k_pages)  # paged_attention: q where the pool is
+    device = (stateless or device) and be.owns(p.cache.k_pages)
+    q_in = be.to_device(q) if device else q
 
     def run():
         if stateless:
             table = p.cache.block_table(sids)
             lens = p.cache.lengths(sids).astype(np.int32)
-            return attnlib.paged_attention(be.to_device(q) if device else q, p.cache.k_pages,
-                                           p.cache.v_pages, table, lens, return_lse=True,
-                                           backend=p.backend, **extra, **kw)
-        return attnlib.attention_with_paged_kvcache(q, p.cache, sids, return_lse=True,
+            return attnlib.paged_attention(q_in, p.cache.k_pages, p.cache.v_pages, table, lens,
+                                           return_lse=True, backend=p.backend, **extra, **kw)
+        return attnlib.attention_with_paged_kvcache(q_in, p.cache, sids, return_lse=True,
                                                     backend=p.backend, **extra, **kw)
 
     spy.seen.clear()
@@ -133,22 +136,21 @@ def test_forked_groups(attnlib_backend, dtype, cascade_spy):
     sids = [f.a, f.c1, f.u, f.c2, f.b, f.d1, f.c3, f.e, f.e1]
     want = {frozenset([f.a, f.c1, f.c2, f.c3]): 3, frozenset([f.b, f.d1]): 2,
             frozenset([f.e, f.e1]): 2}
-    wide = p.dtype in (np.float32, np.float64)  # 16-bit dtypes run the plain call
-    if not wide:
-        want = {}
     # decode rows and multi-row chunks (c2: 2 rows, u: 3 rows), packed
     assert _both(p, cascade_spy, sids, [1, 1, 3, 2, 1, 1, 1, 1, 1]) == want
-    # batched decode step
-    assert _both(p, cascade_spy, sids, [1] * len(sids), packed=False) == want
+    # batched decode step, the query on the device where the backend has device arrays (a's
+    # group in consecutive rows: one run of rows over its prefix)
+    batch = [f.a, f.c1, f.c2, f.c3, f.u, f.b, f.d1, f.e, f.e1]
+    assert _both(p, cascade_spy, batch, [1] * len(batch), packed=False, device=True) == want
     # appended chunks past the prefix, then a decode step, through the appending path
     cascade_spy.seen.clear()
     p.attend([f.c1, f.c3, f.d1, f.u], [3, 1, 2, 1], [3, 1, 2, 1])
-    assert _groups([f.c1, f.c3, f.d1, f.u], cascade_spy.seen[-1]) == (
-        {frozenset([f.c1, f.c3]): 3} if wide else {})
+    assert _groups([f.c1, f.c3, f.d1, f.u], cascade_spy.seen[-1]) == {
+        frozenset([f.c1, f.c3]): 3}
     cascade_spy.seen.clear()
     p.attend([f.a, f.c1, f.c2, f.c3], [1] * 4, [1] * 4, packed=False)
-    assert _groups([f.a, f.c1, f.c2, f.c3], cascade_spy.seen[-1]) == (
-        {frozenset([f.a, f.c1, f.c2, f.c3]): 3} if wide else {})
+    assert _groups([f.a, f.c1, f.c2, f.c3], cascade_spy.seen[-1]) == {
+        frozenset([f.a, f.c1, f.c2, f.c3]): 3}
 
 
 @pytest.mark.parametrize("opts", [
@@ -158,7 +160,6 @@ def test_forked_groups(attnlib_backend, dtype, cascade_spy):
 ], ids=["softcap", "noncausal", "wide-window"])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 1)], ids=["gqa", "mqa"])
 def test_options_that_keep_the_cascade(attnlib_backend, opts, heads, cascade_spy):
-    import attnlib
 
     hq, hkv = heads
     p = Paged(attnlib_backend, 48, 4, hq=hq, hkv=hkv, dv=7)
@@ -166,10 +167,8 @@ def test_options_that_keep_the_cascade(attnlib_backend, opts, heads, cascade_spy
     sids = [f.c2, f.a, f.u, f.c1, f.e1, f.e]
     want = {frozenset([f.a, f.c1, f.c2]): 3, frozenset([f.e, f.e1]): 2}
     assert _both(p, cascade_spy, sids, [2, 1, 1, 1, 1, 1], **opts) == want
-    # a device query (paged_attention over a device pool) runs the plain call
-    device = attnlib.get_backend(attnlib_backend).owns(p.cache.k_pages)
-    assert _both(p, cascade_spy, sids, [1] * len(sids), stateless=True, **opts) == (
-        {} if device else want)
+    # paged_attention (a device query over a device pool)
+    assert _both(p, cascade_spy, sids, [1] * len(sids), stateless=True, **opts) == want
 
 
 def test_where_the_cascade_must_not_apply(attnlib_backend, cascade_spy):
@@ -190,6 +189,32 @@ def test_where_the_cascade_must_not_apply(attnlib_backend, cascade_spy):
         frozenset([f.a, f.c1, f.c3]): 3, frozenset([f.b, f.d1]): 2}
 
 
+def test_caller_table_rewritten_in_place(attnlib_backend, cascade_spy):
+    """``paged_attention`` with one host table object that the caller rewrites between calls
+    (as an engine reusing its buffer does): the second call's groups and result are its own."""
+    import attnlib
+
+    p = Paged(attnlib_backend, 48, 4, dv=11)
+    be = attnlib.get_backend(attnlib_backend)
+    f = _forest(p)
+    first, second = [f.a, f.c1, f.c2, f.c3], [f.b, f.d1, f.e, f.e1]
+    table = p.cache.block_table(first)
+    for sids, want in ((first, {frozenset(first): 3}),
+                       (second, {frozenset([f.b, f.d1]): 2, frozenset([f.e, f.e1]): 2})):
+        now = p.cache.block_table(sids)
+        table[:] = -1
+        table[:, :now.shape[1]] = now
+        q = randn(p.rng, (4, 1, p.hq, p.d), p.dtype)
+        cascade_spy.seen.clear()
+        q_in = be.to_device(q) if be.owns(p.cache.k_pages) else q
+        out, lse = (attnlib.to_numpy(x) for x in attnlib.paged_attention(
+            q_in, p.cache.k_pages, p.cache.v_pages, table,
+            p.cache.lengths(sids).astype(np.int32), return_lse=True, backend=attnlib_backend))
+        assert _groups(sids, cascade_spy.seen[-1]) == want
+        for b, s in enumerate(sids):
+            p.check_rows(s, q[b], out[b], lse[b])
+
+
 def test_shared_prefix_threshold(attnlib_backend, cascade_spy):
     """Below the threshold (in tokens) no group is taken; the result is the same."""
     from attnlib import _cascade
@@ -202,18 +227,21 @@ def test_shared_prefix_threshold(attnlib_backend, cascade_spy):
         assert _both(p, cascade_spy, sids, [1] * 4) == {frozenset([f.a, f.c1]): 3}
     finally:
         _cascade.MIN_PREFIX_TOKENS = 1
-    # a device query (or table) runs the plain call
+    # a device table runs the plain call
     import attnlib
 
     be = attnlib.get_backend(attnlib_backend)
     if be.owns(p.cache.k_pages):
-        q = be.to_device(randn(p.rng, (4, 1, p.hq, p.d), p.dtype))
+        q = randn(p.rng, (4, 1, p.hq, p.d), p.dtype)
+        table = be.to_device(p.cache.block_table(sids))
+        lens = p.cache.lengths(sids).astype(np.int32)
         cascade_spy.seen.clear()
-        out = attnlib.to_numpy(attnlib.attention_with_paged_kvcache(q, p.cache, sids,
-                                                                    backend=attnlib_backend))
+        out = attnlib.to_numpy(attnlib.paged_attention(
+            be.to_device(q), p.cache.k_pages, p.cache.v_pages, table, lens,
+            backend=attnlib_backend))
         assert cascade_spy.seen[-1] == []
         for b, s in enumerate(sids):
-            p.check_rows(s, attnlib.to_numpy(q)[b], out[b], None)
+            p.check_rows(s, q[b], out[b], None)
 
 
 

@@ -166,18 +166,20 @@ def test_sinks_paged(attnlib_backend):
         p.check_rows(s, q[i], out[i], lse[i], sinks=sinks)
 
 
-def test_sinks_cascade_counts_them_once(attnlib_backend):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_sinks_cascade_counts_them_once(attnlib_backend, dtype):
     """Forks of shared prompts (the cascade merges each group's shared prefix with each fork's
     own keys): the sinks join that merge once, also for forks with no key of their own
-    (test_forked_groups' shapes)."""
+    (test_forked_groups' shapes; float16 with the query on the device where the backend has
+    device arrays)."""
     from attnlib.testing.test_paged_cascade import _both, _forest, _spying
 
-    p = Paged(attnlib_backend, 48, 4, dv=11)
+    p = Paged(attnlib_backend, 48, 4, dv=11, dtype=dtype)
     f = _forest(p)
     sids = [f.a, f.c1, f.u, f.c2, f.b, f.d1, f.c3, f.e, f.e1]
     with _spying() as spy:
         groups = _both(p, spy, sids, [1, 1, 3, 2, 1, 1, 1, 1, 1],
-                       sinks=sinks_for(p.rng, "mixed"))
+                       sinks=sinks_for(p.rng, "mixed"), device=dtype == "float16")
     assert groups == {frozenset([f.a, f.c1, f.c2, f.c3]): 3, frozenset([f.b, f.d1]): 2,
                       frozenset([f.e, f.e1]): 2}, "the cascade must have run"
 

@@ -82,6 +82,9 @@ class NumbaBackend(HostPages, Backend):
     def attention(self, call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
         return _launch.attention(call)
 
+    def attention_state(self, call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
+        return _launch.attention(call, keep_acc=True)
+
     # ---- online-softmax primitives -------------------------------------------------------------
     def softmax(self, x: Any, axis: int, log: bool) -> np.ndarray:
         from . import _ops

@@ -401,8 +401,10 @@ def blas_name() -> str:
     return _blas.describe()
 
 
-def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
-    """The attention primitive: ``(out, lse)`` of ``call`` (see the package docstring)."""
+def attention(call: AttnCall, keep_acc: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The attention primitive: ``(out, lse)`` of ``call`` (see the package docstring);
+    ``keep_acc``: ``out`` in the compute dtype (float32 for float16 / bfloat16), a partial
+    state for a merge (``Backend.attention_state``)."""
     import numba
 
     from . import _flash, _ops
@@ -459,7 +461,7 @@ def attention(call: AttnCall) -> tuple[np.ndarray, np.ndarray]:
                        cdt)
             if n_slots:
                 _flash.merge_partials(seq, tasks, g, part_o, part_ml, out, lse, sinks)
-    if dtype != cdt:
+    if dtype != cdt and not keep_acc:
         out = out.astype(dtype)
     lse_dtype = np.float64 if dtype == np.float64 else np.float32
     return out, lse.astype(lse_dtype, copy=False)

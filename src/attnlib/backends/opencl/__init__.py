@@ -32,6 +32,8 @@ How a call runs (one path for the first call and every repeat)::
         -> Plan.run: pooled outputs, Plan.enqueue (the call's buffers bound to named argument
            slots, _family.ArgList) -> _runtime.launch (one kernel-object cache, programs from
            _runtime.program, the one program cache)
+    OpenCLBackend.attention_parts (the shared-prompt cascade) -> _dispatch.attention_parts:
+        the family's plan in its ``parts`` mode (float32 partial states kept), one merge.cl
 
 :func:`why` shows the families the dispatch tried for a call and why each faster one did not
 take it. Every plan cache of the library (these and the front door's) empties with
@@ -280,6 +282,22 @@ class OpenCLBackend(Backend):
     def attention(self, call: AttnCall) -> tuple[Any, Any]:
         with device_errors("attention"):
             return _dispatch.attention(self, call)
+
+    def attention_parts(self, call: AttnCall, n_parts: int) -> tuple[Any, Any]:
+        with device_errors("attention"):
+            return _dispatch.attention_parts(self, call, n_parts)
+
+    def parts_limits(self, call: AttnCall) -> tuple[int | None, int | None]:
+        """The tensor-core decode kernel's limits where it takes the call's decode rows: one
+        m16 tile of packed rows, and prefix chunks of ``_nvidia_decode.PARTS_KEYS`` keys (many
+        work-groups, each as long as a sequence's own keys, not one per row tile over the whole
+        prefix); none elsewhere."""
+        from . import _nvidia_decode as nd
+
+        rows = int(call.q_len.max()) * (call.n_heads // call.n_kv_heads) if call.n_seq else 0
+        if nd.Decode().applicable(self, call, rows) is None:
+            return nd.MAX_ROWS, nd.PARTS_KEYS
+        return None, None
 
     def softmax(self, x: Any, axis: int, log: bool) -> Any:
         with device_errors("softmax"):

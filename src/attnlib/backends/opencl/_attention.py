@@ -299,9 +299,14 @@ def geometry(x: Any) -> DevView:
 class PortablePlan(Plan):
     """What a call description and its largest packed row count fix on attn_fwd.cl: tiling,
     build options (no split / split), the argument list (:class:`~._family.ArgList`) with the
-    per-call slots left to fill, and the descriptor's device table."""
+    per-call slots left to fill, and the descriptor's device table. ``parts``: :meth:`enqueue`
+    takes the split build even for one split, keeps its partial states and returns their
+    buffers (outs, lses) in merge.cl's layout, unmerged, sinks not folded
+    (``_dispatch.attention_parts``)."""
 
-    def __init__(self, be: OpenCLBackend, queue: Any, call: AttnCall, max_rows: int) -> None:
+    def __init__(self, be: OpenCLBackend, queue: Any, call: AttnCall, max_rows: int,
+                 parts: bool = False) -> None:
+        self.parts = parts
         self.ctx = ctx = queue.context
         self.be, self.queue = be, queue
         dtype = call.dtype
@@ -429,7 +434,7 @@ class PortablePlan(Plan):
                 args[span] = [sv.buf, *(np.int64(a) for a in (sv.offset, *sv.strides))]
         if call.options.sinks is not None:
             args[self.i_sinks] = _pool.upload(queue, call.options.sinks, keep)
-        split = splits > 1
+        split = splits > 1 or self.parts
         sq_arr, hq, dv, item = self.geom
         n_out_rows = self.n_out_rows
         if split:
@@ -444,6 +449,8 @@ class PortablePlan(Plan):
             evt = _runtime.launch(self.keys[split], self.makes[split], "attn_fwd", queue,
                                   (n_groups * nt, self.grid_y, splits), (nt, 1, 1), args,
                                   varying=self.varying, owner=self.owners[split])
+        if self.parts:  # the partial states' buffers, not events
+            return [part_o, part_l]
         if not split:
             return [evt]
         in_kind, out_kind, acc_kind = self.merge_kinds

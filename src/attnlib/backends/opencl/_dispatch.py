@@ -249,3 +249,86 @@ def attention(be: OpenCLBackend, call: AttnCall) -> tuple[Any, Any]:
         state = entry.state = (sig, plan, plan.step(call, vals, col))
     return state[1].run(call, state[2])
 
+
+
+def attention_parts(be: OpenCLBackend, call: AttnCall, n_parts: int) -> tuple[Any, Any]:
+    """``Backend.attention_parts`` on the device: the ``n_parts`` parts are the batches of one
+    call whose query is the rows' array seen with a zero batch stride; its kernel (the
+    tensor-core decode kernel where that family takes the call, else the portable one) writes
+    float32 partial states (float16 / bfloat16: its split build's, one per key split and part,
+    the plans' ``parts`` mode; float32 / float64: its plain output), and one merge.cl launch
+    merges each row's states into the output dtype, folds the sinks in and writes the LSE in
+    the contract's layout. A host query is uploaded once; nothing else goes through the
+    host."""
+    import pyopencl.array as cla
+
+    from . import _pool
+    from ._arrays import acc_dtype, is_cl_array, store_kind
+    from ._attention import launch_merge
+
+    q4 = call.q  # (B, S, Hq, D), rows read flat
+    queue = be.queue_for(q4, call.k, call.v)
+    host = not is_cl_array(q4)
+    if host:
+        q4 = be.to_device(q4)
+    b, s, hq, d = q4.shape
+    n_rows, item = b * s, q4.dtype.itemsize
+    # every part reads the same R rows: a zero batch stride (C-contiguous rows)
+    q = cla.Array(queue, (n_parts, n_rows, hq, d), q4.dtype,
+                  strides=(0, hq * d * item, d * item, item), data=q4.base_data,
+                  offset=q4.offset)
+    sink_logits = call.options.sinks  # folded in once, by the merge
+    call = replace(call, q=q, options=replace(call.options, sinks=None), need_lse=True)
+    dtype, acc = call.dtype, acc_dtype(call.dtype)
+    dv = call.head_dim_v
+    vals, col = per_sequence(call)
+    max_rows = int(vals[2].max()) * (hq // call.n_kv_heads)
+    out = _pool.empty(queue, (b, s, hq, dv), dtype)
+    lse = _pool.empty(queue, (b, hq, s), acc)
+    if Decode().applicable(be, call, max_rows) is None:
+        plan = _parts_plan(be, queue, call, max_rows, True)
+        step = plan.step(call, vals, col)
+        part_o, part_l = plan.enqueue(step, call, None, None, out)
+        # state split * n_parts + part; its LSEs (rows, Hq)
+        n_states, l_strides = step[0].splits * n_parts, (n_rows * hq, s * hq, hq, 1)
+    elif dtype == acc:  # the plain output is the state: the build of the plain call
+        po, pl = attention(be, call)
+        part_o, part_l = po.base_data, pl.base_data
+        for e in po.events:  # its uploads: done before its kernels, never waited on here
+            out.add_event(e)
+        n_states, l_strides = n_parts, (hq * n_rows, s, 1, n_rows)  # LSEs (Hq, rows)
+    else:
+        plan = _parts_plan(be, queue, call, max_rows, False)
+        step = plan.step(call, vals, col)
+        part_o, part_l = plan.enqueue(step, call, None, None, out)
+        n_states, l_strides = step[2] * n_parts, (n_rows * hq, s * hq, hq, 1)
+    sinks = None if sink_logits is None else _pool.upload(queue, sink_logits, out)
+    # rows (b * S + s) * Hq + h of every state (see merge.cl)
+    evt = launch_merge(be, queue, part_o, n_rows * hq * dv, part_l, l_strides, n_states, s, hq,
+                       dv, n_rows * hq, out.base_data, lse.base_data, store_kind(acc),
+                       store_kind(dtype), int(acc == np.float64), sinks)
+    out.add_event(evt)
+    lse.add_event(evt)
+    if host:
+        return out.get(), lse.get()
+    return out, lse
+
+
+#: the parts-mode plans of attention_parts, by call description (:func:`plan_key`), family and
+#: packed row count: a cascade's decode steps reuse theirs (device tables rewritten in place)
+parts_plans: dict[tuple, Plan] = _plans.table()
+
+
+def _parts_plan(be: OpenCLBackend, queue: Any, call: AttnCall, max_rows: int,
+                decode: bool) -> Plan:
+    from ._attention import PortablePlan
+
+    key = (plan_key(be, queue, call), decode, 0 if decode else max_rows)
+    plan = parts_plans.get(key)
+    if plan is None:
+        plan = (_nvidia_decode.DecodePlan(be, queue, call, parts=True) if decode
+                else PortablePlan(be, queue, call, max_rows, parts=True))
+        if len(parts_plans) >= _PLANS_MAX:
+            parts_plans.clear()
+        parts_plans[key] = plan
+    return plan

@@ -50,6 +50,11 @@ MAX_ROWS = 16
 #: (bench/RESULTS.md). D=64 and the rest: not swept.
 DEFAULT_CONFIGS = {64: (64, 4, 4), 128: (128, 4, 2),
                    32: (64, 4, 4), 96: (48, 3, 4), 256: (64, 4, 2)}
+#: keys of one shared-prefix chunk in a cascade call (``attnlib._cascade``, the backend's
+#: ``parts_limits``): chunks of the prefix are sequences of their own, so that the prefix's rows,
+#: at most MAX_ROWS packed per work-group, spread over many work-groups. Not yet measured on a
+#: card (``bench/gpu/run.py --only forks`` sweeps it).
+PARTS_KEYS = 1024
 #: a split keeps at least this many key tiles (fewer: the fixed cost per work-group dominates)
 MIN_TILES_PER_SPLIT = 2
 #: shared memory of one SM usable by work-groups (H100/H200: 227 KiB)
@@ -145,16 +150,18 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
 
 
 def kernel_options(call: AttnCall, config: tuple, splits: int, use_ptx: bool,
-                   fused: bool | None = None) -> tuple[tuple[str, ...], bool]:
+                   fused: bool | None = None, parts: bool = False) -> tuple[tuple[str, ...], bool]:
     """The build options of ``call``'s kernel with ``splits`` key splits, and whether the splits
     are merged in the kernel (``fused``, default ``_switches.FUSED_MERGE``: the last work-group of
-    a (sequence, kv head) merges the splits, no merge.cl launch; where the buffers hold them)."""
+    a (sequence, kv head) merges the splits, no merge.cl launch; where the buffers hold them).
+    ``parts``: the float32 partial states of every split kept (SPLIT, never fused), one split
+    included."""
     d = call.head_dim
-    fused = (_switches.FUSED_MERGE if fused is None else fused) and splits > 1 and fused_fits(
-        d, config, splits)
+    fused = ((_switches.FUSED_MERGE if fused is None else fused) and splits > 1 and not parts
+             and fused_fits(d, config, splits))
     opts = build_options(d, call.dtype, config, softcap=call.options.softcap is not None,
                          alibi=call.options.alibi is not None, scale_pos=call.options.scale > 0,
-                         split=splits > 1, use_ptx=use_ptx, fused=fused,
+                         split=splits > 1 or parts, use_ptx=use_ptx, fused=fused,
                          page_size=page_size(call), kv_format=kv_format(call))
     return opts, fused
 
@@ -246,15 +253,17 @@ class DecodeKernel:
     kernel key, grid, and the argument list (:class:`~._family.ArgList`) the description fixes,
     the per-call slots left to fill."""
 
-    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "slots", "varying")
+    __slots__ = ("key", "make", "grid", "local", "args", "fused", "splits", "slots", "varying",
+                 "parts")
 
     def __init__(self, queue: Any, device: Any, call: AttnCall, config: tuple, splits: int,
                  n_cols: int, use_ptx: bool, fused: bool | None, tile_buf: Any,
-                 seq_buf: Any) -> None:
+                 seq_buf: Any, parts: bool = False) -> None:
         ctx = queue.context
         bq, sq_arr, hq, _ = call.q.shape
         hkv = call.k.shape[2]
-        opts, fused = kernel_options(call, config, splits, use_ptx, fused)
+        opts, fused = kernel_options(call, config, splits, use_ptx, fused, parts)
+        self.parts = parts
         dummy = dummy_buffer(ctx)
         threads = 32 * config[1]
         i64, i32 = np.int64, np.int32
@@ -291,11 +300,14 @@ class DecodePlan(Plan):
     """What a call description fixes on the decode kernel: the config, PTX or emulation, the
     device tables (rewritten in place when the per-sequence values change), the split count per
     work-group count and a :class:`DecodeKernel` per (splits, columns). ``config``, ``splits``,
-    ``use_ptx``, ``fused``: see :func:`run` (None: the defaults the dispatch runs)."""
+    ``use_ptx``, ``fused``: see :func:`run` (None: the defaults the dispatch runs). ``parts``:
+    :meth:`enqueue` keeps the float32 partial states of every split (one included) and returns
+    their buffers (outs, lses) in merge.cl's layout, unmerged, sinks not folded
+    (``_dispatch.attention_parts``)."""
 
     def __init__(self, be: Any, queue: Any, call: AttnCall, config: tuple | None = None,
                  splits: int | None = None, use_ptx: bool | None = None,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, parts: bool = False) -> None:
         self.be, self.queue, self.ctx = be, queue, queue.context
         self.spare = dummy_buffer(self.ctx)  # stands in for the buffers a launch does not use
         n = call.n_seq
@@ -306,7 +318,7 @@ class DecodePlan(Plan):
         if use_ptx is None:
             use_ptx = (_nvidia_mma.compute_capability(be.device) is not None
                        and not _switches.EMULATE_PTX)
-        self.use_ptx, self.fused, self.splits = use_ptx, fused, splits
+        self.use_ptx, self.fused, self.splits, self.parts = use_ptx, fused, splits, parts
         self.kernels: dict = {}
         self.split_counts: dict = {}
 
@@ -342,7 +354,7 @@ class DecodePlan(Plan):
         if kernel is None:
             kernel = self.kernels[(splits, n_cols)] = DecodeKernel(
                 self.queue, self.be.device, call, self.config, splits, n_cols, self.use_ptx,
-                self.fused, self.tile_table.buf, self.seq_table.buf)
+                self.fused, self.tile_table.buf, self.seq_table.buf, self.parts)
         return kernel, seqs.tobytes(), tiles.tobytes()
 
     def enqueue(self, step: Any, call: AttnCall, out: Any, lse: Any, keep: Any) -> list:
@@ -370,7 +382,7 @@ class DecodePlan(Plan):
             args[slots["block_table"]] = table_args(queue, call.block_table,
                                                     int(call.k.shape[0]), keep)
         splits, fused = kn.splits, kn.fused
-        if splits > 1:
+        if splits > 1 or kn.parts:
             part_o = _pool.scratch(queue, splits * n_out_rows * d * 4)
             part_l = _pool.scratch(queue, splits * n_out_rows * 4)
             args[3:7] = [out if fused else spare, lse if fused else spare, part_o, part_l]
@@ -381,6 +393,8 @@ class DecodePlan(Plan):
             self.tile_table.put(queue, tiles)
             evts = [_runtime.launch(kn.key, kn.make, "attn_decode_mma", queue, kn.grid,
                                     kn.local, args, varying=kn.varying, owner=kn)]
+        if kn.parts:  # the partial states' buffers, not events
+            return [part_o, part_l]
         if splits > 1 and not fused:
             evts.append(launch_merge(self.be, queue, part_o, n_out_rows * d, part_l,
                                      (n_out_rows, sq_arr * hq, hq, 1), splits, sq_arr, hq, d,
