@@ -23,7 +23,7 @@
 // pipeline step ahead of its K/V: they are copied by 4-byte cp.async into sPg in the commit group
 // of the tile STAGES - 1 before it, so the K/V loads never wait on a table read.  Page indices
 // are clamped into [0, n_pages) and table columns into [0, tbl_w): no table, however wrong, makes
-// the kernel read outside the pool.
+// the kernel read outside the pool (the staging macros: nv_warp.h, shared with attn_fwd_mma.cl).
 //
 // Compile-time sizes (-D): HEAD_DIM (= Dv, a multiple of 16), BLOCK_N, WARPS, STAGES (>= 2), IS_BF16,
 // SOFTCAP, ALIBI, SCALE_POS (scale > 0), SPLIT, USE_PTX (0: the exact emulation of nv_warp.h),
@@ -108,24 +108,6 @@ typedef ushort kv_code_t;
 #error "FUSED_MERGE needs SPLIT"
 #endif
 #define FUSED_UNROLL 16
-#ifndef PAGE_SIZE
-#define PAGE_SIZE 0
-#endif
-#if PAGE_SIZE
-#define NPG ((BLOCK_N - 1) / PAGE_SIZE + 2)  // table entries one tile can span
-#define PAGED_PARAMS                                                                           \
-  , __global const int *block_table, const long tbl_off, const long tbl_s0, const long tbl_s1, \
-      const int tbl_w, const int n_pages
-#if USE_PTX
-#define CP_ASYNC4(DST, SRC)                                                                    \
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"                                      \
-               :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
-#else
-#define CP_ASYNC4(DST, SRC) (*(DST) = *(SRC))
-#endif
-#else
-#define PAGED_PARAMS
-#endif
 #define EMPTY_W (-1.f) /* the fused merge's weight of an empty split state */
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
@@ -205,12 +187,6 @@ void attn_decode_mma(__global const ushort *q, __global const kv_code_t *k,
   // The table row of this sequence; entries of tile TL: columns (krow0 + TL BLOCK_N) / PAGE_SIZE
   // + [0, NPG), clamped to the row, copied into slot SLOT of sPg.
   __global const int *tbl = block_table + tbl_off + (long)s * tbl_s0;
-#define PG_FIRST(TL) ((krow0 + (long)(TL) * BLOCK_N) / PAGE_SIZE)
-#define FETCH_PAGES(TL, SLOT)                                                                  \
-  for (int e = tid; e < NPG; e += THREADS) {                                                   \
-    const long col = min(PG_FIRST(TL) + e, (long)(tbl_w - 1));                                 \
-    CP_ASYNC4(sPg + (SLOT) * NPG + e, tbl + col * tbl_s1);                                     \
-  }
 // the pool element offsets (K, V) of logical key row ROW of tile TL, whose entries are in SLOT
 #define PAGED_OFF(ROW, TL, SLOT, KO, VO)                                                       \
   {                                                                                            \

@@ -11,7 +11,7 @@
 //
 // Compile-time sizes (-D): HEAD_DIM (D), HEAD_DIM_V (Dv; both any size up to 256, padded to 16
 // inside), BLOCK_M, BLOCK_N (multiple of 16), WARPS, IS_BF16, IS_TF32, Q_IN_REGS, SOFTCAP, ALIBI,
-// SCALE_POS (scale > 0), VEC_LOADS, MASK_KIND, USE_PTX.  USE_PTX=0
+// SCALE_POS (scale > 0), VEC_LOADS, MASK_KIND, PAGE_SIZE, USE_PTX.  USE_PTX=0
 // replaces every warp-level PTX instruction (nv_warp.h, shared with attn_decode_mma.cl) by an
 // exact emulation through local memory and barriers (for checking the fragment layouts with PoCL
 // on a CPU; slow, never used for speed).
@@ -22,6 +22,16 @@
 // Q_IN_REGS means 0: Q kept in local memory as float32 and split every tile, 1: hi and lo in
 // registers, 2: hi in registers and lo in local memory.  The tile walk, masking and online
 // softmax are shared with the 16-bit kernel.
+//
+// PAGE_SIZE > 0: k and v are page pools (nv_warp.h) read through the block table (six more
+// arguments, PAGED_PARAMS).  The table entries of key tile T are staged in slot T & 1 of sPg by
+// cp.async in the commit group of the first load of tile T - 1 (LOAD_KV, LOAD_K, LOAD_K_B:
+// NEXT_PAGES), so every schedule (plain, KV_SPLIT_STAGES, SOFTMAX_PIPE) has them in local memory
+// before it issues a load of tile T, and a slot is rewritten only after every load of the tile
+// it held was issued; the first tile's entries are read before the loop.  Each K/V row's
+// address: page * page stride + slot * row stride (the fast loader: one entry per row of its
+// chunk column).  The hidden-v add-back (rare) reads the table in global memory.  PAGE_SIZE=0
+// preprocesses to the unpaged kernel token for token.
 
 #ifndef IS_TF32
 #define IS_TF32 0
@@ -76,7 +86,11 @@
 // chunk slots per row of a load loop: a power of two (a fixed chunk column per thread in the
 // fast loader); slots past a tensor's chunks load nothing
 #define CHUNKS_NEED (DMAX / EPC)
+#if CHUNKS_NEED > 32  // float32 rows past 128 columns
+#define CHUNKS 64
+#else
 #define CHUNKS (CHUNKS_NEED <= 4 ? 4 : CHUNKS_NEED <= 8 ? 8 : CHUNKS_NEED <= 16 ? 16 : 32)
+#endif
 #define SCAN_CHUNKS V_CHUNKS        // SCAN_HIDDEN_V16 (nv_warp.h) scans V's chunks
 #if BLOCK_M % (16 * WARPS) || BLOCK_N % 16 || THREADS % CHUNKS || HEAD_DIM > 256 || HEAD_DIM_V > 256
 #error "BLOCK_M must be a multiple of 16*WARPS, BLOCK_N of 16, 32*WARPS of the chunk slots; D, Dv <= 256"
@@ -161,6 +175,24 @@
 #define SCR_ARG , scr
 #endif
 
+// With a mask, key tiles it hides from every row of the block are not visited: the host's
+// range [first, last] of the key tiles in which some row of the row block sees some key
+// (_nvidia_tables.mask_tile_args: bool masks; additive ones pass one unbounded range; int32
+// pairs per sequence, head and row block, strides 0 where the mask broadcasts; last < first:
+// none) narrows the block's tiles t_first..t_last.  Exact: such a tile would leave m, l and O
+// unchanged.
+#if MASK_KIND
+#define MASK_TILE_PARAMS                                                                       \
+  , __global const int *mtiles, const long mt_s0, const long mt_s1, const long mt_s2
+#undef PREFILL_KEY_RANGE
+#define PREFILL_KEY_RANGE                                                                      \
+  PREFILL_KEY_BOUNDS                                                                           \
+  __global const int *mt_ = mtiles + s * mt_s0 + h * mt_s1 + (m0 / BLOCK_M) * mt_s2;          \
+  const int t_first = max(lo_blk / BLOCK_N, mt_[0]);                                           \
+  const int t_last = hi_blk >= lo_blk ? min(hi_blk / BLOCK_N, mt_[1]) : t_first - 1;
+#else
+#define MASK_TILE_PARAMS
+#endif
 // The mask element of row (MT, HF) and key J (mrow: with MASK_KIND only; read only then)
 #define MASK_PTR(MT, HF, J) (mask + mrow[MT][HF] + (long)(J) * m_s3)
 // Score X (in place) of this lane's row (MT, HF) and key J: score.h's transform, the keys of
@@ -218,9 +250,8 @@
       UNROLL for (int hf = 0; hf < 2; hf++) {                                                   \
         const int j_hi = min(rhi[mt][hf], n0 + BLOCK_N - 1);                                    \
         for (int j = max(rlo[mt][hf], n0); j <= j_hi; j++) {                                    \
-          long row = krow0 + j;                                                                 \
-          if (ring > 0 && row >= ring) row -= ring;                                             \
-          __global const ELEM *vr = vh + row * v_sr + 2 * tg;                                   \
+          KV_ROW_G(j)                                                                           \
+          __global const ELEM *vr = vh + ROW_OFF(v_sb, v_sr) + 2 * tg;                          \
           if (!MASK_SEES(MASK_PTR(mt, hf, j))) continue;                                        \
           UNROLL for (int nd = 0; nd < NT_O; nd++) {                                            \
             UNROLL for (int e = 0; e < 2; e++) {                                                \
@@ -234,7 +265,7 @@
   }
 
 __kernel __attribute__((reqd_work_group_size(THREADS, 1, 1)))
-void attn_fwd_mma(PREFILL_PARAMS) {
+void attn_fwd_mma(PREFILL_PARAMS MASK_TILE_PARAMS PAGED_PARAMS) {
   __local ELEM sQ[BLOCK_M * LDSQ] __attribute__((aligned(16)));
 #if KV_SPLIT_STAGES
   __local ELEM sK[BLOCK_N * LDSK] __attribute__((aligned(16)));
@@ -246,6 +277,9 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 #if !USE_PTX
   __local uint scr_all[WARPS * 256];
   __local uint *scr = scr_all + (get_local_id(0) >> 5) * 256;
+#endif
+#if PAGE_SIZE
+  __local int sPg[2 * NPG];  // the table entries of two key tiles (tile T: slot T & 1)
 #endif
   __local int v_flag;  // = t + 1 when tile t's V held inf/NaN (a new value per tile: no reset)
   const int tid = get_local_id(0), lane = tid & 31, warp = tid >> 5;
@@ -303,6 +337,53 @@ void attn_fwd_mma(PREFILL_PARAMS) {
   }
   __global const ELEM *kh = k + k_off + kb * k_sb + hk * k_sh;
   __global const ELEM *vh = v + v_off + kb * v_sb + hk * v_sh;
+// The row of key J (of tile TILE): KV_ROW declares what ROW_OFF(batch-or-page stride, row
+// stride) needs, the element offset from kh (vh); KV_ROW_G reads a paged table in global memory.
+// FAST_ROW(I): the same for row r0_ + I ROW_STEP of the fast loader, FAST_OFF its offset from the
+// tile's base pointers (DENSE: the unpaged one).  NEXT_PAGES(TILE): the entries of tile TILE + 1.
+#if PAGE_SIZE
+  __global const int *tbl = block_table + tbl_off + (long)s * tbl_s0;
+  __global const ELEM *kc0 = kh + (tid % CHUNKS) * EPC, *vc0 = vh + (tid % CHUNKS) * EPC;
+#define KV_ROW(J, TILE)                                                                        \
+  const long lr_ = krow0 + (J);                                                                \
+  const long pg_ = clamp(sPg[((TILE) & 1) * NPG + (int)(lr_ / PAGE_SIZE - PG_FIRST(TILE))], 0,  \
+                         n_pages - 1);                                                         \
+  const long sl_ = lr_ % PAGE_SIZE;
+#define KV_ROW_G(J)                                                                            \
+  const long lr_ = krow0 + (J);                                                                \
+  const long pg_ = clamp((long)tbl[min(lr_ / PAGE_SIZE, (long)(tbl_w - 1)) * tbl_s1], 0L,      \
+                         (long)(n_pages - 1));                                                 \
+  const long sl_ = lr_ % PAGE_SIZE;
+#define ROW_OFF(SB, SR) (pg_ * (SB) + sl_ * (SR))
+// the fast loader of tile TILE: rows r0_ + I ROW_STEP, entry e0_ + (s0_ + I ROW_STEP) / PAGE_SIZE
+#define FAST_PAGES(TILE)                                                                       \
+  const long rb_ = krow0 + n0_ + r0_;                                                          \
+  const int e0_ = (int)(rb_ / PAGE_SIZE - PG_FIRST(TILE)), s0_ = (int)(rb_ % PAGE_SIZE);       \
+  __local const int *pgs_ = sPg + ((TILE) & 1) * NPG + e0_;
+#define FAST_BASE(XP0, XC0, X_SR) (XC0)
+#define FAST_ROW(I)                                                                            \
+  const int o_ = s0_ + (I) * ROW_STEP;                                                         \
+  const long pg_ = clamp(pgs_[o_ / PAGE_SIZE], 0, n_pages - 1), sl_ = o_ % PAGE_SIZE;
+#define FAST_OFF(DENSE, SB, SR) (pg_ * (SB) + sl_ * (SR))
+#define NEXT_PAGES(TILE)                                                                       \
+  if ((TILE) < t_last) { FETCH_PAGES((TILE) + 1, ((TILE) + 1) & 1) }
+  if (t_first <= t_last) {
+    for (int e = tid; e < NPG; e += THREADS)
+      sPg[(t_first & 1) * NPG + e] = tbl[min(PG_FIRST(t_first) + e, (long)(tbl_w - 1)) * tbl_s1];
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+#else
+#define KV_ROW(J, TILE)                                                                        \
+  long row = krow0 + J;                                                                        \
+  if (ring > 0 && row >= ring) row -= ring;
+#define KV_ROW_G(J) KV_ROW(J, 0)
+#define ROW_OFF(SB, SR) row * SR
+#define FAST_PAGES(TILE)
+#define FAST_BASE(XP0, XC0, X_SR) XP0 + n0_ * X_SR
+#define FAST_ROW(I)
+#define FAST_OFF(DENSE, SB, SR) DENSE
+#define NEXT_PAGES(TILE)
+#endif
 // chunk slot CH holds a chunk of K's (V's) local rows
 #define K_SLOT(CH) (QK_CHUNKS == CHUNKS || (CH) < QK_CHUNKS)
 #define V_SLOT(CH) (V_CHUNKS == CHUNKS || (CH) < V_CHUNKS)
@@ -313,10 +394,9 @@ void attn_fwd_mma(PREFILL_PARAMS) {
     int r = c / CHUNKS, ch = c % CHUNKS, j = (TILE) * BLOCK_N + r;                             \
     int so = (BUF) * BLOCK_N * LDSK + r * LDSK + ch * EPC;                                     \
     if (j >= lo_blk && j <= hi_blk) {                                                          \
-      long row = krow0 + j;                                                                    \
-      if (ring > 0 && row >= ring) row -= ring;                                                \
-      if (K_SLOT(ch)) { LOAD_CHUNK(sK + so, kh + row * k_sr + ch * EPC, ch, HEAD_DIM) }        \
-      if (V_SLOT(ch)) { LOAD_CHUNK(sV + SO_V(BUF), vh + row * v_sr + ch * EPC, ch, HEAD_DIM_V) } \
+      KV_ROW(j, TILE)                                                                          \
+      if (K_SLOT(ch)) { LOAD_CHUNK(sK + so, kh + ROW_OFF(k_sb, k_sr) + ch * EPC, ch, HEAD_DIM) } \
+      if (V_SLOT(ch)) { LOAD_CHUNK(sV + SO_V(BUF), vh + ROW_OFF(v_sb, v_sr) + ch * EPC, ch, HEAD_DIM_V) } \
     } else {                                                                                   \
       if (K_SLOT(ch)) ZERO16(sK + so);                                                         \
       if (V_SLOT(ch)) ZERO16(sV + SO_V(BUF));                                                  \
@@ -347,10 +427,11 @@ void attn_fwd_mma(PREFILL_PARAMS) {
   CP_ASYNC16_B(ARR, (DST0) + (I) * (FAST_STEP * 2), SRC)
 #define LOAD_KV_FAST(BUF)                                                                      \
       UNROLL for (int i = 0; i < FAST_N; i++) {                                                \
+        FAST_ROW(i)                                                                            \
         FAST_CHUNK(sK + (BUF) * BLOCK_N * LDS, sK, kdst0 + (BUF) * KV_BUF_BYTES, i,            \
-                   kt + FAST_SRC(i, k_step), HEAD_DIM, QK_CHUNKS)                              \
+                   kt + FAST_OFF(FAST_SRC(i, k_step), k_sb, k_sr), HEAD_DIM, QK_CHUNKS)        \
         FAST_CHUNK(sV + (BUF) * BLOCK_N * LDS, sV, vdst0 + (BUF) * KV_BUF_BYTES, i,            \
-                   vt + FAST_SRC(i, v_step), HEAD_DIM_V, V_CHUNKS)                             \
+                   vt + FAST_OFF(FAST_SRC(i, v_step), v_sb, v_sr), HEAD_DIM_V, V_CHUNKS)       \
       }
 #else
 #define CP_ROW_CHUNK(SX, ARR, DST0, I, SRC) CP_ASYNC16((SX) + so0 + (I) * ROW_STEP * LDS, SRC)
@@ -358,8 +439,11 @@ void attn_fwd_mma(PREFILL_PARAMS) {
       __local ELEM *skt = sK + (BUF) * BLOCK_N * LDSK + so0;                                   \
       __local ELEM *svt = sV + (BUF) * BLOCK_N * LDSV + SO0_V;                                 \
       UNROLL for (int i = 0; i < BLOCK_N / ROW_STEP; i++) {                                    \
-        FAST_CHUNK_AT(skt + i * ROW_STEP * LDSK, kt + i * k_step, HEAD_DIM, QK_CHUNKS)          \
-        FAST_CHUNK_AT(svt + i * ROW_STEP * LDSV, vt + i * v_step, HEAD_DIM_V, V_CHUNKS)         \
+        FAST_ROW(i)                                                                            \
+        FAST_CHUNK_AT(skt + i * ROW_STEP * LDSK, kt + FAST_OFF(i * k_step, k_sb, k_sr), HEAD_DIM, \
+                      QK_CHUNKS)                                                               \
+        FAST_CHUNK_AT(svt + i * ROW_STEP * LDSV, vt + FAST_OFF(i * v_step, v_sb, v_sr),        \
+                      HEAD_DIM_V, V_CHUNKS)                                                    \
       }
 #endif
 // the fast loader's chunk (this thread's chunk column ch0_) of a tensor of N columns, NCH local
@@ -380,9 +464,11 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 #define LOAD_KV(TILE, BUF)                                                                     \
   {                                                                                            \
     const int n0_ = (TILE) * BLOCK_N;                                                          \
+    NEXT_PAGES(TILE)                                                                           \
     if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
         (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
-      __global const ELEM *kt = kp0 + n0_ * k_sr, *vt = vp0 + n0_ * v_sr;                      \
+      FAST_PAGES(TILE)                                                                         \
+      __global const ELEM *kt = FAST_BASE(kp0, kc0, k_sr), *vt = FAST_BASE(vp0, vc0, v_sr);    \
       LOAD_KV_FAST(BUF)                                                                        \
     } else {                                                                                   \
       LOAD_KV_CHECKED(TILE, BUF)                                                               \
@@ -405,33 +491,38 @@ void attn_fwd_mma(PREFILL_PARAMS) {
 #endif
 #if KV_SPLIT_STAGES || SOFTMAX_PIPE
 // one tensor (K or V) of a tile into the buffer at SX, as LOAD_KV_CHECKED / LOAD_KV do
-#define LOAD_X_CHECKED(TILE, SX, XH, X_SR, N, NCH)                                             \
+#define LOAD_X_CHECKED(TILE, SX, XH, X_SB, X_SR, N, NCH)                                       \
   for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {                                      \
     int r = c / CHUNKS, ch = c % CHUNKS, j = (TILE) * BLOCK_N + r;                             \
     if ((NCH) != CHUNKS && ch >= (NCH)) continue;                                              \
     if (j >= lo_blk && j <= hi_blk) {                                                          \
-      long row = krow0 + j;                                                                    \
-      if (ring > 0 && row >= ring) row -= ring;                                                \
-      LOAD_CHUNK((SX) + r * LDS + ch * EPC, (XH) + row * (X_SR) + ch * EPC, ch, N)             \
+      KV_ROW(j, TILE)                                                                          \
+      LOAD_CHUNK((SX) + r * LDS + ch * EPC, (XH) + ROW_OFF(X_SB, (X_SR)) + ch * EPC, ch, N)    \
     } else {                                                                                   \
       ZERO16((SX) + r * LDS + ch * EPC);                                                       \
     }                                                                                          \
   }
-#define LOAD_X(TILE, SX, ARR, XP0, X_STEP, XH, X_SR, DST0, N, NCH)                             \
+#define LOAD_X(TILE, SX, ARR, XP0, XC0, X_STEP, XH, X_SB, X_SR, DST0, N, NCH)                  \
   {                                                                                            \
     const int n0_ = (TILE) * BLOCK_N;                                                          \
     if (n0_ >= lo_blk && n0_ + BLOCK_N - 1 <= hi_blk &&                                        \
         (ring == 0 || krow0 + n0_ + BLOCK_N <= ring)) {                                        \
-      __global const ELEM *xt = (XP0) + n0_ * (X_SR);                                          \
+      FAST_PAGES(TILE)                                                                         \
+      __global const ELEM *xt = FAST_BASE((XP0), XC0, (X_SR));                                 \
       UNROLL for (int i = 0; i < FAST_N; i++) {                                                \
-        FAST_CHUNK(SX, ARR, DST0, i, xt + FAST_SRC(i, X_STEP), N, NCH)                         \
+        FAST_ROW(i)                                                                            \
+        FAST_CHUNK(SX, ARR, DST0, i, xt + FAST_OFF(FAST_SRC(i, X_STEP), X_SB, X_SR), N, NCH)   \
       }                                                                                        \
     } else {                                                                                   \
-      LOAD_X_CHECKED(TILE, SX, XH, X_SR, N, NCH)                                               \
+      LOAD_X_CHECKED(TILE, SX, XH, X_SB, X_SR, N, NCH)                                         \
     }                                                                                          \
   }
-#define LOAD_K(TILE) LOAD_X(TILE, sK, sK, kp0, k_step, kh, k_sr, kdst0, HEAD_DIM, QK_CHUNKS)
-#define LOAD_V(TILE) LOAD_X(TILE, sV, sV, vp0, v_step, vh, v_sr, vdst0, HEAD_DIM_V, V_CHUNKS)
+// K's loads are each tile's first: they stage the next tile's table entries (NEXT_PAGES)
+#define LOAD_K(TILE)                                                                           \
+  NEXT_PAGES(TILE)                                                                             \
+  LOAD_X(TILE, sK, sK, kp0, kc0, k_step, kh, k_sb, k_sr, kdst0, HEAD_DIM, QK_CHUNKS)
+#define LOAD_V(TILE)                                                                           \
+  LOAD_X(TILE, sV, sV, vp0, vc0, v_step, vh, v_sb, v_sr, vdst0, HEAD_DIM_V, V_CHUNKS)
 #if SOFTMAX_PIPE  // K and V in separate groups (K is waited for first)
   if (t_first <= t_last) { LOAD_K(t_first) }
   CP_COMMIT();

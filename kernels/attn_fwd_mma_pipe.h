@@ -150,11 +150,13 @@
 #define K_ADDR(BUF) 0u
 #define V_ADDR(BUF) 0u
 #endif
+// (K's loads are each tile's first: they stage the next tile's table entries, NEXT_PAGES)
 #define LOAD_K_B(TILE, BUF)                                                                    \
-  LOAD_X(TILE, sK + (BUF) * BLOCK_N * LDS, sK, kp0, k_step, kh, k_sr,                          \
+  NEXT_PAGES(TILE)                                                                             \
+  LOAD_X(TILE, sK + (BUF) * BLOCK_N * LDS, sK, kp0, kc0, k_step, kh, k_sb, k_sr,               \
          kdst0 + (BUF) * KV_BUF_BYTES, HEAD_DIM, QK_CHUNKS)
 #define LOAD_V_B(TILE, BUF)                                                                    \
-  LOAD_X(TILE, sV + (BUF) * BLOCK_N * LDS, sV, vp0, v_step, vh, v_sr,                          \
+  LOAD_X(TILE, sV + (BUF) * BLOCK_N * LDS, sV, vp0, vc0, v_step, vh, v_sb, v_sr,               \
          vdst0 + (BUF) * KV_BUF_BYTES, HEAD_DIM_V, V_CHUNKS)
 
 // WARP_SKIP: a warp skips the half tiles none of its rows sees (S, A and P V of that half,

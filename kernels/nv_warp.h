@@ -316,9 +316,12 @@ inline float nonfinite_value(uint b) {
   __global const long *sp = seqs + (long)s * SEQ_FIELDS;                                        \
   LOAD_SEQ(sp)                                                                                  \
   const int nrows = min(BLOCK_M, qlen - m0);
-#define PREFILL_KEY_RANGE                                                                       \
+// (PREFILL_KEY_BOUNDS: the key bounds alone, for a kernel that narrows the tiles further)
+#define PREFILL_KEY_BOUNDS                                                                      \
   const int lo_blk = row_lo(m0, base, dlo, klen), hi_blk = row_hi(m0 + nrows - 1, base, dhi, klen); \
-  const int lo_all = row_lo(m0 + nrows - 1, base, dlo, klen), hi_all = row_hi(m0, base, dhi, klen); \
+  const int lo_all = row_lo(m0 + nrows - 1, base, dlo, klen), hi_all = row_hi(m0, base, dhi, klen);
+#define PREFILL_KEY_RANGE                                                                       \
+  PREFILL_KEY_BOUNDS                                                                            \
   const int t_first = lo_blk / BLOCK_N;                                                         \
   const int t_last = hi_blk >= lo_blk ? hi_blk / BLOCK_N : t_first - 1;
 
@@ -329,3 +332,36 @@ inline int row_lo(long i, long base, long dlo, int klen) {
 inline int row_hi(long i, long base, long dhi, int klen) {
   return (int)clamp(i + base + dhi, -1L, (long)klen - 1);
 }
+
+// Paged K/V pools (-DPAGE_SIZE > 0; attn_decode_mma.cl and attn_fwd_mma.cl): k and v are page
+// pools (num_pages, PAGE_SIZE, Hkv, D) (batch stride = page stride) and logical key row r of
+// sequence s lives in page block_table[s, r / PAGE_SIZE], slot r % PAGE_SIZE (vLLM /
+// FlashInfer, as attn_fwd.cl).  A key tile's table entries (at most NPG) are staged in local
+// memory (the kernel's sPg) by 4-byte cp.async ahead of its K/V loads; page indices are clamped
+// into [0, n_pages) and table columns into [0, tbl_w): no table, however wrong, makes a kernel
+// read outside the pool.  Uses the kernel's tid, THREADS, BLOCK_N, krow0, tbl and sPg.
+#ifndef PAGE_SIZE
+#define PAGE_SIZE 0
+#endif
+#if PAGE_SIZE
+#define NPG ((BLOCK_N - 1) / PAGE_SIZE + 2)  // table entries one tile can span
+#define PAGED_PARAMS                                                                           \
+  , __global const int *block_table, const long tbl_off, const long tbl_s0, const long tbl_s1, \
+      const int tbl_w, const int n_pages
+#if USE_PTX
+#define CP_ASYNC4(DST, SRC)                                                                    \
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"                                      \
+               :: "r"((uint)(size_t)(DST)), "l"((ulong)(SRC)) : "memory")
+#else
+#define CP_ASYNC4(DST, SRC) (*(DST) = *(SRC))
+#endif
+// the first table column of tile TL; its entries copied into slot SLOT of sPg
+#define PG_FIRST(TL) ((krow0 + (long)(TL) * BLOCK_N) / PAGE_SIZE)
+#define FETCH_PAGES(TL, SLOT)                                                                  \
+  for (int e = tid; e < NPG; e += THREADS) {                                                   \
+    const long col = min(PG_FIRST(TL) + e, (long)(tbl_w - 1));                                 \
+    CP_ASYNC4(sPg + (SLOT) * NPG + e, tbl + col * tbl_s1);                                     \
+  }
+#else
+#define PAGED_PARAMS
+#endif

@@ -37,6 +37,9 @@ _GRID = {
     ("test_nvidia_mma_emulated.py", "test_mma_sched_options"): True,
     # padded head dims and masks: cold builds cost 15-25 s each, all in the grid step
     ("test_nvidia_mma_emulated.py", "test_mma_shapes_masks"): True,
+    # paged prefill (-DPAGE_SIZE builds of every schedule): the grid step
+    ("test_nvidia_mma_emulated.py", "test_mma_paged_emulated"): True,
+    ("test_nvidia_mma_emulated.py", "test_mma_mask_hidden_tiles"): True,
     # the candidates closest to the 16-bit defaults (DEFAULT_OPTIONS_16) stay in the default run
     ("test_nvidia_mma_emulated.py", "test_mma_candidate_options"):
         lambda p: p.get("name") not in ("kv_split f16 causal", "kv_split+ldsm_bytes f16 dense"),

@@ -512,11 +512,13 @@ def test_why_lists_the_families_tried(be):
     assert names[-1] == "portable" and tried[-1][1] is None
     assert all(reason for _, reason in tried[:-1])
     if _nvidia_mma.compute_capability(be.device) is None:
-        assert names[:3] == ["nvidia wgmma", "nvidia mma.sync", "nvidia decode"]
-        assert "not an NVIDIA device" in tried[1][1]
+        assert names[:4] == ["nvidia wgmma", "nvidia decode + prefill", "nvidia mma.sync",
+                             "nvidia decode"]
+        assert tried[1][1] == "not a paged call"
+        assert "not an NVIDIA device" in tried[2][1]
     off = why(q, k, k, backend=attnlib.get_backend("opencl", use_mma=False))
     assert [name for name, _ in off] == names
-    assert off[1][1] == "the backend's use_mma=False"
+    assert off[2][1] == "the backend's use_mma=False"
     with pytest.raises(attnlib.ArgumentError):
         why(q, k, k, is_causal=True)
     with pytest.raises(attnlib.ShapeError):

@@ -10,7 +10,7 @@ import pytest
 
 import attnlib
 from attnlib.backends.base import AttnCall
-from attnlib.testing._helpers import randn, rng_for
+from attnlib.testing._helpers import paged_twin, randn, rng_for
 from attnlib.testing.reference import reference_call, seq_call
 from attnlib.testing.tolerance import assert_rule
 
@@ -277,38 +277,6 @@ def test_decode_oclgrind():
     assert not reports, "\n\n".join(reports[:3])
 
 
-def paged_twin(rng, call: AttnCall, page_size: int, spare: int = 3,
-               table_dtype=np.int32) -> AttnCall:
-    """``call`` (batch s = sequence s, rows from k_row0) with its keys and values moved into a
-    page pool: the pages of every sequence drawn from a shuffled free list (scattered, in no
-    order), ``spare`` pages nobody uses filled with NaN, table columns past a sequence's last
-    page pointing at garbage (page -7, 10**6: clamped, never read)."""
-    import dataclasses
-
-    k, v = call.k, call.v
-    hkv, d = k.shape[2], k.shape[3]
-    need = [-(-(int(r) + int(n)) // page_size) for r, n in zip(call.k_row0, call.k_len)]
-    width = max(need) + 2
-    n_pages = sum(need) + spare
-    free = rng.permutation(n_pages)
-    kp = np.full((n_pages, page_size, hkv, d), np.nan, k.dtype)
-    vp = np.full((n_pages, page_size, hkv, d), np.nan, v.dtype)
-    table = np.empty((call.n_seq, width), np.int64)
-    table[:, 1::2], table[:, ::2] = -7, 10**6
-    used = 0
-    for s in range(call.n_seq):
-        b = int(call.k_batch[s])
-        pages = free[used:used + need[s]]
-        used += need[s]
-        table[s, :need[s]] = pages
-        rows = np.arange(need[s] * page_size)
-        src = np.minimum(rows, k.shape[1] - 1)
-        kp[pages.repeat(page_size), np.tile(np.arange(page_size), need[s])] = k[b, src]
-        vp[pages.repeat(page_size), np.tile(np.arange(page_size), need[s])] = v[b, src]
-    return dataclasses.replace(call, k=kp, v=vp, k_batch=np.zeros(call.n_seq, np.int64),
-                               block_table=table.astype(table_dtype), page_size=page_size)
-
-
 def run_paged_and_check(call: AttnCall, page_size: int, *, splits, config=None, fused=False,
                         rng=None, table_dtype=np.int32):
     """The decode kernel on the paged twin of ``call`` against the float64 reference of the
@@ -397,9 +365,11 @@ def emulated_sm90(emulated_nvidia, kernel_launches):
 
 
 def test_paged_mixed_batch_emulated(emulated_sm90):
-    """A paged call of a prefill chunk (36 packed rows: the portable kernel) beside decode steps
-    (4 and 8 rows): the decode sequences run the tensor-core decode kernel; every sequence's
-    rows checked against plain attention over its tokens. (Grid: the portable build it adds.)"""
+    """A paged call of a prefill chunk (36 packed rows: the tensor-core prefill kernel's
+    PAGE_SIZE build) beside decode steps (4 and 8 rows): with host arrays the decode sequences
+    run the tensor-core decode kernel, the chunk the prefill kernel; with device arrays the
+    whole call runs the prefill kernel. Every sequence's rows checked against plain attention
+    over its tokens. (Grid: the paged prefill build it adds.)"""
     from attnlib.testing.test_paged import Paged
 
     be = attnlib.get_backend("opencl", num_splits=1)
@@ -409,6 +379,16 @@ def test_paged_mixed_batch_emulated(emulated_sm90):
     c = p.fork(a)
     p.attend([a, b, c], [9, 1, 2], [9, 1, 2])
     assert emulated_sm90.count("attn_decode_mma") == 1
+    assert emulated_sm90.count("attn_fwd_mma") == 1
+    cu = np.array([0, 9, 10, 12], np.int32)
+    q = randn(p.rng, (12, 8, 64), "float16")
+    out = attnlib.attention_with_paged_kvcache(attnlib.to_device(q, backend=be), p.cache,
+                                               [a, b, c], cu_seqlens_q=cu)
+    out = attnlib.to_numpy(out)
+    assert emulated_sm90.count("attn_decode_mma") == 1
+    assert emulated_sm90.count("attn_fwd_mma") == 2
+    for i, s in enumerate([a, b, c]):
+        p.check_rows(s, q[cu[i]:cu[i + 1]], out[cu[i]:cu[i + 1]], None)
 
 
 def test_paged_dispatch_emulated(emulated_sm90):

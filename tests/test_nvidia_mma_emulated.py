@@ -283,9 +283,10 @@ def _mask(rng, name, shape):
 
 
 # head dims other than 64/128 (padded to 16 inside the kernel; D = 59 and 111 also read their
-# unaligned rows element by element, -DVEC_LOADS=0), D != Dv, and masks of several broadcast
-# shapes, with each tier's default config and options (PADDED_CONFIGS: causal D <= 64 runs
-# SOFTMAX_PIPE, past 128 KV_SPLIT_STAGES). mask: the shape of the mask before broadcasting.
+# unaligned rows element by element, -DVEC_LOADS=0), D != Dv, in 16 bits and float32, and masks
+# of several broadcast shapes, with each tier's default config and options (PADDED_CONFIGS:
+# causal D <= 64 runs SOFTMAX_PIPE, past 128 KV_SPLIT_STAGES; float32: PADDED_CONFIGS_F32).
+# mask: the shape of the mask before broadcasting.
 SHAPE_CASES = [
     # name, dtype, (b, sq, sk, hq, hkv, d, dv), mask shape or None, options
     ("f16 d80 causal gqa", "float16", (1, 21, 40, 2, 1, 80, 80), None, {"causal": True}),
@@ -306,6 +307,13 @@ SHAPE_CASES = [
     ("f32 d64 bool mask causal", "float32", (1, 45, 70, 2, 1, 64, 64), (1, 1, 45, 70),
      {"causal": True}),
     ("f32 d128 additive mask", "float32", (1, 30, 50, 2, 2, 128, 128), (1, 2, 30, 50), {}),
+    # float32 at padded head dims (PADDED_CONFIGS_F32; D = 59: element-wise loads)
+    ("f32 d96/80 causal window", "float32", (1, 45, 77, 2, 1, 96, 80), None,
+     {"causal": True, "window": (20, 5)}),
+    ("f32 d59 bool mask", "float32", (1, 20, 35, 2, 1, 59, 59), (1, 1, 20, 35), {}),
+    ("f32 d192/128 softcap alibi", "float32", (1, 40, 70, 2, 1, 192, 128), None,
+     {"softcap": 30.0, "alibi": True}),
+    ("f32 d256 causal Sq>Sk", "float32", (1, 70, 37, 2, 1, 256, 256), None, {"causal": True}),
 ]
 
 
@@ -337,3 +345,171 @@ def test_mma_shapes_masks(name, dtype, shape, mask, opts):
     out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=False)
     assert out.shape == (b, sq, hq, dv)
     _check(q, k, v, slopes, kw, out, lse)
+
+
+# Paged K/V pools (-DPAGE_SIZE: each key row's address from the block table, the entries staged
+# ahead of the loads): page sizes below, at and above a key tile (and 5, which divides nothing),
+# with each schedule the defaults pick (plain double buffer, KV_SPLIT_STAGES, SOFTMAX_PIPE, the
+# float32 3xTF32 build, padded head dims with element-wise loads), GQA, causal, window, softcap,
+# ALiBi and sinks; the pages scattered, unused pages NaN, garbage table columns past each
+# sequence's pages, keys from mid-page (k_row0 > 0), NaN in v of a key some rows do not see.
+PAGED_CASES = [
+    # name, page size, dtype, (b, sq, sk, hq, hkv, d, dv), options
+    ("f16 d64 causal pipe", 16, "float16", (2, 70, 131, 4, 2, 64, 64), {"causal": True}),
+    ("f16 d128 causal kv_split", 1, "float16", (1, 45, 101, 2, 1, 128, 128), {"causal": True}),
+    ("bf16 d128 window softcap alibi", 8, "bfloat16", (2, 45, 141, 2, 1, 128, 128),
+     {"window": (20, 5), "softcap": 30.0, "alibi": True}),
+    ("f16 d64 kv_split sinks", 5, "float16", (1, 33, 150, 4, 1, 64, 64), {"sinks": True}),
+    ("f32 d64 causal", 32, "float32", (1, 70, 131, 4, 2, 64, 64), {"causal": True}),
+    ("f16 d80 gqa", 128, "float16", (1, 40, 101, 4, 2, 80, 80), {}),
+    ("f16 d59/48 causal", 16, "float16", (1, 21, 70, 2, 1, 59, 48), {"causal": True}),
+    ("bf16 d192/128 causal", 64, "bfloat16", (1, 50, 90, 2, 1, 192, 128), {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("name,page,dtype,shape,opts", PAGED_CASES,
+                         ids=[c[0] for c in PAGED_CASES])
+def test_mma_paged_emulated(name, page, dtype, shape, opts):
+    _paged_case(name, page, dtype, shape, opts, use_ptx=False)
+
+
+def _native() -> bool:
+    from attnlib.backends.opencl import _nvidia_mma
+
+    cc = _nvidia_mma.compute_capability(attnlib.get_backend("opencl").device)
+    return cc is not None and cc[0] >= 8
+
+
+@pytest.mark.skipif(not _native(), reason="needs an NVIDIA sm_80+ device (the emulated twin "
+                    "test_mma_paged_emulated runs everywhere)")
+@pytest.mark.parametrize("name,page,dtype,shape,opts", PAGED_CASES,
+                         ids=[c[0] for c in PAGED_CASES])
+def test_mma_paged_native(name, page, dtype, shape, opts):
+    """The same paged builds in the device's own PTX."""
+    _paged_case(name, page, dtype, shape, opts, use_ptx=None)
+
+
+def _paged_case(name, page, dtype, shape, opts, use_ptx):
+    from dataclasses import replace
+
+    from attnlib.backends.opencl import _nvidia_mma
+    from attnlib.testing._helpers import paged_twin
+
+    be = attnlib.get_backend("opencl")
+    b, sq, sk, hq, hkv, d, dv = shape
+    rng = rng_for("mma paged", name)
+    q, k, v = qkv(rng, b, sq, sk + 7, hq, hkv, d, dv, dtype=dtype)
+    opts = dict(opts)
+    sinks = opts.pop("sinks", False)
+    # keys from row 7 of k (mid-page): the contiguous twin is q over k[:, 7:]
+    call, slopes, kw = kernel_call(q, k[:, 7:], v[:, 7:], opts)
+    v[0, 7 + sk - 1, 0, dv - 1] = np.nan  # hidden from the first rows by causal, else seen
+    call = replace(call, k=k, v=v, k_row0=call.k_row0 + 7)
+    if sinks:
+        kw["sinks"] = (rng.standard_normal(hq) * np.resize([2.0, 25.0], hq)).astype(np.float32)
+        call = replace(call, options=replace(call.options, sinks=kw["sinks"]))
+    paged = paged_twin(rng, call, page)
+    assert _nvidia_mma.page_size(paged) == page
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, paged, use_ptx=use_ptx)
+    _check(q, k[:, 7:], v[:, 7:], slopes, kw, out, lse)
+
+
+def _tile_mask(name, b, hq, sq, sk):
+    """Masks that hide whole key tiles from whole row blocks (the kernel skips those tiles of a
+    bool mask): key padding per sequence, block diagonal (bool, and additive: no skip), per-head
+    key ranges with a row that sees nothing, and a mask that hides every key."""
+    if "key padding" in name:  # (b, 1, 1, sk): sequence i sees its first lens[i] keys
+        lens = np.array([sk - 130, sk - 67])[:b]
+        return np.arange(sk)[None, None, None, :] < lens[:, None, None, None]
+    if "block diagonal" in name:  # (sq, sk): inside 50 x 50 blocks (additive: 0, else -inf)
+        blk = (np.arange(sq)[:, None] // 50) == (np.arange(sk)[None, :] // 50)
+        return np.where(blk, 0.0, -np.inf).astype(np.float32) if "additive" in name else blk
+    if "per head" in name:  # (1, hq, sq, sk): head 0 keys < 60, head 1 keys >= 130
+        j = np.arange(sk)[None, None, :]
+        m = np.concatenate([np.broadcast_to(j < 60, (1, sq, sk)),
+                            np.broadcast_to(j >= 130, (1, sq, sk))])[None]
+        m = m.copy()
+        m[0, 1, 7, :] = False  # a row that sees nothing: out 0, lse -inf
+        return m
+    return np.zeros((1, 1, 1, sk), bool)  # every key hidden
+
+
+TILE_MASK_CASES = [
+    # name, dtype, (b, sq, sk, hq, hkv, d), options
+    ("f16 d64 key padding", "float16", (2, 70, 200, 2, 1, 64), {}),
+    ("bf16 d128 block diagonal causal", "bfloat16", (1, 150, 150, 2, 2, 128),
+     {"causal": True}),
+    # additive masks take one unbounded range: every tile visited and masked
+    ("f16 d64 block diagonal additive", "float16", (1, 150, 150, 2, 1, 64), {}),
+    ("f32 d64 bool per head", "float32", (1, 90, 200, 2, 1, 64), {}),
+    ("f16 d64 hides every key", "float16", (1, 40, 150, 2, 1, 64), {}),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,opts", TILE_MASK_CASES,
+                         ids=[c[0] for c in TILE_MASK_CASES])
+def test_mma_mask_hidden_tiles(name, dtype, shape, opts):
+    """Key tiles a mask hides from every row of a block are skipped (the host's tile range per
+    row block, ``mask_tile_args``): the result is that of the mask read per score, NaN in k and
+    v of hidden keys included."""
+    _tile_mask_case(name, dtype, shape, opts, use_ptx=False)
+
+
+@pytest.mark.skipif(not _native(), reason="needs an NVIDIA sm_80+ device (the emulated twin "
+                    "test_mma_mask_hidden_tiles runs everywhere)")
+@pytest.mark.parametrize("name,dtype,shape,opts", TILE_MASK_CASES,
+                         ids=[c[0] for c in TILE_MASK_CASES])
+def test_mma_mask_hidden_tiles_native(name, dtype, shape, opts):
+    """The same masked builds in the device's own PTX."""
+    _tile_mask_case(name, dtype, shape, opts, use_ptx=None)
+
+
+def _tile_mask_case(name, dtype, shape, opts, use_ptx):
+    from attnlib.backends.opencl import _nvidia_mma
+
+    be = attnlib.get_backend("opencl")
+    b, sq, sk, hq, hkv, d = shape
+    rng = rng_for("mma tile masks", name)
+    q, k, v = qkv(rng, b, sq, sk, hq, hkv, d, dtype=dtype)
+    mask = _tile_mask(name, b, hq, sq, sk)
+    hidden = np.flatnonzero(~np.broadcast_to(mask if mask.dtype == bool else mask > -np.inf,
+                                             (b, hq, sq, sk)).any(axis=(1, 2))[0])
+    if hidden.size:
+        k[0, hidden[-1], 0, 0] = np.nan
+        v[0, hidden[0], 0, 1] = np.nan
+    call, slopes, kw = kernel_call(q, k, v, {**opts, "mask": mask})
+    out, lse = _nvidia_mma.run(be.context, be.queue, be.device, call, use_ptx=use_ptx)
+    _check(q, k, v, slopes, kw, out, lse)
+
+
+def test_mask_tile_ranges():
+    """The host's key-tile range per (sequence, head, row block) of a bool mask (no kernel): the
+    first and last tile holding a key some row of the block sees, against a loop over the
+    broadcast mask, for several broadcast shapes and key counts that do and do not fill the last
+    tile (last < first where a block sees nothing; a mask broadcast over keys gives all tiles or
+    none)."""
+    from attnlib._spec._arrays import check_mask
+    from attnlib.backends.opencl._nvidia_tables import mask_tile_ranges
+
+    rng = rng_for("mask tile ranges")
+    b, hq, sq, bm, bn = 2, 3, 45, 16, 8
+    for sk in (70, 72):
+        for shape in [(b, hq, sq, sk), (b, 1, 1, sk), (1, hq, sq, 1), (sq, sk), (b, 1, sq, sk)]:
+            # sparse: whole tiles of whole row blocks hidden, some blocks seeing nothing
+            vis = rng.random(shape) < (0.005 if len(shape) > 2 and shape[-2] > 1 else 0.1)
+            mv, _ = check_mask(vis, (b, hq, sq, sk))
+            got = mask_tile_ranges(mv, bm, bn)
+            full = np.broadcast_to(vis, (b, hq, sq, sk))
+            for s in range(b):
+                for h in range(hq):
+                    for rb in range(-(-sq // bm)):
+                        at = tuple(0 if n == 1 else x for n, x in zip(got.shape, (s, h, rb)))
+                        lo, hi = got[at]
+                        cols = full[s, h, rb * bm:(rb + 1) * bm].any(axis=0)
+                        seen = np.flatnonzero(cols) // bn
+                        if seen.size == 0:
+                            assert hi < lo, (sk, shape)
+                        elif shape[-1] > 1:
+                            assert (lo, hi) == (seen[0], seen[-1]), (sk, shape)
+                        else:
+                            assert lo <= seen[0] and hi >= seen[-1], (sk, shape)

@@ -28,6 +28,12 @@ CUDA on the same GPU. It prints the tables of ``bench/RESULTS.md``:
   list), beside the contiguous cache (``KVCache``) and PyTorch SDPA on the contiguous tensors of
   the same run, at B=8 L=8192, B=32 L=4096, B=1 L=131072; each paged result is checked against
   the contiguous cache's (max |diff|) and sequence 0 against the float64 reference.
+* **paged prefill** (``pagedprefill``): a causal float16 prefill of S tokens over their own
+  pages (``paged_attention``, device arrays, a device block table, scattered pages of 1, 16 and
+  128 tokens), B=1, 16 heads, S=4096, D=64 and 128, TFLOP/s per call beside the same call on
+  contiguous k and v (``attention``) and PyTorch SDPA's flash, efficient and cuDNN backends on
+  the same tensors; each paged output is checked against the contiguous one (max |diff|).
+  ``--quick`` (S/16) runs it on a CPU OpenCL device.
 * **forks** (``forks``): 32 forks of an 8192-token prompt with 256 tokens of their own each
   (a ``PagedKVCache``, page 16, float16, device queries), one decode step for all 32 through the
   shared-prompt cascade (checked to take the 32 forks; one row per prefix chunk size of
@@ -69,6 +75,9 @@ PREFILL = [(4, 16, 2048, 64), (4, 16, 2048, 128), (1, 16, 8192, 128), (1, 32, 16
 DECODE = [(1, 8192), (8, 8192), (1, 131072)]  # (batch, cache length); 32 q heads, 8 kv, D 128
 PAGED = [(8, 8192), (32, 4096), (1, 131072)]
 PAGE_SIZES = (1, 8, 16, 32)
+#: (B, H, S, D) of the paged prefill table; its page sizes
+PAGED_PREFILL = [(1, 16, 4096, 64), (1, 16, 4096, 128)]
+PREFILL_PAGES = (1, 16, 128)
 FORKS = (32, 8192, 256)  # forks, prompt tokens, own tokens each
 FORKS_QUICK = (4, 512, 16)
 #: the cascade's prefix chunk sizes (keys) the forks table sweeps (_nvidia_decode.PARTS_KEYS)
@@ -410,6 +419,89 @@ def paged(reps: int, with_torch: bool, rows: list) -> None:
                                                          - base.astype(np.float32)).max()),
                          "err_ref": float(np.abs(got[:1].astype(np.float64) - ref).max())})
             del kpd, vpd, table
+
+
+def paged_prefill(reps: int, with_torch: bool, rows: list, quick: bool = False) -> None:
+    """The ``pagedprefill`` table (see the module docstring)."""
+    for b, h, s, d in PAGED_PREFILL:
+        s = s // 16 if quick else s
+        rng = np.random.default_rng(4)
+        host = [rng.standard_normal((b, s, h, d), dtype=np.float32).astype(np.float16)
+                for _ in range(3)]
+        dev = [attnlib.to_device(x, backend="opencl") for x in host]
+        flops = 4 * b * h * s * s * d / 2
+
+        def contiguous(x=dev):
+            return attnlib.attention(*x, causal=True, backend="opencl")
+
+        base = contiguous()
+        sync = base.queue.finish
+        base = base.get().astype(np.float32)
+        t = _median_time(contiguous, sync, warm=2, reps=reps)
+        row = {"kind": "pagedprefill", "shape": [b, h, s, d], "page": 0,
+               "opencl_tflops": flops / t / 1e12}
+        if with_torch:
+            import torch
+
+            tq = [torch.from_numpy(x).to("cuda").transpose(1, 2).contiguous() for x in host]
+            for name, tt in _torch_times(*tq, True, reps).items():
+                if not name.endswith("_pipe"):
+                    row[f"torch_{name}_tflops"] = (flops / tt / 1e12 if isinstance(tt, float)
+                                                   else tt)
+            del tq
+            torch.cuda.empty_cache()
+        rows.append(row)
+        seq_lens = np.full(b, s, np.int32)
+        for page in PREFILL_PAGES:
+            per = -(-s // page)
+            perm = rng.permutation(b * per)  # scattered: logical page j of all -> pool page
+            pools = []
+            for x in host[1:]:
+                pad = np.zeros((b, per * page, h, d), np.float16)
+                pad[:, :s] = x
+                pool = np.empty((b * per, page, h, d), np.float16)
+                pool[perm] = pad.reshape(b * per, page, h, d)
+                pools.append(attnlib.to_device(pool, backend="opencl"))
+            table = attnlib.to_device(perm.reshape(b, per).astype(np.int32), backend="opencl")
+
+            def step(x=dev[0], kk=pools[0], vv=pools[1], tb=table, sl=seq_lens):
+                return attnlib.paged_attention(x, kk, vv, tb, sl)
+
+            got = step().get().astype(np.float32)
+            t = _median_time(step, sync, warm=2, reps=reps)
+            rows.append({"kind": "pagedprefill", "shape": [b, h, s, d], "page": page,
+                         "opencl_tflops": flops / t / 1e12,
+                         "diff_contiguous": float(np.abs(got - base).max())})
+            del pools, table
+
+
+def paged_prefill_table(rows: list) -> str:
+    """Markdown: TFLOP/s per call of each page size and of the contiguous call, the ratio to it,
+    PyTorch's backends on the contiguous tensors and the ratio to the fastest of flash /
+    efficient and to cuDNN."""
+    out = ["| B,H,S,D | page | attnlib | / contiguous | flash | efficient | cuDNN "
+           "| / best flash, eff. | / cuDNN | max diff vs contiguous |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    base: dict = {}
+    for r in rows:
+        if r["kind"] != "pagedprefill":
+            continue
+        key = tuple(r["shape"])
+        if r["page"] == 0:
+            base[key] = r
+        b0 = base.get(key, {})
+        a = r["opencl_tflops"]
+        cells = [b0.get(f"torch_{n}_tflops") for n in ("flash", "efficient", "cudnn")]
+        fe = [c for c in cells[:2] if isinstance(c, float)]
+        best = f"{a / max(fe):.2f}" if fe else "-"
+        cud = f"{a / cells[2]:.2f}" if isinstance(cells[2], float) else "-"
+        vs = f"{a / b0['opencl_tflops']:.2f}" if b0 else "-"
+        diff = r.get("diff_contiguous")
+        out.append(f"| {','.join(map(str, key))} | {r['page'] or 'contiguous'} | {_fmt(a)} | "
+                   f"{vs} | " + " | ".join(_fmt(c) if isinstance(c, float) else "n/a"
+                                           for c in cells)
+                   + f" | {best} | {cud} | {'-' if diff is None else f'{diff:.1e}'} |")
+    return "\n".join(out)
 
 
 def forks(reps: int, rows: list, quick: bool = False) -> None:
@@ -798,10 +890,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--only", action="append",
                     choices=["prefill32", "prefill16", "prefill16p", "prefillbf16", "shapes",
-                             "decode", "paged", "forks", "host", "portable", "quant"])
+                             "decode", "paged", "pagedprefill", "forks", "host", "portable",
+                             "quant"])
     ap.add_argument("--quick", action="store_true",
-                    help="portable, quant, forks: every shape divided (a smoke run on a CPU "
-                         "device)")
+                    help="portable, quant, forks, pagedprefill: every shape divided (a smoke "
+                         "run on a CPU device)")
     args = ap.parse_args(argv)
     be = attnlib.get_backend("opencl")
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "opencl backend:", be.info(),
@@ -812,7 +905,7 @@ def main(argv=None) -> int:
     args.no_torch = args.no_torch or missing is not None
     rows: list = []
     parts = args.only or ["prefill32", "prefill16p", "prefill16", "prefillbf16", "shapes",
-                          "decode", "paged", "forks", "quant", "host"]
+                          "decode", "paged", "pagedprefill", "forks", "quant", "host"]
     for part, dtype, portable in (("prefill32", "float32", False),
                                   ("prefill16p", "float16", True),
                                   ("prefill16", "float16", False),
@@ -829,6 +922,9 @@ def main(argv=None) -> int:
     if "paged" in parts:
         print("paged decode ...", flush=True)
         paged(args.reps, not args.no_torch, rows)
+    if "pagedprefill" in parts:
+        print("paged prefill ...", flush=True)
+        paged_prefill(args.reps, not args.no_torch, rows, quick=args.quick)
     if "forks" in parts:
         print("forks ...", flush=True)
         forks(args.reps, rows, quick=args.quick)
@@ -851,6 +947,9 @@ def main(argv=None) -> int:
         print("\n## Paged decode, float16, 32 q / 8 kv heads, D=128, scattered pages "
               "(per call / pipelined; ratios pipelined)\n")
         print(paged_table(rows))
+    if any(r["kind"] == "pagedprefill" for r in rows):
+        print("\n## Paged prefill, float16, causal, scattered pages, TFLOP/s per call\n")
+        print(paged_prefill_table(rows))
     if any(r["kind"] == "forks" for r in rows):
         print("\n## Shared prompt: forks of one prompt, one decode step, float16, 32 q / 8 kv "
               "heads, D=128, page 16, device queries (per call / pipelined)\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -107,3 +108,36 @@ def check_dense(backend, q, k, v, *, layout="bshd", **kw):
         naive, naive_lse = naive_attention(q, k, v, layout=layout, **kw)
     check_attention(out, lse, ref, naive, ref_lse, naive_lse)
     return out, lse
+
+
+def paged_twin(rng, call: Any, page_size: int, spare: int = 3,
+               table_dtype=np.int32) -> Any:
+    """The paged twin of a kernel test's ``call`` (an AttnCall; batch s = sequence s, rows from
+    k_row0): its keys and values moved into a page pool, the pages of every sequence drawn from
+    a shuffled free list (scattered, in no order), ``spare`` pages nobody uses filled with NaN,
+    table columns past a sequence's last page pointing at garbage (page -7, 10**6: clamped,
+    never read)."""
+    import dataclasses
+
+    k, v = call.k, call.v
+    hkv = k.shape[2]
+    need = [-(-(int(r) + int(n)) // page_size) for r, n in zip(call.k_row0, call.k_len)]
+    width = max(need) + 2
+    n_pages = sum(need) + spare
+    free = rng.permutation(n_pages)
+    kp = np.full((n_pages, page_size, hkv, k.shape[3]), np.nan, k.dtype)
+    vp = np.full((n_pages, page_size, hkv, v.shape[3]), np.nan, v.dtype)
+    table = np.empty((call.n_seq, width), np.int64)
+    table[:, 1::2], table[:, ::2] = -7, 10**6
+    used = 0
+    for s in range(call.n_seq):
+        b = int(call.k_batch[s])
+        pages = free[used:used + need[s]]
+        used += need[s]
+        table[s, :need[s]] = pages
+        rows = np.arange(need[s] * page_size)
+        src = np.minimum(rows, k.shape[1] - 1)
+        kp[pages.repeat(page_size), np.tile(np.arange(page_size), need[s])] = k[b, src]
+        vp[pages.repeat(page_size), np.tile(np.arange(page_size), need[s])] = v[b, src]
+    return dataclasses.replace(call, k=kp, v=vp, k_batch=np.zeros(call.n_seq, np.int64),
+                               block_table=table.astype(table_dtype), page_size=page_size)

@@ -5,13 +5,14 @@ a call runs on the first whose ``applicable`` says None, and :func:`why` lists t
 ones before it gave (``attnlib.backends.opencl.why``, ``attnlib info --why``):
 
 * ``nvidia wgmma``: Hopper warpgroup MMA, float16/bfloat16 prefill (``_nvidia_mma.Wgmma``);
+* ``nvidia decode + prefill``: a paged call of prefill chunks and decode steps with host
+  arrays, its decode sequences on the decode kernel, the rest on the mma.sync prefill kernel
+  where it takes them, else the portable one (:class:`MixedPaged`);
 * ``nvidia mma.sync``: tensor-core prefill on sm_80+, float16/bfloat16, float32 as 3xTF32,
-  more than :data:`~._attention.DECODE_ROWS` packed query rows (``_nvidia_mma.MmaSync``);
+  more than :data:`~._attention.DECODE_ROWS` packed query rows, paged calls of more than 16
+  (their PAGE_SIZE load variant) included (``_nvidia_mma.MmaSync``);
 * ``nvidia decode``: tensor-core decode on sm_80+, float16/bfloat16, at most 16 packed query
   rows per sequence, paged pools and 8-bit K/V included (``_nvidia_decode.Decode``);
-* ``nvidia decode + portable``: a paged call of prefill chunks and decode steps with host
-  arrays, its decode sequences on the decode kernel, the rest on the portable one
-  (:class:`MixedPaged`);
 * ``portable``: kernels/attn_fwd.cl on any device, every call (``_attention.Portable``).
 
 :func:`attention` is the path of the first call of a call description and of every repeat:
@@ -45,10 +46,11 @@ if TYPE_CHECKING:
 
 class MixedPaged(Family):
     """A paged call of prefill chunks and decode steps (host arrays): the decode sequences (at
-    most MAX_ROWS packed rows) on the tensor-core decode kernel, the others on the portable
-    kernel, each writing its own query rows."""
+    most MAX_ROWS packed rows) on the tensor-core decode kernel, the others on the mma.sync
+    prefill kernel where it takes them, else the portable kernel, each writing its own query
+    rows."""
 
-    name = "nvidia decode + portable"
+    name = "nvidia decode + prefill"
 
     def applicable(self, be: OpenCLBackend, call: AttnCall, max_rows: int) -> str | None:
         if call.block_table is None:
@@ -93,17 +95,22 @@ class MixedPlan(Plan):
             plan = self.parts[key] = family.plan(self.be, self.queue, call, max_rows)
         return plan, plan.step(call, vals, col)
 
+    def _rest(self, call: AttnCall) -> Family:
+        """The family of the prefill sequences: mma.sync where it takes them."""
+        max_rows = int(np.max(call.q_len)) * self.group
+        return MMA_SYNC if MMA_SYNC.applicable(self.be, call, max_rows) is None else PORTABLE
+
     def run(self, call: AttnCall, step: Any) -> tuple[Any, Any]:
         dec_idx, rest_idx = step
-        if not dec_idx.size:  # no decode sequence this time: all on the portable kernel
-            plan, st = self._part(PORTABLE, call)
+        if not dec_idx.size:  # no decode sequence this time: all on the prefill side
+            plan, st = self._part(self._rest(call), call)
             return plan.run(call, st)
         dec, rest = (replace(call, **{f: getattr(call, f)[idx] for f in _PER_SEQ
                                       if getattr(call, f) is not None},
                              options=call.options.for_sequences(idx),
                              block_table=call.block_table[idx], need_lse=True)
                      for idx in (dec_idx, rest_idx))
-        plan, st = self._part(PORTABLE, rest)
+        plan, st = self._part(self._rest(rest), rest)
         out, lse = plan.run(rest, st)
         plan, st = self._part(DECODE, dec)
         d_out, d_lse = plan.run(dec, st)
@@ -114,9 +121,9 @@ class MixedPlan(Plan):
         return out, (lse if call.need_lse else None)
 
 
-PORTABLE, DECODE = Portable(), Decode()
+PORTABLE, DECODE, MMA_SYNC = Portable(), Decode(), MmaSync()
 #: the kernel families, in the order the dispatch tries them
-FAMILIES: tuple[Family, ...] = (Wgmma(), MmaSync(), DECODE, MixedPaged(), PORTABLE)
+FAMILIES: tuple[Family, ...] = (Wgmma(), MixedPaged(), MMA_SYNC, DECODE, PORTABLE)
 
 
 def max_rows_of(call: AttnCall) -> int:

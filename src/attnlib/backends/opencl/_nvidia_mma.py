@@ -6,14 +6,17 @@ and float32.
 and, on Hopper, :class:`Wgmma` (kernels/attn_fwd_wgmma.cl, built through ``_nvidia_wgmma``), both
 launching through :class:`PrefillPlan`.
 
-Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16 or bfloat16 with
-any head dims D, Dv <= :data:`MAX_HEAD_DIM` (D != Dv included; the kernel pads both to 16 inside:
-zero-filled columns on load, the padding never stored), or float32 with D == Dv in
-:data:`HEAD_DIMS`: dense, varlen, streaming chunks, KV cache (ring too), any positions, causal,
-window, softcap, alibi, GQA/MQA, LSE, and bool or additive masks of any broadcast shape (read per
-tile from the unbroadcast array, ``-DMASK_KIND``). Rows that are not 16-byte aligned (e.g. D = 59
-in 16 bits) are read element by element instead of by cp.async (``-DVEC_LOADS=0``). Paged calls
-go to the portable kernel.
+Covered: every :class:`~attnlib.backends.base.AttnCall` whose dtype is float16, bfloat16 or
+float32 with any head dims D, Dv <= :data:`MAX_HEAD_DIM` (D != Dv included; the kernel pads both
+to 16 inside: zero-filled columns on load, the padding never stored): dense, varlen, streaming
+chunks, KV cache (ring too), any positions, causal, window, softcap, alibi, GQA/MQA, LSE, and
+bool or additive masks of any broadcast shape (read per tile from the unbroadcast array,
+``-DMASK_KIND``; key tiles a bool mask hides from every row of a block are skipped, by a range
+of tiles per row block that the host finds in the mask, ``_nvidia_tables.mask_tile_args``). Rows
+that are not 16-byte aligned (e.g. D = 59 in 16 bits) are read element by element instead of by
+cp.async (``-DVEC_LOADS=0``). Paged calls (page pools and a block table, any page size) build
+the load variant ``-DPAGE_SIZE``: each key row's address comes from the table, whose entries the
+kernel stages ahead of the K/V loads; on Hopper they run this kernel, not the warpgroup-MMA one.
 
 float16/bfloat16 run ``mma.sync.m16n8k16`` with float32 accumulators. float32 runs "3xTF32"
 (``-DIS_TF32=1``, kernels/attn_fwd_mma_tf32.h): every operand of Q K^T and P V is split as
@@ -44,17 +47,25 @@ import numpy as np
 from ..base import AttnCall
 from . import _pool, _runtime, _switches
 from ._arrays import dummy_buffer, is_cl_array
-from ._attention import DECODE_ROWS
+from ._attention import DECODE_ROWS, table_args
 from ._family import ArgList, Family, NotBuilt, Plan
-from ._nvidia_tables import buffers, geometry, mask_args, scalars, slopes, tables_on_device
+from ._nvidia_tables import (
+    buffers,
+    geometry,
+    mask_args,
+    mask_tile_args,
+    scalars,
+    slopes,
+    tables_on_device,
+)
 from ._runtime import KernelBuildError, program
 
 __all__ = ["MmaSync", "Wgmma", "reason", "run", "HEAD_DIMS", "DEFAULT_CONFIGS",
            "DEFAULT_CONFIGS_F32", "default_config", "build_options", "kernel_options"]
 
-#: head dims (D == Dv) of the float32 (3xTF32) build and of the measured 16-bit tables below
+#: head dims (D == Dv) of the measured tables below
 HEAD_DIMS = (64, 128)
-#: the largest D and Dv of the 16-bit build (any size up to it, padded to 16 in the kernel)
+#: the largest D and Dv (any size up to it, padded to 16 in the kernel)
 MAX_HEAD_DIM = 256
 #: (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) per head dim: the fastest of the sweep on the H200
 #: (bench/RESULTS.md); 4 warps x 32 rows, 2 work-groups per SM (registers: 246-255 per thread)
@@ -76,6 +87,11 @@ PADDED_CONFIGS = (
 #: (bench/RESULTS.md); D=128 runs two m-tiles per warp. Local memory
 #: 4 (BLOCK_M (D+8) + 2 BLOCK_N (2D+12)) bytes: 106 and 203 KiB.
 DEFAULT_CONFIGS_F32 = {64: (128, 64, 4, 0), 128: (256, 32, 8, 0)}
+#: float32 at the other head dims, by the larger padded dim: (padded dim up to, config). Up to
+#: 64 and 128 the tables above; past 128, 64-row blocks of 32-key tiles (local memory
+#: 4 (64 (D16 + 8) + 64 (D16 + 8 + Dv16 + 4)) bytes: 197 KiB at 256, one work-group per SM).
+#: Not measured on a device.
+PADDED_CONFIGS_F32 = ((64, (128, 64, 4, 0)), (128, (256, 32, 8, 0)), (256, (64, 32, 4, 0)))
 #: Causal calls run the heads-inner grid order and -DWARP_SKIP=1 (a warp skips key tiles none
 #: of its rows sees), float32 only at the head dims listed here: faster on the H200 for causal
 #: calls, slower for the others (bench/RESULTS.md); outputs bit-identical.
@@ -97,6 +113,10 @@ DEFAULT_OPTIONS_16 = {
 #: the two warpgroups' products in ping-pong at D >= 128 (bench/RESULTS.md compares it with the
 #: mma.sync kernel and PyTorch).
 WGMMA_CONFIGS = {64: (2, 64), 128: (2, 128)}
+#: paged calls of at most this many packed query rows per sequence take the decode kernels
+#: (``_nvidia_decode.MAX_ROWS``: its split-KV walk over the pages), as before this kernel read
+#: block tables
+PAGED_DECODE_ROWS = 16
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 _DTYPES = (np.dtype(np.float16), BF16, _F32)
@@ -166,8 +186,8 @@ def vec_loads(call: AttnCall) -> bool:
 
 def reason(device: Any, call: AttnCall) -> str | None:
     """None when the prefill kernel can run ``call`` on ``device``, else why not (NVIDIA
-    sm_80+; float16/bfloat16 with D, Dv <= MAX_HEAD_DIM, float32 with D == Dv in HEAD_DIMS;
-    arrays it reads in place)."""
+    sm_80+; float16, bfloat16 or float32 with D, Dv <= MAX_HEAD_DIM; arrays it reads in
+    place)."""
     cc = compute_capability(device)
     if cc is None:
         return "not an NVIDIA device (no cl_nv_device_attribute_query)"
@@ -175,13 +195,9 @@ def reason(device: Any, call: AttnCall) -> str | None:
         return f"compute capability {cc[0]}.{cc[1]} (tensor-core kernels need 8.0+)"
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} (float16, bfloat16 or float32 only)"
-    if call.dtype == _F32:
-        if not _switches.F32_ON:
-            return "float32 on the tensor cores is switched off (_switches.F32_ON)"
-        if call.head_dim != call.head_dim_v or call.head_dim not in HEAD_DIMS:
-            return (f"float32 with head dims D={call.head_dim}, Dv={call.head_dim_v} (3xTF32 "
-                    f"builds D == Dv in {HEAD_DIMS})")
-    elif not (1 <= call.head_dim <= MAX_HEAD_DIM and 1 <= call.head_dim_v <= MAX_HEAD_DIM):
+    if call.dtype == _F32 and not _switches.F32_ON:
+        return "float32 on the tensor cores is switched off (_switches.F32_ON)"
+    if not (1 <= call.head_dim <= MAX_HEAD_DIM and 1 <= call.head_dim_v <= MAX_HEAD_DIM):
         return f"head dims D={call.head_dim}, Dv={call.head_dim_v} (at most {MAX_HEAD_DIM})"
     if call.q.shape[1] >= 2**31 or call.k.shape[1] >= 2**31:
         return "a sequence of 2**31 rows or more"
@@ -200,13 +216,19 @@ def mask_kind(call: AttnCall) -> int:
     return {np.dtype(np.float16): 3, BF16: 4}.get(call.mask_view.dtype, 2)
 
 
+def page_size(call: AttnCall) -> int:
+    """The kernel's -DPAGE_SIZE of ``call``: its pools' page size, 0 for unpaged k and v."""
+    return int(call.page_size or 0) if call.block_table is not None else 0
+
+
 def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = False,
                   alibi: bool = False, scale_pos: bool = True, use_ptx: bool = True,
                   heads_inner: bool = False, head_dim_v: int | None = None,
-                  vec: bool = True, mask: int = 0) -> tuple[str, ...]:
+                  vec: bool = True, mask: int = 0, page_size: int = 0) -> tuple[str, ...]:
     block_m, block_n, warps, q_in_regs = config
     shape = ((f"-DHEAD_DIM_V={head_dim_v}",) if head_dim_v not in (None, head_dim) else ()) + (
-        () if vec else ("-DVEC_LOADS=0",)) + ((f"-DMASK_KIND={mask}",) if mask else ())
+        () if vec else ("-DVEC_LOADS=0",)) + ((f"-DMASK_KIND={mask}",) if mask else ()) + (
+        (f"-DPAGE_SIZE={page_size}",) if page_size else ())
     return shape + (
         f"-DHEAD_DIM={head_dim}", f"-DBLOCK_M={block_m}", f"-DBLOCK_N={block_n}",
         f"-DWARPS={warps}", f"-DQ_IN_REGS={int(q_in_regs)}",
@@ -216,17 +238,20 @@ def build_options(head_dim: int, dtype: Any, config: tuple, *, softcap: bool = F
     ) + (("-DHEADS_INNER=1",) if heads_inner else ())
 
 
-def _padded(head_dim: int, head_dim_v: int) -> tuple:
-    """The PADDED_CONFIGS row of a 16-bit call with head dims D, Dv."""
+def _padded(head_dim: int, head_dim_v: int, table: tuple = PADDED_CONFIGS) -> tuple:
+    """The row of ``table`` (PADDED_CONFIGS, PADDED_CONFIGS_F32) of a call with head dims D,
+    Dv."""
     dim = max(-(-head_dim // 16), -(-head_dim_v // 16)) * 16
-    return next(row for row in PADDED_CONFIGS if dim <= row[0])
+    return next(row for row in table if dim <= row[0])
 
 
 def default_config(dtype: Any, head_dim: int, head_dim_v: int | None = None) -> tuple:
     """The (BLOCK_M, BLOCK_N, WARPS, Q_IN_REGS) a call of ``dtype`` and head dims runs with."""
     dv = head_dim if head_dim_v is None else head_dim_v
     if np.dtype(dtype) == _F32:
-        return DEFAULT_CONFIGS_F32[head_dim]
+        if dv == head_dim and head_dim in DEFAULT_CONFIGS_F32:
+            return DEFAULT_CONFIGS_F32[head_dim]
+        return _padded(head_dim, dv, PADDED_CONFIGS_F32)[1]
     if dv == head_dim and head_dim in DEFAULT_CONFIGS:
         return DEFAULT_CONFIGS[head_dim]
     return _padded(head_dim, dv)[1]
@@ -263,7 +288,8 @@ def kernel_options(call: AttnCall, config: tuple, use_ptx: bool,
     opts = build_options(d, dtype, config, softcap=call.options.softcap is not None,
                          alibi=call.options.alibi is not None, scale_pos=call.options.scale > 0,
                          use_ptx=use_ptx, heads_inner=heads_inner, head_dim_v=call.head_dim_v,
-                         vec=vec_loads(call), mask=mask_kind(call)) + tuple(extra_options)
+                         vec=vec_loads(call), mask=mask_kind(call),
+                         page_size=page_size(call)) + tuple(extra_options)
     return opts, heads_inner
 
 
@@ -273,8 +299,9 @@ _wgmma_failed: set[int] = set()
 
 def wgmma_reason(device: Any, call: AttnCall) -> str | None:
     """None when ``call`` runs the warpgroup-MMA kernel (Hopper, 16-bit, D == Dv of
-    :data:`WGMMA_CONFIGS`, aligned rows, no mask, and no failed build of it on this device),
-    else why not; the other head dims and masked calls run the mma.sync kernel on Hopper too."""
+    :data:`WGMMA_CONFIGS`, aligned rows, no mask, not paged, and no failed build of it on this
+    device), else why not; the other head dims, masked and paged calls run the mma.sync kernel
+    on Hopper too."""
     if not _switches.WGMMA_ON:
         return "switched off (ATTNLIB_NV_WGMMA=0)"
     if _switches.EMULATE_PTX:
@@ -289,6 +316,8 @@ def wgmma_reason(device: Any, call: AttnCall) -> str | None:
                 f"{tuple(WGMMA_CONFIGS)})")
     if call.mask_view is not None:
         return "a mask"
+    if call.block_table is not None:
+        return "a paged call (the warpgroup-MMA kernel reads no block table)"
     if not vec_loads(call):
         return "rows of q, k or v not 16-byte aligned"
     if device.int_ptr in _wgmma_failed:
@@ -350,8 +379,9 @@ class MmaSync(Family):
             return "the backend's use_mma=False"
         if call.k_scales is not None:
             return "quantized K/V (the prefill kernels read K and V in the call's dtype)"
-        if call.block_table is not None:
-            return "a paged call (the prefill kernels read no block table)"
+        if call.block_table is not None and max_rows <= PAGED_DECODE_ROWS:
+            return (f"a paged call of {max_rows} packed query rows per sequence (at most "
+                    f"{PAGED_DECODE_ROWS} go to the decode kernels)")
         if max_rows <= DECODE_ROWS:
             return (f"{max_rows} packed query rows per sequence (at most {DECODE_ROWS} go to "
                     "the decode kernels)")
@@ -399,11 +429,19 @@ class PrefillPlan(Plan):
         a.add("scalars", *scalars(call))
         a.add("n_sinks", i32(0 if call.options.sinks is None else hq))
         a.add("mask", dummy, *(i64(0) for _ in range(5)))
+        masked, paged = call.mask_view is not None, call.block_table is not None
+        if masked:  # MASK_TILE_PARAMS of attn_fwd_mma.cl
+            a.add("mask_tiles", dummy, *(i64(0) for _ in range(3)))
+        if paged:  # PAGED_PARAMS of nv_warp.h
+            a.add("table", dummy, *(i64(0) for _ in range(3)), i32(1), i32(1))
         self.args = a.values
         self.i_sinks, self.i_alibi, self.s_mask = a.at("sinks"), a.at("alibi"), a.span("mask")
+        self.s_tiles = a.span("mask_tiles") if masked else None
+        self.s_table = a.span("table") if paged else None
         self.varying = a.indices("q", "k", "v", "out", "lse", "tiles", "seqs", "sinks",
                                  *(["alibi"] if call.options.alibi is not None else []),
-                                 *(["mask"] if call.mask_view is not None else []))
+                                 *(["mask", "mask_tiles"] if masked else []),
+                                 *(["table"] if paged else []))
         self.hq = hq
 
     def step(self, call: AttnCall, vals: Any, col: Any) -> Any:
@@ -425,9 +463,12 @@ class PrefillPlan(Plan):
             args[self.i_sinks] = _pool.upload(queue, call.options.sinks, keep)
         if call.options.alibi is not None:
             args[self.i_alibi] = slopes(ctx, call)
+        kn = self.kernel
         if call.mask_view is not None:
             args[self.s_mask] = mask_args(ctx, call)
-        kn = self.kernel
+            args[self.s_tiles] = mask_tile_args(ctx, call, kn.block_m, kn.block_n)
+        if call.block_table is not None:
+            args[self.s_table] = table_args(queue, call.block_table, int(call.k.shape[0]), keep)
         return [_runtime.launch(self.key, kn.make, kn.name, queue, kn.grid(n_tiles, self.hq),
                                 (kn.threads, 1), args, varying=self.varying, owner=self)]
 
