@@ -28,7 +28,7 @@ if not _entry_point_loads_plugin():
 # its dispatch takes, the default schedule and shared-memory layout); builds the dispatch never
 # makes by default (other tilings, candidate and off-by-default options, head dims not
 # dispatched) are marked ``emulation_grid``: deselected by the default ``-m`` of pyproject.toml,
-# run by ``python -m pytest -q tests -m emulation_grid`` (a step of .ci/run).
+# run by ``python -m pytest -q -n 2 tests -m emulation_grid`` (a step of .ci/run).
 
 #: (file, test) -> which of its cases are grid: True (all), or a predicate on the case's params
 #: that says True for a grid case
