@@ -88,11 +88,9 @@ def reason(device: Any, call: AttnCall, head_dims: tuple = HEAD_DIMS) -> str | N
     """None when this kernel can run ``call`` on ``device``, else why not: NVIDIA sm_80+,
     float16/bfloat16, D == Dv in ``head_dims`` (the dispatch: HEAD_DIMS), no mask, arrays read
     in place with 16-byte aligned rows (the packed rows per sequence: :class:`Decode`)."""
-    cc = _nvidia_mma.compute_capability(device)
-    if cc is None:
-        return "not an NVIDIA device (no cl_nv_device_attribute_query)"
-    if cc[0] < 8:
-        return f"compute capability {cc[0]}.{cc[1]} (tensor-core kernels need 8.0+)"
+    reason = _nvidia_mma.sm80_reason(device)
+    if reason is not None:
+        return reason
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} (float16 or bfloat16 only)"
     if call.mask_view is not None:

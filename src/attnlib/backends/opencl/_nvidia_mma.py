@@ -184,15 +184,23 @@ def vec_loads(call: AttnCall) -> bool:
     return True
 
 
-def reason(device: Any, call: AttnCall) -> str | None:
-    """None when the prefill kernel can run ``call`` on ``device``, else why not (NVIDIA
-    sm_80+; float16, bfloat16 or float32 with D, Dv <= MAX_HEAD_DIM; arrays it reads in
-    place)."""
+
+def sm80_reason(device: Any) -> str | None:
+    """None on an NVIDIA sm_80+ device (the tensor-core kernels' floor), else why not."""
     cc = compute_capability(device)
     if cc is None:
         return "not an NVIDIA device (no cl_nv_device_attribute_query)"
     if cc[0] < 8:
         return f"compute capability {cc[0]}.{cc[1]} (tensor-core kernels need 8.0+)"
+    return None
+
+def reason(device: Any, call: AttnCall) -> str | None:
+    """None when the prefill kernel can run ``call`` on ``device``, else why not (NVIDIA
+    sm_80+; float16, bfloat16 or float32 with D, Dv <= MAX_HEAD_DIM; arrays it reads in
+    place)."""
+    reason = sm80_reason(device)
+    if reason is not None:
+        return reason
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} (float16, bfloat16 or float32 only)"
     if call.dtype == _F32 and not _switches.F32_ON:
