@@ -184,7 +184,6 @@ def vec_loads(call: AttnCall) -> bool:
     return True
 
 
-
 def sm80_reason(device: Any) -> str | None:
     """None on an NVIDIA sm_80+ device (the tensor-core kernels' floor), else why not."""
     cc = compute_capability(device)
